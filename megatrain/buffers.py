@@ -1,0 +1,134 @@
+"""Device buffers: the streaming weight buffers with their prefetcher, and the pinned gradient slabs.
+
+A *unit* is what one compute op needs on the device: a decoder layer's tile, or the head (final
+norm plus the LM head, which is the embedding tile when tied). The streamer gets the step's plan
+(the unit each op uses, in order), merges consecutive uses of one unit into one load, and keeps
+`nbuf - 1` loads ahead of compute: load k goes to slot k % nbuf, after the buffer-free event of
+the load that last used that slot, and compute waits on its weights-ready event.
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.device import Device
+from megatrain.store import Tile
+
+
+@dataclass(eq=False)
+class Unit:
+    name: str
+    segments: list[tuple[Tile, int]]  # (tile, element offset in the unit's flat buffer)
+
+    @property
+    def numel(self) -> int:
+        tile, offset = self.segments[-1]
+        return offset + tile.layout.numel
+
+    @property
+    def tiles(self) -> list[Tile]:
+        return [tile for tile, _ in self.segments]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for tile, offset in self.segments:
+            out += tile.layout.views(flat, offset)
+        return out
+
+    @staticmethod
+    def of(name: str, tiles: list[Tile]) -> "Unit":
+        segments, cursor = [], 0
+        for tile in tiles:
+            segments.append((tile, cursor))
+            cursor += tile.layout.numel
+        return Unit(name, segments)
+
+
+class WeightStreamer:
+    def __init__(self, device: Device, nbuf: int, numel: int, dtype: torch.dtype):
+        self.dev = device
+        self.nbuf = nbuf
+        self.numel = numel
+        self.flat = torch.empty(nbuf, numel, dtype=dtype, device=device.torch)  # [slot, element]
+        self.slot_unit: list[Unit | None] = [None] * nbuf
+        self.slot_versions: list[tuple[int, ...] | None] = [None] * nbuf  # tile versions it holds
+        self.ready = [device.event() for _ in range(nbuf)]  # weights-ready, per slot
+        self.free = [None] * nbuf  # buffer-free, per slot
+        self.current = 0  # slot of the op last acquired
+        self.bytes_h2d = 0
+
+    def start(self, plan: list[Unit]) -> None:
+        """Take the units of a step's ops, in order; consecutive uses of one unit share a load."""
+        self.loads: list[Unit] = []
+        self.load_of: list[int] = []
+        for unit in plan:
+            if not self.loads or self.loads[-1] is not unit:
+                self.loads.append(unit)
+            self.load_of.append(len(self.loads) - 1)
+        self.issued = 0
+
+    def acquire(self, op: int) -> list[torch.Tensor]:
+        """Views of op's weights; the compute stream waits for them (the host does not)."""
+        k = self.load_of[op]
+        self._issue_through(k)
+        self.current = slot = k % self.nbuf
+        self.dev.wait(self.dev.compute, self.ready[slot])
+        return self.loads[k].views(self.flat[slot])
+
+    def release(self, op: int) -> None:
+        """After op's kernels are issued: free its slot once they run, and prefetch ahead."""
+        k = self.load_of[op]
+        if op + 1 < len(self.load_of) and self.load_of[op + 1] == k:
+            return  # the next op uses the same load
+        self.free[k % self.nbuf] = self.dev.record(self.dev.compute)
+        self._issue_through(min(k + self.nbuf - 1, len(self.loads) - 1))
+
+    def current_slot(self, unit: Unit) -> int:
+        """The slot of the op last acquired, which must hold `unit`."""
+        if self.slot_unit[self.current] is not unit:
+            raise RuntimeError(f"{unit.name} is not the unit of the current op")
+        return self.current
+
+    def _issue_through(self, k: int) -> None:
+        while self.issued <= k:
+            self._issue(self.issued)
+            self.issued += 1
+
+    def _issue(self, k: int) -> None:
+        unit, slot = self.loads[k], k % self.nbuf
+        for tile in unit.tiles:
+            tile.ready.wait()  # the optimizer has written this tile's update
+        versions = tuple(tile.version for tile in unit.tiles)
+        if self.slot_unit[slot] is unit and self.slot_versions[slot] == versions:
+            return  # still resident and unchanged (a block's backward right after its recompute)
+        stream = self.dev.h2d
+        with self.dev.on(stream):
+            if self.free[slot] is not None:
+                self.dev.wait(stream, self.free[slot])
+            for tile, offset in unit.segments:
+                n = tile.layout.numel
+                self.flat[slot, offset: offset + n].copy_(tile.shadow, non_blocking=True)
+                self.bytes_h2d += n * tile.shadow.itemsize
+            self.ready[slot] = done = self.dev.record(stream)
+        for tile in unit.tiles:
+            tile.read_done = done
+        self.slot_unit[slot] = unit
+        self.slot_versions[slot] = versions
+
+
+class SlabPool:
+    """Pinned host slabs that gradients return into; a slab comes back once the optimizer has
+    accumulated it, so a slow optimizer holds back the device (back-pressure), never overruns."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, pinned: bool):
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(count):
+            self._free.put(torch.empty(numel, dtype=dtype, pin_memory=pinned))
+
+    def acquire(self) -> torch.Tensor:
+        return self._free.get()
+
+    def release(self, slab: torch.Tensor) -> None:
+        self._free.put(slab)

@@ -1,0 +1,112 @@
+"""Saving: a standard `transformers` checkpoint, and the full training state to resume from.
+
+Both are written tile by tile into a temporary directory beside the target and renamed into
+place at the end, so an interrupted save leaves the previous one intact and no half directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatrain.arch import Architecture
+from megatrain.store import HostStore
+
+SHARD_BYTES = 4 << 30
+
+
+@contextmanager
+def atomic_dir(target: str | Path):
+    """Yield a temporary directory that replaces `target` only if the block completes."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def save_pretrained(store: HostStore, arch: Architecture, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write config.json and safetensors shards that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Shards are written as they fill, so at most one shard is held in host memory besides the store.
+    """
+    with atomic_dir(path) as tmp:
+        arch.config.torch_dtype = dtype
+        arch.config.save_pretrained(tmp)
+        files: list[tuple[Path, list[str]]] = []
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush() -> None:
+            file = tmp / f"shard-{len(files)}.safetensors"
+            save_file(shard, file, metadata={"format": "pt"})
+            files.append((file, list(shard)))
+            shard.clear()
+
+        for tile in store.tiles:
+            for name, view in zip(arch.hf_names(tile.name), tile.master_views()):
+                nbytes = view.numel() * dtype.itemsize
+                if shard and size + nbytes > SHARD_BYTES:
+                    flush()
+                    size = 0
+                shard[name] = view.to(dtype).contiguous()
+                size += nbytes
+                total += nbytes
+        flush()
+        if len(files) == 1:
+            os.replace(files[0][0], tmp / "model.safetensors")
+            return
+        weight_map = {}
+        for k, (file, names) in enumerate(files):
+            final = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+            os.replace(file, tmp / final)
+            weight_map.update({name: final for name in names})
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def save_state(store: HostStore, path: str | Path, meta: dict) -> None:
+    """Master weights and both moments of every tile, plus `meta` (step, data position, config)."""
+    with atomic_dir(path) as tmp:
+        for tile in store.tiles:
+            save_file({k: getattr(tile, k) for k in _STATE}, tmp / f"{tile.name}.safetensors")
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+
+
+def load_state(store: HostStore, path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise ValueError(f"resume: no training state at {path}")
+    for tile in store.tiles:
+        with safe_open(str(path / f"{tile.name}.safetensors"), framework="pt") as f:
+            for k in _STATE:
+                t = f.get_tensor(k)
+                dst = getattr(tile, k)
+                if t.shape != dst.shape or t.dtype != dst.dtype:
+                    raise ValueError(f"resume: {tile.name}.{k} in {path} is {t.dtype}{tuple(t.shape)}, "
+                                     f"this run has {dst.dtype}{tuple(dst.shape)}")
+                dst.copy_(t)
+        tile.refresh_shadow()
+        tile.version += 1
+        tile.ready.set()
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,195 @@
+"""Run settings: typed dataclasses, YAML loading with dotted overrides, validation up front.
+
+Every combination that cannot work is rejected here, before anything is allocated or written,
+with a ValueError that names the setting to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    preset: str | None = None  # a named shape from megatrain.presets
+    config: str | None = None  # a local config.json (or a directory holding one)
+    pretrained: str | None = None  # a local directory with config.json and safetensors
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self):
+        given = [k for k in ("preset", "config", "pretrained") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"model: give exactly one of preset, config, pretrained (got {given or 'none'})")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"model.attn_implementation must be 'sdpa' or 'eager', not {self.attn_implementation!r}")
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    compute_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    master_dtype: str = "float32"  # float32 (true full precision) or bfloat16 (the paper's 12 B/param)
+    checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
+    weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
+    grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
+    loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
+    optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
+    host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
+    device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"engine.compute_dtype must be auto, float32 or bfloat16, not {self.compute_dtype!r}")
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"engine.master_dtype must be float32 or bfloat16, not {self.master_dtype!r}")
+        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled (AdamW); applied to matrices, not to norms and biases
+    max_grad_norm: float | None = 1.0  # None disables clipping
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, not {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), not {self.betas}")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"optim.schedule must be cosine or constant, not {self.schedule!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("optim.max_grad_norm must be positive, or null to disable clipping")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | file
+    path: str | None = None  # json, jsonl, parquet or txt file for source=file
+    format: str = "text"  # text | instruction | chat
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    tokenizer: str | None = None  # local tokenizer directory; default: the pretrained model's
+    seq_len: int = 512
+    batch_size: int = 1  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
+
+    def __post_init__(self):
+        if self.source not in ("synthetic", "file"):
+            raise ValueError(f"data.source must be synthetic or file, not {self.source!r}")
+        if self.format not in ("text", "instruction", "chat"):
+            raise ValueError(f"data.format must be text, instruction or chat, not {self.format!r}")
+        if self.source == "file":
+            if not self.path:
+                raise ValueError("data.path is required when data.source is file")
+            if not Path(self.path).is_file():
+                raise ValueError(f"data.path {self.path!r} is not a file")
+        if self.repeat_batch and self.source != "synthetic":
+            raise ValueError("data.repeat_batch applies to data.source synthetic only")
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be at least 1, not {getattr(self, name)}")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    steps: int = 10
+    seed: int = 0
+    output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
+    save_every: int | None = None  # steps between training-state saves; None: only at the end
+    resume: bool = False  # continue from output_dir/state if it exists
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, not {self.steps}")
+        if self.save_every is not None and self.save_every < 1:
+            raise ValueError("save_every must be at least 1, or null")
+        if (self.save_every or self.resume) and not self.output_dir:
+            raise ValueError("save_every and resume need output_dir")
+
+
+def _build(cls, values: Any, where: str):
+    """Build dataclass `cls` from a mapping, refusing unknown keys by name."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where or 'config'}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for key, value in values.items():
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            value = _build(sub, value, f"{where}.{key}" if where else key)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise ValueError(f"{where or 'config'}: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+    """`key.sub=value` strings to (key, value) pairs; values parse as YAML scalars."""
+    pairs = []
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key.sub=value")
+        key, raw = item.split("=", 1)
+        pairs.append((key.strip(), yaml.safe_load(raw)))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+    """Read a YAML run file, apply `key.sub=value` overrides, and validate everything."""
+    tree: dict = dict(base or {})
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read config {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"config {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config {path}: the top level must be a mapping")
+        tree.update(loaded or {})
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(tree, key, value)
+    if "model" not in tree:
+        raise ValueError("config: the model section is required (preset, config or pretrained)")
+    return _build(TrainConfig, tree, "")

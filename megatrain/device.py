@@ -1,0 +1,67 @@
+"""The compute device and its three streams, ordered only by events.
+
+On CUDA: a compute stream, a weight (H2D) stream and a gradient (D2H) stream. On the CPU the same
+calls are no-ops (work is synchronous), so the engine runs one code path everywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _NoEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Device:
+    def __init__(self, name: str = "auto"):
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch = torch.device(name)
+        self.is_cuda = self.torch.type == "cuda"
+        if self.is_cuda and not torch.cuda.is_available():
+            raise ValueError(f"engine.device is {name!r} but CUDA is not available here")
+        if self.torch.type not in ("cuda", "cpu"):
+            raise ValueError(f"engine.device must be cpu or cuda[:N], not {name!r}")
+        if self.is_cuda:
+            if self.torch.index is None:
+                self.torch = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.torch)
+            self.compute = torch.cuda.Stream(self.torch)
+            self.h2d = torch.cuda.Stream(self.torch)
+            self.d2h = torch.cuda.Stream(self.torch)
+        else:
+            self.compute = self.h2d = self.d2h = None
+
+    def event(self):
+        return torch.cuda.Event() if self.is_cuda else _NoEvent()
+
+    def record(self, stream) -> object:
+        """An event marking everything issued so far on `stream`."""
+        event = self.event()
+        if self.is_cuda:
+            event.record(stream)
+        return event
+
+    def wait(self, stream, event) -> None:
+        """Make `stream` wait for `event` on the device; the host does not block."""
+        if self.is_cuda:
+            stream.wait_event(event)
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.torch)
+
+    def free_bytes(self) -> int | None:
+        return torch.cuda.mem_get_info(self.torch)[0] if self.is_cuda else None

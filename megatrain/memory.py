@@ -1,0 +1,81 @@
+"""Memory admission: the host and device bytes a run needs, computed before anything is allocated.
+
+The host side is exact for the store (the same arithmetic as the allocation) plus the slabs and
+staging; the device side is an estimate of the streaming buffers, the head's chunk, the
+checkpoints and one block's activations, with a fixed workspace margin. A run that does not fit
+stops with both numbers and what to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from megatrain.arch import Architecture
+from megatrain.config import EngineConfig
+from megatrain.store import HostStore, Layout
+
+GiB = 1 << 30
+HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
+DEVICE_WORKSPACE = 2 * GiB  # cuBLAS/SDPA workspaces and allocator slack
+
+
+@dataclass
+class MemoryPlan:
+    host_bytes: int
+    device_bytes: int
+    detail: dict[str, int]
+
+
+def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
+         tokens: int) -> MemoryPlan:
+    """Bytes needed to train `arch` with micro-batches of `tokens` tokens."""
+    c = compute.itemsize
+    h, v, L, K = arch.hidden, arch.vocab, arch.num_layers, cfg.checkpoint_every
+    layer = Layout.of(arch.layer_specs).numel
+    head = Layout.of(arch.head_specs).numel + (v * h if arch.tied else 0)
+    unit = max(layer, head)
+    slab = max(unit, tokens * h)
+    ffn = getattr(arch.config, "intermediate_size", 4 * h)
+    host = {
+        "store": HostStore.nbytes(arch, master, compute),
+        "grad_slabs": max(1, cfg.grad_slabs) * slab * c,
+        "embedding_staging": tokens * h * c,
+        "runtime": HOST_OVERHEAD,
+    }
+    chunk = min(cfg.loss_chunk_tokens, tokens)
+    device = {
+        "weight_buffers": cfg.weight_buffers * unit * c,
+        "gradient_pack": 2 * unit * c,  # autograd's per-parameter gradients and their flat copy
+        "head": v * h * 4 + chunk * v * (4 + 4 + c),  # float32 head gradient; logits, their grad
+        "checkpoints": (-(-L // K) + 1) * tokens * h * c,
+        # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
+        "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
+        "workspace": DEVICE_WORKSPACE,
+    }
+    return MemoryPlan(sum(host.values()), sum(device.values()), {**host, **{"device." + k: b for k, b in device.items()}})
+
+
+def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:
+    """Raise ValueError, with the numbers and what to change, when the plan does not fit."""
+    problems = []
+    if p.host_bytes > host_available:
+        problems.append(
+            f"host memory: needs {p.host_bytes / GiB:.1f} GiB, {host_available / GiB:.1f} GiB available "
+            f"(store {p.detail['store'] / GiB:.1f} GiB; use engine.master_dtype=bfloat16, a smaller model, "
+            f"or state engine.host_memory_gb if the OS under-reports it)")
+    if device_available is not None and p.device_bytes > device_available:
+        acts = p.detail["device.block_activations"] + p.detail["device.checkpoints"]
+        problems.append(
+            f"device memory: needs about {p.device_bytes / GiB:.1f} GiB, {device_available / GiB:.1f} GiB free "
+            f"(activations {acts / GiB:.1f} GiB; lower data.batch_size or data.seq_len, "
+            f"engine.checkpoint_every or engine.loss_chunk_tokens)")
+    if problems:
+        raise ValueError("the run does not fit: " + "; ".join(problems))
+
+
+def host_available_bytes(stated_gb: float | None) -> int:
+    if stated_gb is not None:
+        return int(stated_gb * GiB)
+    return psutil.virtual_memory().available

@@ -1,0 +1,83 @@
+"""Throughput and memory measurements shared by the engine and every baseline.
+
+The one FLOPs formula (see HARDWARE.md): model FLOPs per token = 6*N + 12*L*h*s, with N the
+matmul weights of the decoder layers plus the LM head (the embedding lookup excluded), L layers,
+h hidden size, s the token's sequence length. Padding tokens are never counted.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import torch
+
+
+def model_flops(matmul_params: int, layers: int, hidden: int, seq_lengths: list[int]) -> float:
+    """Model FLOPs of one step over sequences of the given non-padding lengths."""
+    return float(sum(n * (6 * matmul_params + 12 * layers * hidden * n) for n in seq_lengths))
+
+
+def recompute_flops(decoder_matmul_params: int, layers: int, hidden: int, seq_lengths: list[int]) -> float:
+    """The extra forward of every decoder layer that recomputation costs (one third of 6N + 12Lhs)."""
+    return float(sum(n * (2 * decoder_matmul_params + 4 * layers * hidden * n) for n in seq_lengths))
+
+
+def tree_rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process and all its descendants."""
+    try:
+        root = psutil.Process(pid or os.getpid())
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class PeakSampler:
+    """Samples host RSS of a process tree (and NVML device memory, where there is a GPU) in a
+    background thread; `peaks()` gives the maxima since start or the last reset."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.2, gpu_index: int | None = None):
+        self.pid = pid
+        self.interval_s = interval_s
+        self._nvml = None
+        if gpu_index is not None:
+            try:
+                import pynvml
+                pynvml.nvmlInit()
+                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu_index))
+            except Exception:  # no NVML here: device memory comes from the allocator alone
+                self._nvml = None
+        self.reset()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megatrain-sampler", daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        self.peak_host_bytes = 0
+        self.peak_nvml_bytes = 0
+        self.sample()
+
+    def sample(self) -> None:
+        self.peak_host_bytes = max(self.peak_host_bytes, tree_rss_bytes(self.pid))
+        if self._nvml is not None:
+            nvml, handle = self._nvml
+            self.peak_nvml_bytes = max(self.peak_nvml_bytes, nvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def device_peak_allocated(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

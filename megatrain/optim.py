@@ -1,0 +1,189 @@
+"""The CPU optimizer: gradient accumulation, global-norm clipping and AdamW on the host, in a
+worker thread that overlaps the device's work.
+
+The worker takes tasks in order: a gradient that returned to a pinned slab (or embedding rows)
+is accumulated into its tile's float32 accumulator as soon as its D2H copy is done. When a tile's
+last gradient of the step is in, its squared norm is taken. Without clipping the tile is updated
+at once, during the backward pass. With clipping the update needs the global norm, so all updates
+wait for the step's last gradient; they then run in the order the next step's forward reads the
+tiles, and the weight stream waits per tile (`Tile.ready`), so the updates overlap the next
+step's forward instead of stalling the device for the whole optimizer.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from megatrain.config import OptimConfig
+from megatrain.store import Tile
+
+CHUNK = 1 << 20  # elements per fused AdamW call: the chunk's state stays in cache for the shadow cast
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate of update number `step` (0-based): linear warmup, then cosine or constant."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def adamw_tile(tile: Tile, step: int, lr: float, cfg: OptimConfig, grad_scale: float) -> None:
+    """One AdamW update of a tile from its gradient accumulator, then refresh its shadow."""
+    n, decay_end = tile.layout.numel, tile.layout.decay_numel
+    beta1, beta2 = cfg.betas
+    fp32_master = tile.master.dtype == torch.float32
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        grad = tile.grad[lo:hi]
+        if grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        param = tile.master[lo:hi] if fp32_master else tile.master[lo:hi].float()
+        # the decayed matrices come first in the layout: split the chunk at decay_end
+        for a, b, wd in ((lo, min(hi, decay_end), cfg.weight_decay), (max(lo, decay_end), hi, 0.0)):
+            if a >= b:
+                continue
+            s = slice(a - lo, b - lo)
+            torch._fused_adamw_(
+                [param[s]], [grad[s]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]], [],
+                [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                eps=cfg.eps, amsgrad=False, maximize=False)
+        if not fp32_master:
+            tile.master[lo:hi].copy_(param)
+        tile.refresh_shadow(lo, hi)
+
+
+class OptimizerWorker:
+    def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int):
+        self.tiles = tiles  # in the order the forward reads them
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.updates_done = 0  # optimizer steps completed (Adam's step count), worker side
+        self.steps_begun = 0  # steps the main thread has started
+        self.grad_norms: dict[int, float] = {}  # by update number (0-based), before clipping
+        self.busy_s = 0.0  # seconds the worker spent in tasks since the step began
+        self._tasks: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="megatrain-optimizer", daemon=True)
+        self._thread.start()
+
+    # ---- main thread ----
+    def begin_step(self, expected: dict[Tile, int]) -> None:
+        """Declare how many gradient contributions each tile gets this step."""
+        self._check()
+        self.steps_begun += 1
+        self._expected = dict(expected)
+        self._submitted = {tile: 0 for tile in expected}
+        self._put(("begin", dict(expected)))
+
+    def submit_dense(self, segments: list[tuple[Tile, int]], slab: torch.Tensor, event,
+                     release: Callable[[torch.Tensor], None]) -> None:
+        """A unit's gradient, flat in `slab` once `event` completes; segments give each tile's offset."""
+        self._put(("dense", segments, slab, event, release))
+        for tile, _ in segments:
+            self._count(tile)
+
+    def submit_rows(self, tile: Tile, ids: torch.Tensor, rows: torch.Tensor, event,
+                    release: Callable[[], None]) -> None:
+        """Embedding gradient as rows: accumulate rows[i] into row ids[i] of the tile."""
+        self._put(("rows", tile, ids, rows, event, release))
+        self._count(tile)
+
+    def finish_step(self) -> None:
+        """All of the step's gradients are submitted: clip and update what remains."""
+        self._put(("finish",))
+
+    def flush(self) -> None:
+        """Wait until every submitted task is done."""
+        self._tasks.join()
+        self._check()
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
+
+    def _count(self, tile: Tile) -> None:
+        self._submitted[tile] += 1
+        if self._submitted[tile] == self._expected[tile]:
+            tile.ready.clear()  # from now until its update is written, nobody may stream it
+
+    def _put(self, task) -> None:
+        self._check()
+        self._tasks.put(task)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the optimizer worker failed") from self._error
+
+    # ---- worker thread ----
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            start = time.perf_counter()
+            try:
+                if self._error is None:
+                    getattr(self, "_do_" + task[0])(*task[1:])
+            except BaseException as e:  # surfaced on the main thread's next call
+                self._error = e
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self._tasks.task_done()
+        self._tasks.task_done()
+
+    def _do_begin(self, expected: dict[Tile, int]) -> None:
+        self._left = expected
+        self._received = {tile: 0 for tile in expected}
+        self._sq = {}
+        self.busy_s = 0.0
+
+    def _do_dense(self, segments, slab, event, release) -> None:
+        event.synchronize()
+        for tile, offset in segments:
+            self._accumulate(tile, slab[offset: offset + tile.layout.numel], None)
+        release(slab)
+
+    def _do_rows(self, tile, ids, rows, event, release) -> None:
+        event.synchronize()
+        self._accumulate(tile, rows, ids)
+        release()
+
+    def _accumulate(self, tile: Tile, grad: torch.Tensor, ids: torch.Tensor | None) -> None:
+        first = self._received[tile] == 0
+        if ids is None:
+            if first:
+                tile.grad.copy_(grad)
+            else:
+                tile.grad.add_(grad)
+        else:
+            table = tile.grad[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
+            if first:
+                tile.grad.zero_()
+            table.index_add_(0, ids, grad.to(torch.float32))
+        self._received[tile] += 1
+        if self._received[tile] == self._left[tile]:
+            self._sq[tile] = float(torch.linalg.vector_norm(tile.grad, dtype=torch.float64)) ** 2
+            if self.cfg.max_grad_norm is None:
+                self._update(tile, 1.0)
+
+    def _do_finish(self) -> None:
+        norm = self.grad_norms[self.updates_done] = math.sqrt(sum(self._sq.values()))
+        if self.cfg.max_grad_norm is not None:
+            scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+            for tile in self.tiles:
+                self._update(tile, scale)
+        self.updates_done += 1
+
+    def _update(self, tile: Tile, scale: float) -> None:
+        if tile.read_done is not None:
+            tile.read_done.synchronize()  # an H2D copy may still be reading the shadow
+        lr = lr_at(self.updates_done, self.cfg, self.total_steps)
+        adamw_tile(tile, self.updates_done + 1, lr, self.cfg, scale)
+        tile.version += 1
+        tile.ready.set()

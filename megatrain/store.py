@@ -1,0 +1,200 @@
+"""The host store: all persistent training state, one layer-contiguous tile per decoder layer.
+
+A tile holds, for its parameters laid out flat (decayed matrices first, then norms and biases,
+each aligned to 64 elements): the master weights, both AdamW moments and the float32 gradient
+accumulator in one page-aligned block, and the `shadow`: the compute-dtype copy that streams to
+the device, kept in pinned memory so each layer reaches the GPU in one DMA. When the master's
+dtype is the compute dtype (bf16 masters on GPU, float32 on CPU) the shadow is the master itself.
+
+Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
+and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
+seed or from safetensors shards: the whole model never exists as one object.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megatrain.arch import Architecture, ParamSpec
+
+PAGE = 4096
+ALIGN = 64  # elements: every parameter view starts on a 128-byte (bf16) boundary
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter of a tile sits in its flat buffers."""
+    specs: tuple[ParamSpec, ...]  # in checkpoint order
+    offsets: tuple[int, ...]
+    numel: int  # padded total
+    decay_numel: int  # elements [0, decay_numel) take weight decay
+
+    @staticmethod
+    def of(specs: list[ParamSpec]) -> "Layout":
+        order = sorted(range(len(specs)), key=lambda i: not specs[i].decay)  # stable: decayed first
+        offsets = [0] * len(specs)
+        cursor = decay_end = 0
+        for i in order:
+            offsets[i] = cursor
+            cursor += -(-specs[i].numel // ALIGN) * ALIGN
+            if specs[i].decay:
+                decay_end = cursor
+        return Layout(tuple(specs), tuple(offsets), cursor, decay_end)
+
+    def views(self, flat: torch.Tensor, base: int = 0) -> list[torch.Tensor]:
+        return [flat[base + o: base + o + s.numel].view(s.shape) for s, o in zip(self.specs, self.offsets)]
+
+
+def _page_aligned(nbytes: int, pinned: bool) -> torch.Tensor:
+    if pinned:  # cudaHostAlloc returns page-aligned memory
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE
+    return raw[start: start + nbytes]
+
+
+def _carve(block: torch.Tensor, numel: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Split a byte block into page-aligned flat tensors of the given dtypes."""
+    out, cursor = [], 0
+    for dtype in dtypes:
+        nbytes = numel * dtype.itemsize
+        out.append(block[cursor: cursor + nbytes].view(dtype))
+        cursor += -(-nbytes // PAGE) * PAGE
+    return out
+
+
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype) -> int:
+    """Host bytes of one tile (the admission check uses the same arithmetic as the allocation)."""
+    def seg(dtype: torch.dtype) -> int:
+        return -(-numel * dtype.itemsize // PAGE) * PAGE
+    separate_shadow = master != compute
+    return seg(master) + 3 * seg(torch.float32) + (seg(compute) if separate_shadow else 0)
+
+
+class Tile:
+    def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool):
+        self.name = name
+        self.layout = layout
+        n = layout.numel
+        f32 = torch.float32
+        if master == compute:
+            # The master streams as it is: it lives in pinned memory and is its own shadow.
+            (self.master,) = _carve(_page_aligned(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
+            self.shadow = self.master
+            self.exp_avg, self.exp_avg_sq, self.grad = self._moments(n)
+        else:
+            self.master, self.exp_avg, self.exp_avg_sq, self.grad = self._moments(n, master)
+            (self.shadow,) = _carve(_page_aligned(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
+        # Set while the shadow holds the current weights; cleared from the moment the main thread
+        # hands the tile's last gradient of a step to the optimizer until the update is written.
+        self.ready = threading.Event()
+        self.ready.set()
+        self.version = 0  # incremented by each optimizer update
+        self.read_done = None  # device event: the last H2D copy out of the shadow has finished
+
+    @staticmethod
+    def _moments(n: int, master: torch.dtype | None = None) -> list[torch.Tensor]:
+        dtypes = ([master] if master is not None else []) + [torch.float32] * 3
+        size = sum(-(-n * d.itemsize // PAGE) * PAGE for d in dtypes)
+        return _carve(_page_aligned(size, False), n, dtypes)
+
+    def master_views(self) -> list[torch.Tensor]:
+        return self.layout.views(self.master)
+
+    def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
+        if self.shadow is not self.master:
+            self.shadow[lo:hi].copy_(self.master[lo:hi])
+
+
+class HostStore:
+    def __init__(self, arch: Architecture, master: torch.dtype, compute: torch.dtype, pinned: bool):
+        self.arch = arch
+        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned)
+        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned)
+                       for i in range(arch.num_layers)]
+        self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned)
+
+    @property
+    def tiles(self) -> list[Tile]:
+        """All tiles in the order the forward pass first reads them."""
+        return [self.embed, *self.layers, self.head]
+
+    def tile(self, name: str) -> Tile:
+        if name == "embed":
+            return self.embed
+        if name == "head":
+            return self.head
+        return self.layers[int(name.split(".")[1])]
+
+    @staticmethod
+    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype) -> int:
+        layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute)
+        ends = sum(tile_bytes(Layout.of(s).numel, master, compute) for s in (arch.embed_specs, arch.head_specs))
+        return layer * arch.num_layers + ends
+
+    # ---- filling the store ----
+    def init_random(self, seed: int) -> None:
+        """Seeded init in the `transformers` manner: N(0, initializer_range) matrices, unit norms, zero biases.
+
+        Each tile draws from its own generator, so the result does not depend on tile order.
+        """
+        std = getattr(self.arch.config, "initializer_range", 0.02)
+        for index, tile in enumerate(self.tiles):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            tile.master.zero_()
+            for spec, view in zip(tile.layout.specs, tile.master_views()):
+                if spec.decay:
+                    view.copy_(torch.empty(spec.shape).normal_(0.0, std, generator=gen))
+                elif not spec.name.endswith("bias"):
+                    view.fill_(1.0)
+            self._reset_state(tile)
+
+    def load_pretrained(self, directory: str | Path) -> None:
+        """Copy a local safetensors checkpoint into the tiles, one tensor at a time."""
+        directory = Path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+        if not files:
+            raise ValueError(f"model.pretrained: no safetensors files in {directory}")
+        where = {}
+        for tile in self.tiles:
+            for name, view in zip(self.arch.hf_names(tile.name), tile.master_views()):
+                where[name] = view
+        for tile in self.tiles:
+            tile.master.zero_()
+        missing = set(where)
+        unexpected = []
+        for file in files:
+            with safe_open(str(directory / file), framework="pt") as f:
+                for name in f.keys():
+                    if name not in where:
+                        if not (self.arch.tied and name == "lm_head.weight") and "rotary_emb" not in name:
+                            unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(where[name].shape):
+                        raise ValueError(f"model.pretrained: {name} has shape {tuple(tensor.shape)}, "
+                                         f"the config implies {tuple(where[name].shape)}")
+                    where[name].copy_(tensor)
+                    missing.discard(name)
+        if missing or unexpected:
+            raise ValueError(f"model.pretrained: checkpoint does not match the config: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        for tile in self.tiles:
+            self._reset_state(tile)
+
+    @staticmethod
+    def _reset_state(tile: Tile) -> None:
+        tile.exp_avg.zero_()
+        tile.exp_avg_sq.zero_()
+        tile.grad.zero_()
+        tile.refresh_shadow()
+        tile.ready.set()

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny `transformers` checkpoints and a plain-PyTorch reference trainer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain.arch import load_hf_config
+from megatrain.config import ModelConfig, OptimConfig
+from megatrain.engine import Batch
+from megatrain.optim import lr_at
+
+
+def tiny_checkpoint(path, preset: str, overrides: dict | None = None, seed: int = 0):
+    """Save a seeded, float32, randomly initialised tiny model; return it."""
+    torch.manual_seed(seed)
+    hf = load_hf_config(ModelConfig(preset=preset, overrides=overrides or {}))
+    model = AutoModelForCausalLM.from_config(hf).float()
+    model.save_pretrained(path)
+    return model
+
+
+def random_batches(steps: int, accum: int, batch: int, seq: int, vocab: int, pad: bool, seed: int = 1):
+    """Per step, `accum` micro-batches; with pad, some sequences are right-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+            mask = torch.ones_like(ids)
+            if pad:
+                mask[0, seq - 5:] = 0
+                mask[-1, seq // 2:] = 0
+            labels = ids.masked_fill(mask == 0, -100)
+            mbs.append(Batch(ids, labels, mask))
+        out.append(mbs)
+    return out
+
+
+class Reference:
+    """A fully resident `transformers` model trained with torch.optim.AdamW: the ground truth."""
+
+    def __init__(self, model, optim: OptimConfig, total_steps: int):
+        self.model = model
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}],
+                                     lr=optim.lr, betas=optim.betas, eps=optim.eps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, optim, total_steps) / optim.lr)
+        self.max_norm = optim.max_grad_norm
+
+    def step(self, microbatches: list[Batch]) -> tuple[float, float]:
+        """Mean loss over the step's target tokens, and the gradient norm before clipping."""
+        self.opt.zero_grad()
+        n = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in microbatches)
+        total = 0.0
+        for mb in microbatches:
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
+                ignore_index=-100, reduction="sum")
+            (loss / n).backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm or float("inf"))
+        self.opt.step()
+        self.sched.step()
+        return total / n, float(norm)
+
+
+def store_params(trainer) -> dict[str, torch.Tensor]:
+    trainer.engine.worker.flush()
+    out = {}
+    for tile in trainer.store.tiles:
+        for name, view in zip(trainer.arch.hf_names(tile.name), tile.master_views()):
+            out[name] = view.float()
+    return out
+
+
+@pytest.fixture
+def cuda_only():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
