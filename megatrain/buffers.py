@@ -9,6 +9,7 @@ the load that last used that slot, and compute waits on its weights-ready event.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class WeightStreamer:
         self.free = [None] * nbuf  # buffer-free, per slot
         self.current = 0  # slot of the op last acquired
         self.bytes_h2d = 0
+        self.wait_s = 0.0  # host time blocked until the optimizer had written a tile to stream
 
     def start(self, plan: list[Unit]) -> None:
         """Take the units of a step's ops, in order; consecutive uses of one unit share a load."""
@@ -98,8 +100,10 @@ class WeightStreamer:
 
     def _issue(self, k: int) -> None:
         unit, slot = self.loads[k], k % self.nbuf
+        start = time.perf_counter()
         for tile in unit.tiles:
             tile.ready.wait()  # the optimizer has written this tile's update
+        self.wait_s += time.perf_counter() - start
         versions = tuple(tile.version for tile in unit.tiles)
         if self.slot_unit[slot] is unit and self.slot_versions[slot] == versions:
             return  # still resident and unchanged (a block's backward right after its recompute)
@@ -124,11 +128,15 @@ class SlabPool:
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pinned: bool):
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self.wait_s = 0.0  # host time blocked because every slab was still with the optimizer
         for _ in range(count):
             self._free.put(torch.empty(numel, dtype=dtype, pin_memory=pinned))
 
     def acquire(self) -> torch.Tensor:
-        return self._free.get()
+        start = time.perf_counter()
+        slab = self._free.get()
+        self.wait_s += time.perf_counter() - start
+        return slab
 
     def release(self, slab: torch.Tensor) -> None:
         self._free.put(slab)

@@ -101,8 +101,8 @@ class FileSource:
             labels: list[int] = []
             for k in range(len(messages)):
                 # the template applied to growing prefixes: each turn's new tokens, labelled by role
-                full = self.tok.apply_chat_template(messages[: k + 1], tokenize=True)
-                full = full["input_ids"] if isinstance(full, dict) else list(full)
+                text = self.tok.apply_chat_template(messages[: k + 1], tokenize=False)
+                full = self.tok(text, add_special_tokens=False)["input_ids"]
                 new = full[len(ids):]
                 ids = full
                 labels += new if messages[k]["role"] == "assistant" else [IGNORE] * len(new)

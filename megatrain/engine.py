@@ -48,6 +48,8 @@ class StepResult:
     prev_grad_norm: float | None  # of the previous step: this step's is known only once its optimizer runs
     bytes_h2d: int
     bytes_d2h: int
+    wait_update_s: float  # host blocked on the optimizer's update of a tile it had to stream
+    wait_slab_s: float  # host blocked on a free gradient slab (the optimizer falling behind)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Engine:
                 plan += self.layer_units[s:e] + self.layer_units[s:e][::-1]
         self.streamer.start(plan)
         h2d0, d2h0 = self.streamer.bytes_h2d, self.bytes_d2h
+        wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
         loss = torch.zeros((), dtype=torch.float32, device=self.dev.torch)
         op = 0
         with self.dev.on(self.dev.compute):
@@ -119,7 +122,8 @@ class Engine:
             lengths += [int(n) for n in mask.sum(dim=1)]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
         return StepResult(loss_value, n_targets, lengths, time.perf_counter() - start, prev,
-                          self.streamer.bytes_h2d - h2d0, self.bytes_d2h - d2h0)
+                          self.streamer.bytes_h2d - h2d0, self.bytes_d2h - d2h0,
+                          self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
 
     def _microbatch(self, mb: Batch, targets: torch.Tensor, scale: float, op: int) -> tuple[torch.Tensor, int]:
         dev, stream = self.dev, self.streamer
@@ -192,7 +196,9 @@ class Engine:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Gather the batch's rows of the embedding on the host and send only those."""
         tile = self.store.embed
+        start = time.perf_counter()
         tile.ready.wait()
+        self.streamer.wait_s += time.perf_counter() - start
         n = ids.numel()
         table = tile.shadow[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done

@@ -168,7 +168,7 @@ class OptimizerWorker:
             table.index_add_(0, ids, grad.to(torch.float32))
         self._received[tile] += 1
         if self._received[tile] == self._left[tile]:
-            self._sq[tile] = float(torch.linalg.vector_norm(tile.grad, dtype=torch.float64)) ** 2
+            self._sq[tile] = float(torch.linalg.vector_norm(tile.grad)) ** 2
             if self.cfg.max_grad_norm is None:
                 self._update(tile, 1.0)
 

@@ -91,6 +91,8 @@ class Trainer:
             "bytes_h2d": r.bytes_h2d,
             "bytes_d2h": r.bytes_d2h,
             "optimizer_busy_s": self.engine.worker.busy_s,
+            "wait_update_s": r.wait_update_s,
+            "wait_slab_s": r.wait_slab_s,
         }
 
     def next_microbatches(self) -> list[Batch]:

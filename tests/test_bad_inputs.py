@@ -1,0 +1,79 @@
+"""Bad input fails early with a clear error that names the setting, and writes nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_checkpoint
+from megatrain.cli import main
+from megatrain.config import load_config
+from megatrain.trainer import Trainer
+from tiny_tokenizer import save_tokenizer
+
+
+def run_cli(tmp_path, capsys, text: str, *overrides: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["train", "--config", str(path), "--no-progress", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatrain: error:")
+    return err
+
+
+def test_malformed_yaml(tmp_path, capsys):
+    assert "not valid YAML" in run_cli(tmp_path, capsys, "model: [preset: tiny-qwen2\n")
+
+
+def test_unknown_keys_are_named(tmp_path, capsys):
+    err = run_cli(tmp_path, capsys, "model:\n  preset: tiny-qwen2\nengine:\n  chekpoint_every: 2\n")
+    assert "engine" in err and "chekpoint_every" in err
+    err = run_cli(tmp_path, capsys, "model:\n  preset: tiny-qwen2\n", "optim.learning_rate=1")
+    assert "learning_rate" in err
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="engine.checkpoint_every"):
+        load_config(base={"model": {"preset": "tiny-qwen2"}, "engine": {"checkpoint_every": 0}})
+    with pytest.raises(ValueError, match="exactly one of"):
+        load_config(base={"model": {"preset": "tiny-qwen2", "config": "x.json"}})
+    with pytest.raises(ValueError, match="unknown model preset"):
+        Trainer(load_config(base={"model": {"preset": "qwen9-1t"}}))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama"):
+        Trainer(load_config(base={"model": {"config": str(tmp_path)}}))
+
+
+def test_sequence_longer_than_model_allows():
+    with pytest.raises(ValueError, match="seq_len 512 exceeds the model's max_position_embeddings 256"):
+        Trainer(load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"seq_len": 512},
+                                  "engine": {"device": "cpu"}}))
+
+
+def test_model_that_does_not_fit_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    err = run_cli(tmp_path, capsys, "model:\n  preset: qwen2.5-72b\nengine:\n  device: cpu\n",
+                  f"output_dir={out}", "engine.host_memory_gb=64")
+    assert "host memory: needs" in err and "GiB available" in err
+    assert not out.exists()
+
+
+def test_missing_dataset_columns(tmp_path):
+    tiny_checkpoint(tmp_path / "model", "tiny-qwen2")
+    save_tokenizer(tmp_path / "model")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "what is two", "answer": "five"}) + "\n")
+    cfg = load_config(base={"model": {"pretrained": str(tmp_path / "model")},
+                            "data": {"source": "file", "path": str(data), "format": "instruction", "seq_len": 32},
+                            "engine": {"device": "cpu"}, "output_dir": str(tmp_path / "out")})
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['prompt', 'response'\].*question"):
+        Trainer(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_data_file():
+    with pytest.raises(ValueError, match="data.path 'nowhere.jsonl' is not a file"):
+        load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"source": "file", "path": "nowhere.jsonl"}})

@@ -1,0 +1,37 @@
+"""The chunked head equals one unchunked cross-entropy, in value and gradients."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.arch import Architecture, load_hf_config
+from megatrain.config import ModelConfig
+from megatrain.loss import head_loss_and_grads, shift_labels
+
+
+def test_chunked_head_equals_full_logits():
+    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-llama")))
+    gen = torch.Generator().manual_seed(0)
+    T, H, V = 37, arch.hidden, arch.vocab
+    x = torch.randn(T, H, generator=gen)
+    targets = torch.randint(0, V, (T,), generator=gen)
+    targets[5:9] = -100
+    w_norm = 1 + 0.1 * torch.randn(H, generator=gen)
+    w_head = 0.05 * torch.randn(V, H, generator=gen)
+    # reference: the whole logits matrix at once
+    xr, wn, wh = (t.clone().requires_grad_() for t in (x, w_norm, w_head))
+    normed = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + arch.config.rms_norm_eps) * wn
+    ref = F.cross_entropy(F.linear(normed, wh), targets, ignore_index=-100, reduction="sum")
+    (ref / 3).backward()
+    for chunk in (5, 16, 1000):
+        active = [bool((targets[lo: lo + chunk] != -100).any()) for lo in range(0, T, chunk)]
+        loss, dx, dn, dh = head_loss_and_grads(x, targets, active, arch.norm_template(), w_norm, w_head, chunk, 1 / 3)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(dn, wn.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(dh, wh.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_shift_labels():
+    labels = torch.tensor([[1, 2, 3], [4, -100, 6]])
+    assert shift_labels(labels).tolist() == [2, 3, -100, -100, 6, -100]

@@ -1,0 +1,120 @@
+"""Unit checks of the pieces: the learning-rate schedule, the store's layout, templates and Bind,
+the memory plan, and the data formats."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatrain.arch import Architecture, load_hf_config
+from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
+from megatrain.data import FileSource, SyntheticSource
+from megatrain.memory import plan
+from megatrain.optim import lr_at
+from megatrain.store import ALIGN, PAGE, HostStore, Layout
+from tiny_tokenizer import save_tokenizer
+
+
+def test_lr_schedule():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg, 14) == 1.0
+    assert math.isclose(lr_at(9, cfg, 14), 0.55)  # halfway down the cosine
+    assert math.isclose(lr_at(14, cfg, 14), 0.1) and math.isclose(lr_at(99, cfg, 14), 0.1)
+    assert lr_at(50, OptimConfig(lr=2.0, schedule="constant"), 10) == 2.0
+
+
+def test_layout_is_aligned_and_decay_first():
+    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-qwen2")))
+    layout = Layout.of(arch.layer_specs)
+    assert all(o % ALIGN == 0 for o in layout.offsets)
+    for spec, offset in zip(layout.specs, layout.offsets):
+        assert (offset < layout.decay_numel) == spec.decay
+    store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False)
+    tile = store.layers[0]
+    for t in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
+        assert t.data_ptr() % PAGE == 0
+    # one layer-contiguous block: master, moments and accumulator follow each other
+    assert tile.exp_avg.data_ptr() > tile.master.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
+    assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
+
+
+def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
+    hf = load_hf_config(ModelConfig(preset="tiny-qwen2", overrides={
+        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 4}))
+    arch = Architecture(hf)
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    for i in range(4):
+        template = arch.template(i)
+        assert not list(template.module.parameters())
+        with torch.device("meta"):
+            fresh = Qwen2DecoderLayer(hf, i)
+        assert template.module.self_attn.sliding_window == fresh.self_attn.sliding_window
+        assert template.module.self_attn.layer_type == fresh.self_attn.layer_type
+        assert template.module.self_attn.layer_idx == i
+    assert arch.template(0) is not arch.template(1)  # full and sliding layers use different templates
+    weights = [torch.randn(s.shape) for s in arch.layer_specs]
+    module = arch.template(2).bind(weights)
+    assert module.mlp.up_proj.weight is weights[[s.name for s in arch.layer_specs].index("mlp.up_proj.weight")]
+
+
+def test_memory_plan_counts_bytes_per_parameter():
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    p32 = plan(arch, EngineConfig(), torch.float32, torch.bfloat16, tokens=16384)
+    p16 = plan(arch, EngineConfig(), torch.bfloat16, torch.bfloat16, tokens=16384)
+    n = arch.total_params()
+    assert 7.5e9 < n < 7.7e9
+    assert 17.9 < p32.detail["store"] / n < 18.1  # fp32 master + 2 moments + fp32 accumulator + bf16 shadow
+    assert 13.9 < p16.detail["store"] / n < 14.1
+
+
+def test_synthetic_source_is_deterministic_and_repeatable():
+    cfg = DataConfig(seq_len=8, batch_size=2, seed=3)
+    a, b = SyntheticSource(cfg, 100), SyntheticSource(cfg, 100)
+    first = a.next()
+    assert torch.equal(first.input_ids, b.next().input_ids)
+    assert not torch.equal(first.input_ids, a.next().input_ids)
+    same = SyntheticSource(DataConfig(seq_len=8, batch_size=2, repeat_batch=True), 100)
+    assert torch.equal(same.next().input_ids, same.next().input_ids)
+
+
+def _source(tmp_path, rows, **cfg):
+    save_tokenizer(tmp_path / "tok")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return FileSource(DataConfig(source="file", path=str(path), **cfg), 64, str(tmp_path / "tok"))
+
+
+def test_instruction_masks_the_prompt(tmp_path):
+    src = _source(tmp_path, [{"prompt": "what is two plus three", "response": "five"}],
+                  format="instruction", seq_len=8)
+    b = src.next()
+    ids, labels, mask = b.input_ids[0].tolist(), b.labels[0].tolist(), b.attention_mask[0].tolist()
+    assert ids[:7] == [5, 6, 7, 8, 9, 10, 1] and ids[7] == 0  # prompt, answer, eos, pad
+    assert labels == [-100] * 5 + [10, 1, -100]
+    assert mask == [1] * 7 + [0]
+
+
+def test_chat_labels_only_assistant_turns(tmp_path):
+    src = _source(tmp_path, [{"messages": [{"role": "user", "content": "what is two"},
+                                           {"role": "assistant", "content": "five"}]}], format="chat", seq_len=12)
+    b = src.next()
+    labels = b.labels[0].tolist()
+    # "user: what is two <eos>" is masked; "assistant: five <eos>" is learned
+    assert labels[:5] == [-100] * 5 and labels[5:8] == [4, 10, 1]
+
+
+def test_text_is_packed(tmp_path):
+    src = _source(tmp_path, [{"text": "hello world"}, {"text": "a b c"}], format="text", seq_len=4)
+    assert len(src.examples) == 1  # 7 tokens with the eos tokens: one full sequence of 4
+    assert src.next().input_ids[0].tolist() == [13, 14, 1, 15]
+
+
+def test_token_outside_vocab_is_refused(tmp_path):
+    save_tokenizer(tmp_path / "tok")
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "c c c c c"}) + "\n")
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        FileSource(DataConfig(source="file", path=str(path), seq_len=4), 10, str(tmp_path / "tok"))
