@@ -62,6 +62,7 @@ def test_model_that_does_not_fit_writes_nothing(tmp_path, capsys):
 
 
 def test_missing_dataset_columns(tmp_path):
+    pytest.importorskip("datasets")
     tiny_checkpoint(tmp_path / "model", "tiny-qwen2")
     save_tokenizer(tmp_path / "model")
     data = tmp_path / "d.jsonl"

@@ -81,6 +81,7 @@ def test_synthetic_source_is_deterministic_and_repeatable():
 
 
 def _source(tmp_path, rows, **cfg):
+    pytest.importorskip("datasets")  # the GPU image lacks it; CI and CPU setups have it
     save_tokenizer(tmp_path / "tok")
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -113,6 +114,7 @@ def test_text_is_packed(tmp_path):
 
 
 def test_token_outside_vocab_is_refused(tmp_path):
+    pytest.importorskip("datasets")
     save_tokenizer(tmp_path / "tok")
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"text": "c c c c c"}) + "\n")
