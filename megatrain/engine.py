@@ -114,8 +114,8 @@ class Engine:
                 part, op = self._microbatch(mb, tgt, 1.0 / n_targets, op)
                 loss += part
         self.worker.finish_step()
-        loss_value = float(loss) / n_targets  # host sync at the step boundary only
-        self.dev.synchronize()
+        self.dev.synchronize()  # the step boundary: the only host-device sync of a step
+        loss_value = float(loss) / n_targets
         lengths = []
         for mb in microbatches:
             mask = mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)

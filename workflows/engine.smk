@@ -1,0 +1,10 @@
+rule engine_smoke:
+    """The tiny CPU run of the engine: one JSON line of metrics per step."""
+    input:
+        "configs/tiny-cpu.yaml",
+    output:
+        "results/cpu/engine/tiny-cpu.jsonl",
+    log:
+        "logs/engine_smoke.log",
+    shell:
+        "megatrain train --config {input} --no-progress > {output} 2> {log}"
