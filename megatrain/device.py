@@ -17,9 +17,6 @@ class _NoEvent:
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
 
 class Device:
     def __init__(self, name: str = "auto"):

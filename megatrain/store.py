@@ -124,13 +124,6 @@ class HostStore:
         """All tiles in the order the forward pass first reads them."""
         return [self.embed, *self.layers, self.head]
 
-    def tile(self, name: str) -> Tile:
-        if name == "embed":
-            return self.embed
-        if name == "head":
-            return self.head
-        return self.layers[int(name.split(".")[1])]
-
     @staticmethod
     def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype) -> int:
         layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute)
