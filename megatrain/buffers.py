@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.device import Device
-from megatrain.store import Tile
+from megatrain.arch import Architecture
+from megatrain.store import Layout, Tile
 
 
 @dataclass(eq=False)
@@ -70,17 +71,20 @@ class WeightStreamer:
                 self.loads.append(unit)
             self.load_of.append(len(self.loads) - 1)
         self.issued = 0
+        self.op = -1  # the op last acquired
 
-    def acquire(self, op: int) -> list[torch.Tensor]:
-        """Views of op's weights; the compute stream waits for them (the host does not)."""
-        k = self.load_of[op]
+    def acquire(self) -> list[torch.Tensor]:
+        """Views of the next op's weights; the compute stream waits for them (the host does not)."""
+        self.op += 1
+        k = self.load_of[self.op]
         self._issue_through(k)
         self.current = slot = k % self.nbuf
         self.dev.wait(self.dev.compute, self.ready[slot])
         return self.loads[k].views(self.flat[slot])
 
-    def release(self, op: int) -> None:
-        """After op's kernels are issued: free its slot once they run, and prefetch ahead."""
+    def release(self) -> None:
+        """After the op's kernels are issued: free its slot once they run, and prefetch ahead."""
+        op = self.op
         k = self.load_of[op]
         if op + 1 < len(self.load_of) and self.load_of[op + 1] == k:
             return  # the next op uses the same load
@@ -123,14 +127,14 @@ class WeightStreamer:
 
 
 class SlabPool:
-    """Pinned host slabs that gradients return into; a slab comes back once the optimizer has
-    accumulated it, so a slow optimizer holds back the device (back-pressure), never overruns."""
+    """Pinned float32 host slabs that gradients return into; a slab comes back once the optimizer
+    has consumed it, so a slow optimizer holds back the device (back-pressure), never overruns."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, pinned: bool):
+    def __init__(self, count: int, numel: int, pinned: bool):
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self.wait_s = 0.0  # host time blocked because every slab was still with the optimizer
         for _ in range(count):
-            self._free.put(torch.empty(numel, dtype=dtype, pin_memory=pinned))
+            self._free.put(torch.empty(numel, dtype=torch.float32, pin_memory=pinned))
 
     def acquire(self) -> torch.Tensor:
         start = time.perf_counter()
@@ -140,3 +144,10 @@ class SlabPool:
 
     def release(self, slab: torch.Tensor) -> None:
         self._free.put(slab)
+
+
+def slab_numel(arch: Architecture, compute_dtype: torch.dtype, max_tokens: int) -> int:
+    """Float32 elements of one gradient slab: a decoder layer's tile, or one micro-batch's input
+    gradient in the compute dtype, whichever is larger (bigger tiles return in pieces)."""
+    rows = -(-max_tokens * arch.hidden * compute_dtype.itemsize // 4)
+    return max(Layout.of(arch.layer_specs).numel, rows)

@@ -1,34 +1,39 @@
 """The schedule: the one forward/backward body of a training step, over three streams and events.
 
-One micro-batch, as the ops the weight streamer sees (units in brackets):
-  embed      host gathers the batch's embedding rows from the pinned shadow -> H2D
-  forward    [layer i] for i = 0..L-1 under no_grad; the input of every K-th layer is kept
+A step's micro-batches go through the model together, layer by layer (units in brackets):
+  embed      host gathers each micro-batch's embedding rows from the pinned shadow -> H2D
+  forward    [layer i] for i = 0..L-1 under no_grad, every micro-batch in turn while the layer's
+             weights are resident; the inputs of every K-th layer are kept as checkpoints
   head       [head] chunked norm + LM head + cross-entropy, forward and backward at once
-  blocks     for each block of K layers, last block first:
+  blocks     for each block of K layers, last block first, for each micro-batch:
                recompute [layer s..e-1] from the block's checkpoint, building one small
                  autograd graph per layer (its input is a fresh leaf);
                backward [layer e-1..s], each graph released as soon as it has run
-  embed      D2H of the input gradient; the optimizer adds it into the embedding rows
+  embed      per micro-batch, D2H of the input gradient; the optimizer adds it into the rows
+
+Weight gradients sum over the micro-batches in a float32 device buffer per unit, which returns to
+pinned host slabs once per step, after the unit's last backward: a layer's gradient crosses the
+link once however many micro-batches the step has, and the host keeps no accumulator for it.
+With K = 1 a layer's recompute and backward of all micro-batches share one weight load.
 
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
-Each op's parameter gradients go to the gradient stream as one flat copy into a pinned slab;
-the CPU optimizer accumulates them and updates the tile (see optim.py).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from megatrain.arch import Architecture
-from megatrain.buffers import SlabPool, Unit, WeightStreamer
+from megatrain.buffers import SlabPool, Unit, WeightStreamer, slab_numel
 from megatrain.config import EngineConfig, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
 from megatrain.optim import OptimizerWorker
-from megatrain.store import HostStore
+from megatrain.store import HostStore, Tile
 
 
 @dataclass
@@ -72,8 +77,10 @@ class Engine:
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
         self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype)
         pinned = device.is_cuda
-        slab = max(numel, max_tokens * arch.hidden)  # also carries the embedding's input gradient
-        self.slabs = SlabPool(max(1, cfg.grad_slabs), slab, compute_dtype, pinned)
+        # a slab carries a layer's gradient, or a micro-batch's embedding-input gradient; bigger
+        # tiles (embedding, LM head) return in slab-sized pieces
+        self.slab_numel = slab_numel(arch, compute_dtype, max_tokens)
+        self.slabs = SlabPool(max(1, cfg.grad_slabs), self.slab_numel, pinned)
         self.sync_grads = cfg.grad_slabs == 0
         self.rows = torch.empty(max_tokens * arch.hidden, dtype=compute_dtype, pin_memory=pinned)
         self.rows_free = device.event()
@@ -95,24 +102,15 @@ class Engine:
                 raise ValueError(f"a micro-batch has {mb.input_ids.numel()} tokens; the engine was sized "
                                  f"for {self.max_tokens}")
         M = len(microbatches)
-        expected = {tile: M for tile in self.store.tiles}
-        if self.arch.tied:
-            expected[self.store.embed] += M  # the head's gradient lands in the embedding too
-        self.worker.begin_step(expected)
-        plan = []
-        for _ in microbatches:
-            plan += self.layer_units + [self.head_unit]
-            for s, e in reversed(self.blocks):
-                plan += self.layer_units[s:e] + self.layer_units[s:e][::-1]
+        self.worker.begin_step(self._contributions(M))
+        plan = self.layer_units + [self.head_unit]
+        for s, e in reversed(self.blocks):
+            plan += (self.layer_units[s:e] + self.layer_units[s:e][::-1]) * M
         self.streamer.start(plan)
         h2d0, d2h0 = self.streamer.bytes_h2d, self.bytes_d2h
         wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
-        loss = torch.zeros((), dtype=torch.float32, device=self.dev.torch)
-        op = 0
         with self.dev.on(self.dev.compute):
-            for mb, tgt in zip(microbatches, targets):
-                part, op = self._microbatch(mb, tgt, 1.0 / n_targets, op)
-                loss += part
+            loss = self._run(microbatches, targets, 1.0 / n_targets)
         self.worker.finish_step()
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         loss_value = float(loss) / n_targets
@@ -125,56 +123,79 @@ class Engine:
                           self.streamer.bytes_h2d - h2d0, self.bytes_d2h - d2h0,
                           self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
 
-    def _microbatch(self, mb: Batch, targets: torch.Tensor, scale: float, op: int) -> tuple[torch.Tensor, int]:
-        dev, stream = self.dev, self.streamer
-        B, S = mb.input_ids.shape
-        h = self._embed(mb.input_ids)
-        ctx = self._context(h, mb.attention_mask)
-        # forward: no graph; keep the input of every block
+    def _contributions(self, M: int) -> dict[Tile, int]:
+        """How many gradient submissions each tile gets in a step of M micro-batches."""
+        count = {tile: 0 for tile in self.store.tiles}
+        for unit in [*self.layer_units, self.head_unit]:
+            for tile in unit.tiles:
+                count[tile] += -(-tile.layout.numel // self.slab_numel)
+        count[self.store.embed] += M  # the input gradient's rows, per micro-batch
+        return count
+
+    def _run(self, mbs: list[Batch], targets: list[torch.Tensor], scale: float) -> torch.Tensor:
+        dev, stream, K = self.dev, self.streamer, self.cfg.checkpoint_every
+        hs = [self._embed(mb.input_ids) for mb in mbs]
+        ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(hs, mbs)]
+        # forward: no graph; keep the inputs of every block
         checkpoints = {}
         with torch.no_grad():
             for i in range(self.arch.num_layers):
-                if i % self.cfg.checkpoint_every == 0:
-                    checkpoints[i] = h
-                h = self._layer(i, stream.acquire(op), h, ctx)
-                stream.release(op)
-                op += 1
+                if i % K == 0:
+                    checkpoints[i] = hs
+                w = stream.acquire()
+                hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                stream.release()
         # head: loss, its gradient, and the gradient flowing into the last layer
-        w = stream.acquire(op)
+        w = stream.acquire()
+        acc = torch.zeros(self.head_unit.numel, dtype=torch.float32, device=dev.torch)
+        grads = self.head_unit.views(acc)
+        loss = torch.zeros((), dtype=torch.float32, device=dev.torch)
         chunk = self.cfg.loss_chunk_tokens
-        active = [bool((targets[lo: lo + chunk] != -100).any()) for lo in range(0, targets.numel(), chunk)]
-        loss, dh, d_norm, d_head = head_loss_and_grads(
-            h.reshape(B * S, -1), targets.to(dev.torch, non_blocking=True), active,
-            self.arch.norm_template(), w[0], w[-1], chunk, scale)
-        self._offload(self.head_unit, [d_norm, d_head])
-        stream.release(op)
-        op += 1
-        dh = dh.view(B, S, -1)
-        # blocks in reverse: recompute with small graphs, then backward layer by layer
+        dhs = []
+        for h, tgt in zip(hs, targets):
+            active = [bool((tgt[lo: lo + chunk] != -100).any()) for lo in range(0, tgt.numel(), chunk)]
+            part, dh = head_loss_and_grads(
+                h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
+                self.arch.norm_template(), w[0], w[-1], chunk, scale, grads[0], grads[-1])
+            loss += part
+            dhs.append(dh.view(h.shape))
+        del hs
+        self._offload(self.head_unit, acc)
+        stream.release()
+        # blocks in reverse; per micro-batch: recompute with small graphs, backward layer by layer
         for s, e in reversed(self.blocks):
-            x = checkpoints.pop(s)
-            graphs = []
-            for i in range(s, e):
-                leaves = [v.detach().requires_grad_() for v in stream.acquire(op)]
-                x = x.detach().requires_grad_()
-                self._packing = self.layer_units[i]
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    out = self._layer(i, leaves, x, ctx)
-                graphs.append((x, leaves, out))
-                x = out
-                stream.release(op)
-                op += 1
-            for i in reversed(range(s, e)):
-                stream.acquire(op)  # the weights the unpack hook will read
-                x, leaves, out = graphs.pop()
-                grads = torch.autograd.grad(out, [x, *leaves], dh)
-                dh = grads[0]
-                del x, leaves, out
-                self._offload(self.layer_units[i], grads[1:])
-                stream.release(op)
-                op += 1
-        self._embed_backward(mb.input_ids, dh)
-        return loss, op
+            accs = {}
+            for m, (x, ctx) in enumerate(zip(checkpoints.pop(s), ctxs)):
+                graphs = []
+                for i in range(s, e):
+                    leaves = [v.detach().requires_grad_() for v in stream.acquire()]
+                    x = x.detach().requires_grad_()
+                    self._packing = self.layer_units[i]
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                        out = self._layer(i, leaves, x, ctx)
+                    graphs.append((x, leaves, out))
+                    x = out
+                    stream.release()
+                dh = dhs[m]
+                for i in reversed(range(s, e)):
+                    stream.acquire()  # the weights the unpack hook will read
+                    x, leaves, out = graphs.pop()
+                    grads = torch.autograd.grad(out, [x, *leaves], dh)
+                    dh = grads[0]
+                    del x, leaves, out
+                    unit = self.layer_units[i]
+                    if m == 0:
+                        accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=dev.torch)
+                    for view, grad in zip(unit.views(accs[i]), grads[1:], strict=True):
+                        view.add_(grad)
+                    del grads
+                    if m == len(mbs) - 1:
+                        self._offload(unit, accs.pop(i))
+                    stream.release()
+                dhs[m] = dh
+                if s == 0:
+                    self._embed_backward(mbs[m].input_ids, dhs[m])
+        return loss
 
     # ------------------------------------------------------------------ pieces
     def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor, ctx: _Context) -> torch.Tensor:
@@ -219,18 +240,20 @@ class Engine:
             ids, dh = ids[keep], dh.reshape(-1, dh.shape[-1])[keep.to(dh.device)]
         rows = dh.reshape(-1, dh.shape[-1])
         slab = self.slabs.acquire()
-        host = slab[: rows.numel()].view(rows.shape)
+        host = slab.view(rows.dtype)[: rows.numel()].view(rows.shape)
         self._to_host(rows, host, lambda event: self.worker.submit_rows(
-            self.store.embed, ids, host, event, lambda: self.slabs.release(slab)))
+            self.store.embed, ids, host, event, partial(self.slabs.release, slab)))
 
-    def _offload(self, unit: Unit, grads: list[torch.Tensor]) -> None:
-        """Pack a unit's gradients into one flat buffer and return it to a pinned slab in one copy."""
-        flat = torch.zeros(unit.numel, dtype=self.dtype, device=self.dev.torch)  # padding stays zero
-        for view, grad in zip(unit.views(flat), grads, strict=True):
-            view.copy_(grad)
-        slab = self.slabs.acquire()
-        self._to_host(flat, slab[: unit.numel], lambda event: self.worker.submit_dense(
-            unit.segments, slab, event, self.slabs.release))
+    def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
+        """Return a unit's float32 step gradient to pinned slabs, one piece per slab."""
+        for tile, offset in unit.segments:
+            for lo in range(0, tile.layout.numel, self.slab_numel):
+                hi = min(tile.layout.numel, lo + self.slab_numel)
+                slab = self.slabs.acquire()
+                host = slab[: hi - lo]
+                release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
+                self._to_host(acc[offset + lo: offset + hi], host, lambda event: self.worker.submit_dense(
+                    tile, lo, hi, host, event, release))
 
     def _to_host(self, src: torch.Tensor, dst: torch.Tensor, submit) -> None:
         """D2H on the gradient stream after the backward-done event; hand the slab to the optimizer."""
@@ -264,3 +287,4 @@ class Engine:
     def close(self) -> None:
         self.worker.flush()
         self.worker.close()
+

@@ -21,16 +21,16 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[bool], norm: Template,
-                        w_norm: torch.Tensor, w_head: torch.Tensor, chunk: int, scale: float):
-    """Summed loss over `targets` and gradients of (loss * scale).
+                        w_norm: torch.Tensor, w_head: torch.Tensor, chunk: int, scale: float,
+                        d_norm: torch.Tensor, d_head: torch.Tensor):
+    """Summed loss over `targets`, and gradients of (loss * scale).
 
     x: [T, H] last hidden states; targets: [T] shifted labels on x's device; active[c]: whether
-    chunk c holds any target (known on the host, so empty chunks cost nothing).
-    Returns (loss_sum, dx [T, H], d_norm float32, d_head float32).
+    chunk c holds any target (known on the host, so empty chunks cost nothing). The weight
+    gradients are added into the float32 tensors `d_norm` and `d_head` (so micro-batches sum there).
+    Returns (loss_sum, dx [T, H]).
     """
     dx = torch.zeros_like(x)
-    d_norm = torch.zeros(w_norm.shape, dtype=torch.float32, device=x.device)
-    d_head = torch.zeros(w_head.shape, dtype=torch.float32, device=x.device)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     wn = w_norm.detach().requires_grad_()
     wh = w_head.detach().requires_grad_()
@@ -48,4 +48,4 @@ def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[boo
         d_norm += gn
         d_head += gh
         loss += part.detach()
-    return loss, dx, d_norm, d_head
+    return loss, dx

@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from megatrain.arch import Architecture
+from megatrain.buffers import slab_numel
 from megatrain.config import EngineConfig
 from megatrain.store import HostStore, Layout
 
@@ -29,27 +30,29 @@ class MemoryPlan:
 
 
 def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
-         tokens: int) -> MemoryPlan:
-    """Bytes needed to train `arch` with micro-batches of `tokens` tokens."""
-    c = compute.itemsize
+         tokens: int, microbatches: int, clipping: bool) -> MemoryPlan:
+    """Bytes needed to train `arch` on steps of `microbatches` micro-batches of `tokens` tokens."""
+    c, M = compute.itemsize, microbatches
     h, v, L, K = arch.hidden, arch.vocab, arch.num_layers, cfg.checkpoint_every
     layer = Layout.of(arch.layer_specs).numel
     head = Layout.of(arch.head_specs).numel + (v * h if arch.tied else 0)
     unit = max(layer, head)
-    slab = max(unit, tokens * h)
     ffn = getattr(arch.config, "intermediate_size", 4 * h)
     host = {
-        "store": HostStore.nbytes(arch, master, compute),
-        "grad_slabs": max(1, cfg.grad_slabs) * slab * c,
+        "store": HostStore.nbytes(arch, master, compute, clipping),
+        "grad_slabs": max(1, cfg.grad_slabs) * slab_numel(arch, compute, tokens) * 4,
         "embedding_staging": tokens * h * c,
         "runtime": HOST_OVERHEAD,
     }
     chunk = min(cfg.loss_chunk_tokens, tokens)
     device = {
         "weight_buffers": cfg.weight_buffers * unit * c,
-        "gradient_pack": 2 * unit * c,  # autograd's per-parameter gradients and their flat copy
-        "head": v * h * 4 + chunk * v * (4 + 4 + c),  # float32 head gradient; logits, their grad
-        "checkpoints": (-(-L // K) + 1) * tokens * h * c,
+        # float32 step gradients: the head's, or a block's K layers', plus one still returning
+        "grad_accumulators": (max(head, K * layer) + layer) * 4,
+        "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
+        "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
+        # block inputs of every micro-batch, plus the hidden states and their gradients in flight
+        "checkpoints": (-(-L // K) + 2) * M * tokens * h * c,
         # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
         "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,
@@ -63,13 +66,14 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
     if p.host_bytes > host_available:
         problems.append(
             f"host memory: needs {p.host_bytes / GiB:.1f} GiB, {host_available / GiB:.1f} GiB available "
-            f"(store {p.detail['store'] / GiB:.1f} GiB; use engine.master_dtype=bfloat16, a smaller model, "
-            f"or state engine.host_memory_gb if the OS under-reports it)")
+            f"(store {p.detail['store'] / GiB:.1f} GiB; clipping keeps a float32 gradient per parameter: "
+            f"optim.max_grad_norm=null saves 4 bytes per parameter; or engine.master_dtype=bfloat16, a smaller "
+            f"model, or state engine.host_memory_gb if the OS under-reports it)")
     if device_available is not None and p.device_bytes > device_available:
         acts = p.detail["device.block_activations"] + p.detail["device.checkpoints"]
         problems.append(
             f"device memory: needs about {p.device_bytes / GiB:.1f} GiB, {device_available / GiB:.1f} GiB free "
-            f"(activations {acts / GiB:.1f} GiB; lower data.batch_size or data.seq_len, "
+            f"(activations {acts / GiB:.1f} GiB; lower data.batch_size, data.grad_accum or data.seq_len, "
             f"engine.checkpoint_every or engine.loss_chunk_tokens)")
     if problems:
         raise ValueError("the run does not fit: " + "; ".join(problems))

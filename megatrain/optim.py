@@ -1,13 +1,17 @@
-"""The CPU optimizer: gradient accumulation, global-norm clipping and AdamW on the host, in a
-worker thread that overlaps the device's work.
+"""The CPU optimizer: AdamW on the host, with optional global-norm clipping, in a worker thread that
+overlaps the device's work.
 
-The worker takes tasks in order: a gradient that returned to a pinned slab (or embedding rows)
-is accumulated into its tile's float32 accumulator as soon as its D2H copy is done. When a tile's
-last gradient of the step is in, its squared norm is taken. Without clipping the tile is updated
-at once, during the backward pass. With clipping the update needs the global norm, so all updates
-wait for the step's last gradient; they then run in the order the next step's forward reads the
-tiles, and the weight stream waits per tile (`Tile.ready`), so the updates overlap the next
-step's forward instead of stalling the device for the whole optimizer.
+Each decoder layer's (and the head's) gradient is summed over the step's micro-batches on the
+device and returns once per step, in float32, as slab-sized pieces of its tile. Without clipping
+a piece updates its range of the tile straight from the pinned slab, during the backward pass:
+the host never stores a gradient of its own for these tiles. The embedding's gradient comes as
+rows per micro-batch and is summed by index into its float32 buffer (the tied head's dense
+gradient lands there first), then updated.
+
+With clipping the update needs the global norm, so every piece is copied into its tile's
+gradient buffer and all updates wait for the step's last gradient; they then run in the order the
+next step's forward reads the tiles, and the weight stream waits per tile (`Tile.ready`), so the
+updates overlap the next step's forward instead of stalling the device for the whole optimizer.
 """
 from __future__ import annotations
 
@@ -36,29 +40,29 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def adamw_tile(tile: Tile, step: int, lr: float, cfg: OptimConfig, grad_scale: float) -> None:
-    """One AdamW update of a tile from its gradient accumulator, then refresh its shadow."""
-    n, decay_end = tile.layout.numel, tile.layout.decay_numel
+def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float, cfg: OptimConfig,
+          grad_scale: float) -> None:
+    """One AdamW update of elements [lo, hi) of a tile from `grad` (float32, hi - lo elements),
+    then refresh that range of the shadow."""
+    decay_end = tile.layout.decay_numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master.dtype == torch.float32
-    for lo in range(0, n, CHUNK):
-        hi = min(n, lo + CHUNK)
-        grad = tile.grad[lo:hi]
-        if grad_scale != 1.0:
-            grad.mul_(grad_scale)
-        param = tile.master[lo:hi] if fp32_master else tile.master[lo:hi].float()
+    if grad_scale != 1.0:
+        grad.mul_(grad_scale)
+    for a0 in range(lo, hi, CHUNK):
+        b0 = min(hi, a0 + CHUNK)
+        param = tile.master[a0:b0] if fp32_master else tile.master[a0:b0].float()
         # the decayed matrices come first in the layout: split the chunk at decay_end
-        for a, b, wd in ((lo, min(hi, decay_end), cfg.weight_decay), (max(lo, decay_end), hi, 0.0)):
+        for a, b, wd in ((a0, min(b0, decay_end), cfg.weight_decay), (max(a0, decay_end), b0, 0.0)):
             if a >= b:
                 continue
-            s = slice(a - lo, b - lo)
             torch._fused_adamw_(
-                [param[s]], [grad[s]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]], [],
-                [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                [param[a - a0: b - a0]], [grad[a - lo: b - lo]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]],
+                [], [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
                 eps=cfg.eps, amsgrad=False, maximize=False)
         if not fp32_master:
-            tile.master[lo:hi].copy_(param)
-        tile.refresh_shadow(lo, hi)
+            tile.master[a0:b0].copy_(param)
+        tile.refresh_shadow(a0, b0)
 
 
 class OptimizerWorker:
@@ -84,16 +88,15 @@ class OptimizerWorker:
         self._submitted = {tile: 0 for tile in expected}
         self._put(("begin", dict(expected)))
 
-    def submit_dense(self, segments: list[tuple[Tile, int]], slab: torch.Tensor, event,
-                     release: Callable[[torch.Tensor], None]) -> None:
-        """A unit's gradient, flat in `slab` once `event` completes; segments give each tile's offset."""
-        self._put(("dense", segments, slab, event, release))
-        for tile, _ in segments:
-            self._count(tile)
+    def submit_dense(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event,
+                     release: Callable[[], None]) -> None:
+        """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes."""
+        self._put(("dense", tile, lo, hi, grad, event, release))
+        self._count(tile)
 
     def submit_rows(self, tile: Tile, ids: torch.Tensor, rows: torch.Tensor, event,
                     release: Callable[[], None]) -> None:
-        """Embedding gradient as rows: accumulate rows[i] into row ids[i] of the tile."""
+        """Embedding gradient as rows: add rows[i] into row ids[i] of the tile's gradient buffer."""
         self._put(("rows", tile, ids, rows, event, release))
         self._count(tile)
 
@@ -140,50 +143,55 @@ class OptimizerWorker:
     def _do_begin(self, expected: dict[Tile, int]) -> None:
         self._left = expected
         self._received = {tile: 0 for tile in expected}
-        self._sq = {}
+        self._sq = {tile: 0.0 for tile in expected}
         self.busy_s = 0.0
 
-    def _do_dense(self, segments, slab, event, release) -> None:
+    def _do_dense(self, tile, lo, hi, grad, event, release) -> None:
         event.synchronize()
-        for tile, offset in segments:
-            self._accumulate(tile, slab[offset: offset + tile.layout.numel], None)
-        release(slab)
+        if tile.grad is None:  # no clipping: update this range now, from the slab
+            self._sq[tile] += float(torch.linalg.vector_norm(grad)) ** 2
+            self._update(tile, lo, hi, grad, 1.0)
+        else:  # each element's one dense contribution of the step (a unit returns once per step)
+            tile.grad[lo:hi].copy_(grad)
+        release()
+        self._received_one(tile)
 
     def _do_rows(self, tile, ids, rows, event, release) -> None:
         event.synchronize()
-        self._accumulate(tile, rows, ids)
+        if self._received[tile] == 0:  # no dense contribution came first (an untied embedding)
+            tile.grad.zero_()
+        table = tile.grad[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
+        table.index_add_(0, ids, rows.to(torch.float32))
         release()
+        self._received_one(tile)
 
-    def _accumulate(self, tile: Tile, grad: torch.Tensor, ids: torch.Tensor | None) -> None:
-        first = self._received[tile] == 0
-        if ids is None:
-            if first:
-                tile.grad.copy_(grad)
-            else:
-                tile.grad.add_(grad)
-        else:
-            table = tile.grad[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
-            if first:
-                tile.grad.zero_()
-            table.index_add_(0, ids, grad.to(torch.float32))
+    def _received_one(self, tile: Tile) -> None:
         self._received[tile] += 1
-        if self._received[tile] == self._left[tile]:
+        if self._received[tile] < self._left[tile]:
+            return
+        if tile.grad is not None:
             self._sq[tile] = float(torch.linalg.vector_norm(tile.grad)) ** 2
-            if self.cfg.max_grad_norm is None:
-                self._update(tile, 1.0)
+            if self.cfg.max_grad_norm is not None:
+                return  # updated at the end of the step, once the global norm is known
+            self._update(tile, 0, tile.layout.numel, tile.grad, 1.0)
+        self._publish(tile)
 
     def _do_finish(self) -> None:
         norm = self.grad_norms[self.updates_done] = math.sqrt(sum(self._sq.values()))
         if self.cfg.max_grad_norm is not None:
             scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             for tile in self.tiles:
-                self._update(tile, scale)
+                self._update(tile, 0, tile.layout.numel, tile.grad, scale)
+                self._publish(tile)
         self.updates_done += 1
 
-    def _update(self, tile: Tile, scale: float) -> None:
+    def _update(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, scale: float) -> None:
         if tile.read_done is not None:
             tile.read_done.synchronize()  # an H2D copy may still be reading the shadow
         lr = lr_at(self.updates_done, self.cfg, self.total_steps)
-        adamw_tile(tile, self.updates_done + 1, lr, self.cfg, scale)
+        adamw(tile, lo, hi, grad, self.updates_done + 1, lr, self.cfg, scale)
+
+    @staticmethod
+    def _publish(tile: Tile) -> None:
         tile.version += 1
         tile.ready.set()

@@ -1,10 +1,17 @@
 """The host store: all persistent training state, one layer-contiguous tile per decoder layer.
 
 A tile holds, for its parameters laid out flat (decayed matrices first, then norms and biases,
-each aligned to 64 elements): the master weights, both AdamW moments and the float32 gradient
-accumulator in one page-aligned block, and the `shadow`: the compute-dtype copy that streams to
-the device, kept in pinned memory so each layer reaches the GPU in one DMA. When the master's
-dtype is the compute dtype (bf16 masters on GPU, float32 on CPU) the shadow is the master itself.
+each aligned to 64 elements): the master weights and both AdamW moments in one page-aligned block,
+and the `shadow`: the compute-dtype copy that streams to the device, kept in pinned memory so each
+layer reaches the GPU in one DMA. When the master's dtype is the compute dtype (bf16 masters on
+GPU, float32 on CPU) the shadow is the master itself. With float32 masters that is 4 + 4 + 4 + 2 =
+14 bytes per parameter.
+
+A float32 gradient buffer is added only where a gradient must wait on the host: in every tile
+when clipping needs the global norm before any update (+4 bytes per parameter), and otherwise
+only in the embedding, whose rows arrive per micro-batch and are summed by index. A decoder
+layer's or the head's gradient is summed over the micro-batches on the device and updates its
+tile straight from the pinned slab it returns into (see optim.py).
 
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
 and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
@@ -68,28 +75,31 @@ def _carve(block: torch.Tensor, numel: int, dtypes: list[torch.dtype]) -> list[t
     return out
 
 
-def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype) -> int:
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool) -> int:
     """Host bytes of one tile (the admission check uses the same arithmetic as the allocation)."""
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
     separate_shadow = master != compute
-    return seg(master) + 3 * seg(torch.float32) + (seg(compute) if separate_shadow else 0)
+    return (seg(master) + (2 + grad) * seg(torch.float32)
+            + (seg(compute) if separate_shadow else 0))
 
 
 class Tile:
-    def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool):
+    def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
+                 grad: bool):
         self.name = name
         self.layout = layout
         n = layout.numel
-        f32 = torch.float32
+        state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
         if master == compute:
             # The master streams as it is: it lives in pinned memory and is its own shadow.
             (self.master,) = _carve(_page_aligned(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
             self.shadow = self.master
-            self.exp_avg, self.exp_avg_sq, self.grad = self._moments(n)
+            self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state)
         else:
-            self.master, self.exp_avg, self.exp_avg_sq, self.grad = self._moments(n, master)
+            self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state])
             (self.shadow,) = _carve(_page_aligned(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
+        self.grad: torch.Tensor | None = rest[0] if grad else None
         # Set while the shadow holds the current weights; cleared from the moment the main thread
         # hands the tile's last gradient of a step to the optimizer until the update is written.
         self.ready = threading.Event()
@@ -98,8 +108,7 @@ class Tile:
         self.read_done = None  # device event: the last H2D copy out of the shadow has finished
 
     @staticmethod
-    def _moments(n: int, master: torch.dtype | None = None) -> list[torch.Tensor]:
-        dtypes = ([master] if master is not None else []) + [torch.float32] * 3
+    def _block(n: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         size = sum(-(-n * d.itemsize // PAGE) * PAGE for d in dtypes)
         return _carve(_page_aligned(size, False), n, dtypes)
 
@@ -112,12 +121,14 @@ class Tile:
 
 
 class HostStore:
-    def __init__(self, arch: Architecture, master: torch.dtype, compute: torch.dtype, pinned: bool):
+    def __init__(self, arch: Architecture, master: torch.dtype, compute: torch.dtype, pinned: bool,
+                 clipping: bool):
+        """`clipping`: every tile keeps a gradient buffer (updates wait for the global norm)."""
         self.arch = arch
-        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned)
-        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned)
+        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, True)
+        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned, clipping)
                        for i in range(arch.num_layers)]
-        self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned)
+        self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned, clipping)
 
     @property
     def tiles(self) -> list[Tile]:
@@ -125,10 +136,11 @@ class HostStore:
         return [self.embed, *self.layers, self.head]
 
     @staticmethod
-    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype) -> int:
-        layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute)
-        ends = sum(tile_bytes(Layout.of(s).numel, master, compute) for s in (arch.embed_specs, arch.head_specs))
-        return layer * arch.num_layers + ends
+    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool) -> int:
+        layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute, clipping)
+        embed = tile_bytes(Layout.of(arch.embed_specs).numel, master, compute, True)
+        head = tile_bytes(Layout.of(arch.head_specs).numel, master, compute, clipping)
+        return layer * arch.num_layers + embed + head
 
     # ---- filling the store ----
     def init_random(self, seed: int) -> None:
@@ -188,6 +200,7 @@ class HostStore:
     def _reset_state(tile: Tile) -> None:
         tile.exp_avg.zero_()
         tile.exp_avg_sq.zero_()
-        tile.grad.zero_()
+        if tile.grad is not None:
+            tile.grad.zero_()
         tile.refresh_shadow()
         tile.ready.set()

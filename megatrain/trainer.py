@@ -41,7 +41,9 @@ class Trainer:
         self.compute_dtype = _DTYPES[compute]
         master = _DTYPES[cfg.engine.master_dtype]
         tokens = cfg.data.batch_size * cfg.data.seq_len
-        self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens)
+        clipping = cfg.optim.max_grad_norm is not None
+        self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
+                                       cfg.data.grad_accum, clipping)
         device_free = self.device.free_bytes()
         if cfg.engine.device_memory_gb is not None:
             device_free = int(cfg.engine.device_memory_gb * memory.GiB)
@@ -50,7 +52,7 @@ class Trainer:
         self.data = make_source(cfg.data, arch.vocab, cfg.model.pretrained)
         if cfg.engine.optimizer_threads:
             torch.set_num_threads(cfg.engine.optimizer_threads)
-        self.store = HostStore(arch, master, self.compute_dtype, pinned=self.device.is_cuda)
+        self.store = HostStore(arch, master, self.compute_dtype, self.device.is_cuda, clipping)
         if cfg.model.pretrained:
             self.store.load_pretrained(cfg.model.pretrained)
         else:

@@ -25,11 +25,12 @@ def test_chunked_head_equals_full_logits():
     (ref / 3).backward()
     for chunk in (5, 16, 1000):
         active = [bool((targets[lo: lo + chunk] != -100).any()) for lo in range(0, T, chunk)]
-        loss, dx, dn, dh = head_loss_and_grads(x, targets, active, arch.norm_template(), w_norm, w_head, chunk, 1 / 3)
+        dn, dh = torch.ones(H), torch.full((V, H), 2.0)  # the gradients are added to what is there
+        loss, dx = head_loss_and_grads(x, targets, active, arch.norm_template(), w_norm, w_head, chunk, 1 / 3, dn, dh)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=0)
         torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(dn, wn.grad, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(dh, wh.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(dn - 1, wn.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dh - 2, wh.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_shift_labels():

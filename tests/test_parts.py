@@ -32,13 +32,29 @@ def test_layout_is_aligned_and_decay_first():
     assert all(o % ALIGN == 0 for o in layout.offsets)
     for spec, offset in zip(layout.specs, layout.offsets):
         assert (offset < layout.decay_numel) == spec.decay
-    store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False)
+    store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False, clipping=True)
     tile = store.layers[0]
     for t in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
-    # one layer-contiguous block: master, moments and accumulator follow each other
+    # one layer-contiguous block: master, moments and gradient buffer follow each other
     assert tile.exp_avg.data_ptr() > tile.master.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
     assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
+
+
+def test_host_bytes_per_parameter():
+    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow),
+    18 with it (a float32 gradient waits for the global norm); the embedding always keeps one."""
+    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-llama", overrides={"num_hidden_layers": 8})))
+    for clipping, per_param in ((False, 14), (True, 18)):
+        store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False, clipping=clipping)
+        layer = store.layers[0]
+        assert (layer.grad is not None) == clipping and store.embed.grad is not None
+        per_layer = HostStore.nbytes(arch, torch.float32, torch.bfloat16, clipping)
+        deeper = Architecture(load_hf_config(ModelConfig(preset="tiny-llama", overrides={"num_hidden_layers": 16})))
+        growth = HostStore.nbytes(deeper, torch.float32, torch.bfloat16, clipping) - per_layer
+        # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
+        n = layer.layout.numel
+        assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
 
 
 def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
@@ -62,12 +78,15 @@ def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
 
 def test_memory_plan_counts_bytes_per_parameter():
     arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
-    p32 = plan(arch, EngineConfig(), torch.float32, torch.bfloat16, tokens=16384)
-    p16 = plan(arch, EngineConfig(), torch.bfloat16, torch.bfloat16, tokens=16384)
+    def per_param(master, clipping):
+        p = plan(arch, EngineConfig(), master, torch.bfloat16, tokens=16384, microbatches=4, clipping=clipping)
+        return p.detail["store"] / n
     n = arch.total_params()
     assert 7.5e9 < n < 7.7e9
-    assert 17.9 < p32.detail["store"] / n < 18.1  # fp32 master + 2 moments + fp32 accumulator + bf16 shadow
-    assert 13.9 < p16.detail["store"] / n < 14.1
+    # fp32 master + 2 moments + bf16 shadow, and the embedding's fp32 gradient (0.29 B/param here)
+    assert 14.2 < per_param(torch.float32, False) < 14.35
+    assert 17.9 < per_param(torch.float32, True) < 18.1  # + a float32 gradient waiting for the norm
+    assert 10.2 < per_param(torch.bfloat16, False) < 10.35
 
 
 def test_synthetic_source_is_deterministic_and_repeatable():
