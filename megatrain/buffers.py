@@ -17,6 +17,7 @@ import torch
 from megatrain.device import Device
 from megatrain.arch import Architecture
 from megatrain.store import Layout, Tile
+from megatrain.timeline import COMPUTE, H2D, HOST, WAIT_WEIGHTS, Timeline
 
 
 @dataclass(eq=False)
@@ -49,8 +50,9 @@ class Unit:
 
 
 class WeightStreamer:
-    def __init__(self, device: Device, nbuf: int, numel: int, dtype: torch.dtype):
+    def __init__(self, device: Device, nbuf: int, numel: int, dtype: torch.dtype, timeline: Timeline):
         self.dev = device
+        self.timeline = timeline
         self.nbuf = nbuf
         self.numel = numel
         self.flat = torch.empty(nbuf, numel, dtype=dtype, device=device.torch)  # [slot, element]
@@ -79,7 +81,8 @@ class WeightStreamer:
         k = self.load_of[self.op]
         self._issue_through(k)
         self.current = slot = k % self.nbuf
-        self.dev.wait(self.dev.compute, self.ready[slot])
+        with self.timeline.stream(COMPUTE, self.dev.compute, WAIT_WEIGHTS):
+            self.dev.wait(self.dev.compute, self.ready[slot])
         return self.loads[k].views(self.flat[slot])
 
     def release(self) -> None:
@@ -106,13 +109,15 @@ class WeightStreamer:
         unit, slot = self.loads[k], k % self.nbuf
         start = time.perf_counter()
         for tile in unit.tiles:
-            tile.ready.wait()  # the optimizer has written this tile's update
+            if not tile.ready.is_set():
+                with self.timeline.host(HOST, f"wait optimizer: {tile.name}"):
+                    tile.ready.wait()  # the optimizer has written this tile's update
         self.wait_s += time.perf_counter() - start
         versions = tuple(tile.version for tile in unit.tiles)
         if self.slot_unit[slot] is unit and self.slot_versions[slot] == versions:
             return  # still resident and unchanged (a block's backward right after its recompute)
         stream = self.dev.h2d
-        with self.dev.on(stream):
+        with self.dev.on(stream), self.timeline.stream(H2D, stream, f"load {unit.name}"):
             if self.free[slot] is not None:
                 self.dev.wait(stream, self.free[slot])
             for tile, offset in unit.segments:
@@ -130,15 +135,21 @@ class SlabPool:
     """Pinned float32 host slabs that gradients return into; a slab comes back once the optimizer
     has consumed it, so a slow optimizer holds back the device (back-pressure), never overruns."""
 
-    def __init__(self, count: int, numel: int, pinned: bool):
+    def __init__(self, count: int, numel: int, pinned: bool, timeline: Timeline):
+        self.timeline = timeline
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self.wait_s = 0.0  # host time blocked because every slab was still with the optimizer
         for _ in range(count):
             self._free.put(torch.empty(numel, dtype=torch.float32, pin_memory=pinned))
 
     def acquire(self) -> torch.Tensor:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
         start = time.perf_counter()
-        slab = self._free.get()
+        with self.timeline.host(HOST, "wait optimizer: slab"):
+            slab = self._free.get()
         self.wait_s += time.perf_counter() - start
         return slab
 

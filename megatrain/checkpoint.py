@@ -42,6 +42,20 @@ def atomic_dir(target: str | Path):
             shutil.rmtree(tmp)
 
 
+def write_json(path: str | Path, data) -> None:
+    """Write JSON to a temporary file beside `path` and rename it into place (no half file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def save_pretrained(store: HostStore, arch: Architecture, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
     """Write config.json and safetensors shards that `AutoModelForCausalLM.from_pretrained` loads.
 

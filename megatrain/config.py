@@ -41,6 +41,7 @@ class EngineConfig:
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
+    timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
 
     def __post_init__(self):
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):

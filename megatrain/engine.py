@@ -34,6 +34,7 @@ from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
 from megatrain.optim import OptimizerWorker
 from megatrain.store import HostStore, Tile
+from megatrain.timeline import COMPUTE, D2H, HOST, Timeline
 
 
 @dataclass
@@ -75,17 +76,18 @@ class Engine:
         L, K = arch.num_layers, cfg.checkpoint_every
         self.blocks = [(s, min(s + K, L)) for s in range(0, L, K)]
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
-        self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype)
+        self.timeline = Timeline(device, cfg.timeline)
+        self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype, self.timeline)
         pinned = device.is_cuda
         # a slab carries a layer's gradient, or a micro-batch's embedding-input gradient; bigger
         # tiles (embedding, LM head) return in slab-sized pieces
         self.slab_numel = slab_numel(arch, compute_dtype, max_tokens)
-        self.slabs = SlabPool(max(1, cfg.grad_slabs), self.slab_numel, pinned)
+        self.slabs = SlabPool(max(1, cfg.grad_slabs), self.slab_numel, pinned, self.timeline)
         self.sync_grads = cfg.grad_slabs == 0
         self.rows = torch.empty(max_tokens * arch.hidden, dtype=compute_dtype, pin_memory=pinned)
         self.rows_free = device.event()
         self.max_tokens = max_tokens
-        self.worker = OptimizerWorker(store.tiles, optim, total_steps)
+        self.worker = OptimizerWorker(store.tiles, optim, total_steps, self.timeline)
         self.rotary = arch.rotary(device.torch)
         self.bytes_d2h = 0
         self._packing: Unit | None = None
@@ -102,6 +104,7 @@ class Engine:
                 raise ValueError(f"a micro-batch has {mb.input_ids.numel()} tokens; the engine was sized "
                                  f"for {self.max_tokens}")
         M = len(microbatches)
+        self.timeline.begin_step()
         self.worker.begin_step(self._contributions(M))
         plan = self.layer_units + [self.head_unit]
         for s, e in reversed(self.blocks):
@@ -113,6 +116,7 @@ class Engine:
             loss = self._run(microbatches, targets, 1.0 / n_targets)
         self.worker.finish_step()
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
+        self.timeline.end_step()
         loss_value = float(loss) / n_targets
         lengths = []
         for mb in microbatches:
@@ -133,7 +137,7 @@ class Engine:
         return count
 
     def _run(self, mbs: list[Batch], targets: list[torch.Tensor], scale: float) -> torch.Tensor:
-        dev, stream, K = self.dev, self.streamer, self.cfg.checkpoint_every
+        dev, stream, tl, K = self.dev, self.streamer, self.timeline, self.cfg.checkpoint_every
         hs = [self._embed(mb.input_ids) for mb in mbs]
         ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(hs, mbs)]
         # forward: no graph; keep the inputs of every block
@@ -143,22 +147,24 @@ class Engine:
                 if i % K == 0:
                     checkpoints[i] = hs
                 w = stream.acquire()
-                hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                with tl.stream(COMPUTE, dev.compute, f"forward L{i}"):
+                    hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
                 stream.release()
         # head: loss, its gradient, and the gradient flowing into the last layer
         w = stream.acquire()
-        acc = torch.zeros(self.head_unit.numel, dtype=torch.float32, device=dev.torch)
-        grads = self.head_unit.views(acc)
-        loss = torch.zeros((), dtype=torch.float32, device=dev.torch)
         chunk = self.cfg.loss_chunk_tokens
         dhs = []
-        for h, tgt in zip(hs, targets):
-            active = [bool((tgt[lo: lo + chunk] != -100).any()) for lo in range(0, tgt.numel(), chunk)]
-            part, dh = head_loss_and_grads(
-                h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
-                self.arch.norm_template(), w[0], w[-1], chunk, scale, grads[0], grads[-1])
-            loss += part
-            dhs.append(dh.view(h.shape))
+        with tl.stream(COMPUTE, dev.compute, "head"):
+            acc = torch.zeros(self.head_unit.numel, dtype=torch.float32, device=dev.torch)
+            grads = self.head_unit.views(acc)
+            loss = torch.zeros((), dtype=torch.float32, device=dev.torch)
+            for h, tgt in zip(hs, targets):
+                active = [bool((tgt[lo: lo + chunk] != -100).any()) for lo in range(0, tgt.numel(), chunk)]
+                part, dh = head_loss_and_grads(
+                    h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
+                    self.arch.norm_template(), w[0], w[-1], chunk, scale, grads[0], grads[-1])
+                loss += part
+                dhs.append(dh.view(h.shape))
         del hs
         self._offload(self.head_unit, acc)
         stream.release()
@@ -171,7 +177,8 @@ class Engine:
                     leaves = [v.detach().requires_grad_() for v in stream.acquire()]
                     x = x.detach().requires_grad_()
                     self._packing = self.layer_units[i]
-                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    with (tl.stream(COMPUTE, dev.compute, f"recompute L{i}"), torch.enable_grad(),
+                          torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)):
                         out = self._layer(i, leaves, x, ctx)
                     graphs.append((x, leaves, out))
                     x = out
@@ -180,15 +187,16 @@ class Engine:
                 for i in reversed(range(s, e)):
                     stream.acquire()  # the weights the unpack hook will read
                     x, leaves, out = graphs.pop()
-                    grads = torch.autograd.grad(out, [x, *leaves], dh)
-                    dh = grads[0]
-                    del x, leaves, out
                     unit = self.layer_units[i]
-                    if m == 0:
-                        accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=dev.torch)
-                    for view, grad in zip(unit.views(accs[i]), grads[1:], strict=True):
-                        view.add_(grad)
-                    del grads
+                    with tl.stream(COMPUTE, dev.compute, f"backward L{i}"):
+                        grads = torch.autograd.grad(out, [x, *leaves], dh)
+                        dh = grads[0]
+                        del x, leaves, out
+                        if m == 0:
+                            accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=dev.torch)
+                        for view, grad in zip(unit.views(accs[i]), grads[1:], strict=True):
+                            view.add_(grad)
+                        del grads
                     if m == len(mbs) - 1:
                         self._offload(unit, accs.pop(i))
                     stream.release()
@@ -218,13 +226,16 @@ class Engine:
         """Gather the batch's rows of the embedding on the host and send only those."""
         tile = self.store.embed
         start = time.perf_counter()
-        tile.ready.wait()
+        if not tile.ready.is_set():
+            with self.timeline.host(HOST, "wait optimizer: embed"):
+                tile.ready.wait()
         self.streamer.wait_s += time.perf_counter() - start
         n = ids.numel()
         table = tile.shadow[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done
         rows = self.rows[: n * self.arch.hidden].view(n, self.arch.hidden)
-        torch.index_select(table, 0, ids.reshape(-1), out=rows)
+        with self.timeline.host(HOST, "embedding gather"):
+            torch.index_select(table, 0, ids.reshape(-1), out=rows)
         h = torch.empty(ids.shape + (self.arch.hidden,), dtype=self.dtype, device=self.dev.torch)
         with self.dev.on(self.dev.h2d):
             h.view(n, -1).copy_(rows, non_blocking=True)
@@ -261,7 +272,8 @@ class Engine:
         backward_done = self.dev.record(self.dev.compute)
         with self.dev.on(stream):
             self.dev.wait(stream, backward_done)
-            dst.copy_(src, non_blocking=True)
+            with self.timeline.stream(D2H, stream, "gradient"):
+                dst.copy_(src, non_blocking=True)
             if self.dev.is_cuda:
                 src.record_stream(stream)  # the allocator must not reuse src before the copy ran
             submit(self.dev.record(stream))

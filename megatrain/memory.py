@@ -27,6 +27,7 @@ class MemoryPlan:
     host_bytes: int
     device_bytes: int
     detail: dict[str, int]
+    clipping: bool  # the store keeps a float32 gradient per parameter
 
 
 def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
@@ -57,7 +58,8 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,
     }
-    return MemoryPlan(sum(host.values()), sum(device.values()), {**host, **{"device." + k: b for k, b in device.items()}})
+    return MemoryPlan(sum(host.values()), sum(device.values()),
+                      {**host, **{"device." + k: b for k, b in device.items()}}, clipping)
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:
@@ -66,9 +68,11 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
     if p.host_bytes > host_available:
         problems.append(
             f"host memory: needs {p.host_bytes / GiB:.1f} GiB, {host_available / GiB:.1f} GiB available "
-            f"(store {p.detail['store'] / GiB:.1f} GiB; clipping keeps a float32 gradient per parameter: "
-            f"optim.max_grad_norm=null saves 4 bytes per parameter; or engine.master_dtype=bfloat16, a smaller "
-            f"model, or state engine.host_memory_gb if the OS under-reports it)")
+            f"(store {p.detail['store'] / GiB:.1f} GiB; "
+            + ("clipping keeps a float32 gradient per parameter, optim.max_grad_norm=null saves 4 bytes per "
+               "parameter; " if p.clipping else "")
+            + "or engine.master_dtype=bfloat16, a smaller model, or state engine.host_memory_gb if the OS "
+            "under-reports it)")
     if device_available is not None and p.device_bytes > device_available:
         acts = p.detail["device.block_activations"] + p.detail["device.checkpoints"]
         problems.append(

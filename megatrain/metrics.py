@@ -7,6 +7,8 @@ h hidden size, s the token's sequence length. Padding tokens are never counted.
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 import threading
 
 import psutil
@@ -81,3 +83,53 @@ class PeakSampler:
 
 def device_peak_allocated(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def environment(device: torch.device | None = None) -> dict:
+    """Where a result was measured: GPU, link, CPU, host memory, library versions, git commit."""
+    import transformers
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "host_memory_bytes": psutil.virtual_memory().total,
+        # a copy of the tree without .git (a remote machine) passes the commit in the environment
+        "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count())
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            env.update(driver=pynvml.nvmlSystemGetDriverVersion(),
+                       pcie_generation=pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle),
+                       pcie_max_generation=pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle),
+                       pcie_width=pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+        except Exception as e:  # NVML absent or refused: say so rather than guess
+            env["nvml_error"] = str(e)
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None

@@ -25,6 +25,7 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.store import Tile
+from megatrain.timeline import OPTIMIZER, Timeline
 
 CHUNK = 1 << 20  # elements per fused AdamW call: the chunk's state stays in cache for the shadow cast
 
@@ -66,8 +67,9 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
 
 
 class OptimizerWorker:
-    def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int):
-        self.tiles = tiles  # in the order the forward reads them
+    def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline):
+        self.tiles = tiles
+        self.timeline = timeline  # in the order the forward reads them
         self.cfg = cfg
         self.total_steps = total_steps
         self.updates_done = 0  # optimizer steps completed (Adam's step count), worker side
@@ -91,13 +93,13 @@ class OptimizerWorker:
     def submit_dense(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event,
                      release: Callable[[], None]) -> None:
         """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes."""
-        self._put(("dense", tile, lo, hi, grad, event, release))
+        self._put(("dense", event, tile, lo, hi, grad, release))
         self._count(tile)
 
     def submit_rows(self, tile: Tile, ids: torch.Tensor, rows: torch.Tensor, event,
                     release: Callable[[], None]) -> None:
         """Embedding gradient as rows: add rows[i] into row ids[i] of the tile's gradient buffer."""
-        self._put(("rows", tile, ids, rows, event, release))
+        self._put(("rows", event, tile, ids, rows, release))
         self._count(tile)
 
     def finish_step(self) -> None:
@@ -129,14 +131,18 @@ class OptimizerWorker:
     # ---- worker thread ----
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
-            start = time.perf_counter()
             try:
                 if self._error is None:
-                    getattr(self, "_do_" + task[0])(*task[1:])
+                    kind, *args = task
+                    if kind in ("dense", "rows"):
+                        args.pop(0).synchronize()  # the gradient's D2H copy has landed
+                    start = time.perf_counter()
+                    with self.timeline.host(OPTIMIZER, _describe(kind, args)):
+                        getattr(self, "_do_" + kind)(*args)
+                    self.busy_s += time.perf_counter() - start
             except BaseException as e:  # surfaced on the main thread's next call
                 self._error = e
             finally:
-                self.busy_s += time.perf_counter() - start
                 self._tasks.task_done()
         self._tasks.task_done()
 
@@ -146,8 +152,7 @@ class OptimizerWorker:
         self._sq = {tile: 0.0 for tile in expected}
         self.busy_s = 0.0
 
-    def _do_dense(self, tile, lo, hi, grad, event, release) -> None:
-        event.synchronize()
+    def _do_dense(self, tile, lo, hi, grad, release) -> None:
         if tile.grad is None:  # no clipping: update this range now, from the slab
             self._sq[tile] += float(torch.linalg.vector_norm(grad)) ** 2
             self._update(tile, lo, hi, grad, 1.0)
@@ -156,8 +161,7 @@ class OptimizerWorker:
         release()
         self._received_one(tile)
 
-    def _do_rows(self, tile, ids, rows, event, release) -> None:
-        event.synchronize()
+    def _do_rows(self, tile, ids, rows, release) -> None:
         if self._received[tile] == 0:  # no dense contribution came first (an untied embedding)
             tile.grad.zero_()
         table = tile.grad[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
@@ -195,3 +199,12 @@ class OptimizerWorker:
     def _publish(tile: Tile) -> None:
         tile.version += 1
         tile.ready.set()
+
+
+def _describe(kind: str, args: list) -> str:
+    if kind == "dense":
+        tile, lo, hi = args[:3]
+        return f"{tile.name} [{lo}:{hi}]"
+    if kind == "rows":
+        return f"{args[0].name} rows"
+    return kind

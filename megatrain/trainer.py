@@ -95,7 +95,14 @@ class Trainer:
             "optimizer_busy_s": self.engine.worker.busy_s,
             "wait_update_s": r.wait_update_s,
             "wait_slab_s": r.wait_slab_s,
+            **({"exposed": self.engine.timeline.summary()} if self.cfg.engine.timeline else {}),
         }
+
+    def write_trace(self, path: str | Path) -> None:
+        """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""
+        if not self.cfg.engine.timeline:
+            raise ValueError("write_trace needs engine.timeline: true")
+        checkpoint.write_json(path, self.engine.timeline.chrome_trace())
 
     def next_microbatches(self) -> list[Batch]:
         return [self.data.next() for _ in range(self.cfg.data.grad_accum)]

@@ -1,0 +1,157 @@
+"""A per-step record of where time goes: spans on the compute, weight (H2D) and gradient (D2H)
+streams, the host's blocking waits and the CPU optimizer's tasks.
+
+Stream spans are timed by CUDA events; on the CPU, where every op runs synchronously on the host,
+by the host clock. Host spans use the host clock; the two clocks are aligned at the start of the
+step, when the device is idle. After the step boundary `spans()` gives (track, name, start,
+end) in seconds from the step's start, and `summary()` the exposed-time breakdown:
+
+  gpu_busy_frac      compute-stream time in ops / step time
+  wait_weights_s     compute stream stalled on its weights-ready event
+  optimizer_exposed_s  compute stream idle while the host was blocked on the optimizer (a tile's
+                     update or a free gradient slab): the part of the optimizer that is not hidden
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+COMPUTE, H2D, D2H, HOST, OPTIMIZER = "compute", "h2d", "d2h", "host", "optimizer"
+WAIT_WEIGHTS = "wait weights"
+
+
+class Timeline:
+    def __init__(self, device, enabled: bool):
+        self.dev = device
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._open: list = []
+        self._step_end = 0.0
+
+    def begin_step(self) -> None:
+        if not self.enabled:
+            return
+        self._open = []  # (track, name, start, end): events on CUDA, host seconds otherwise
+        self._host0 = time.perf_counter()
+        if self.dev.is_cuda:
+            self._event0 = self._event(self.dev.compute)
+
+    def end_step(self) -> None:
+        """After the step boundary's synchronize."""
+        if self.enabled:
+            self._step_end = time.perf_counter() - self._host0
+
+    @contextlib.contextmanager
+    def stream(self, track: str, stream, name: str):
+        """A span of the work issued on `stream` inside the block."""
+        if not self.enabled:
+            yield
+            return
+        if not self.dev.is_cuda:
+            with self.host(track, name):
+                yield
+            return
+        start = self._event(stream)
+        yield
+        self._add(track, name, start, self._event(stream))
+
+    @contextlib.contextmanager
+    def host(self, track: str, name: str):
+        """A span of host time inside the block (any thread)."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        self._add(track, name, start - self._host0, time.perf_counter() - self._host0)
+
+    def spans(self) -> list[tuple[str, str, float, float]]:
+        out = []
+        for track, name, start, end in self._open:
+            if not isinstance(start, float):  # CUDA events, complete after the step's synchronize
+                start = self._event0.elapsed_time(start) / 1e3
+                end = self._event0.elapsed_time(end) / 1e3
+            out.append((track, name, start, end))
+        return sorted(out, key=lambda s: s[2])
+
+    def summary(self) -> dict[str, float]:
+        spans = self.spans()
+        step = max([self._step_end] + [e for _, _, _, e in spans])
+        ops = [(s, e) for t, n, s, e in spans if t == COMPUTE and n != WAIT_WEIGHTS]
+        busy = _union(ops)
+        blocked = _union([(s, e) for t, n, s, e in spans if t == HOST and n.startswith("wait optimizer")])
+        idle = _complement(busy, 0.0, step)
+
+        def total(track: str, prefix: str = "") -> float:
+            return sum(e - s for t, n, s, e in spans if t == track and n.startswith(prefix))
+        return {
+            "step_s": step,
+            "gpu_busy_s": _length(busy),
+            "gpu_busy_frac": _length(busy) / step if step else 0.0,
+            "wait_weights_s": total(COMPUTE, WAIT_WEIGHTS),
+            "optimizer_exposed_s": _length(_intersect(idle, blocked)),
+            "host_blocked_on_optimizer_s": _length(blocked),
+            "h2d_busy_s": total(H2D),
+            "d2h_busy_s": total(D2H),
+            "optimizer_busy_s": total(OPTIMIZER),
+        }
+
+    def chrome_trace(self) -> dict:
+        """The step as a Chrome trace (opens in Perfetto / chrome://tracing)."""
+        tracks = [COMPUTE, H2D, D2H, HOST, OPTIMIZER]
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": t}}
+                  for i, t in enumerate(tracks)]
+        for track, name, start, end in self.spans():
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": tracks.index(track),
+                           "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def _event(self, stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _add(self, track, name, start, end) -> None:
+        with self._lock:
+            self._open.append((track, name, start, end))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _complement(union: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    out, cursor = [], lo
+    for s, e in union:
+        if s > cursor:
+            out.append((cursor, min(s, hi)))
+        cursor = max(cursor, e)
+    if cursor < hi:
+        out.append((cursor, hi))
+    return out
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
