@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.device import Device
-from megatrain.arch import Architecture
-from megatrain.store import Layout, Tile
+from megatrain.store import Tile
 from megatrain.timeline import COMPUTE, H2D, HOST, WAIT_WEIGHTS, Timeline
 
 
@@ -156,9 +155,3 @@ class SlabPool:
     def release(self, slab: torch.Tensor) -> None:
         self._free.put(slab)
 
-
-def slab_numel(arch: Architecture, compute_dtype: torch.dtype, max_tokens: int) -> int:
-    """Float32 elements of one gradient slab: a decoder layer's tile, or one micro-batch's input
-    gradient in the compute dtype, whichever is larger (bigger tiles return in pieces)."""
-    rows = -(-max_tokens * arch.hidden * compute_dtype.itemsize // 4)
-    return max(Layout.of(arch.layer_specs).numel, rows)

@@ -9,12 +9,14 @@ A step's micro-batches go through the model together, layer by layer (units in b
                recompute [layer s..e-1] from the block's checkpoint, building one small
                  autograd graph per layer (its input is a fresh leaf);
                backward [layer e-1..s], each graph released as soon as it has run
-  embed      per micro-batch, D2H of the input gradient; the optimizer adds it into the rows
+  embed      per micro-batch, the input gradient is added by token id into the embedding's
+             float32 gradient on the device (for a tied head: into the head's gradient)
 
 Weight gradients sum over the micro-batches in a float32 device buffer per unit, which returns to
-pinned host slabs once per step, after the unit's last backward: a layer's gradient crosses the
-link once however many micro-batches the step has, and the host keeps no accumulator for it.
-With K = 1 a layer's recompute and backward of all micro-batches share one weight load.
+pinned host slabs once per step, after the unit's last backward: a gradient crosses the link once
+however many micro-batches the step has, and the host keeps no accumulator for it. Each tile's
+squared gradient norm is taken there too, on the device, and reaches the optimizer with the step's
+end. With K = 1 a layer's recompute and backward of all micro-batches share one weight load.
 
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
@@ -28,12 +30,12 @@ from functools import partial
 import torch
 
 from megatrain.arch import Architecture
-from megatrain.buffers import SlabPool, Unit, WeightStreamer, slab_numel
+from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineConfig, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
 from megatrain.optim import OptimizerWorker
-from megatrain.store import HostStore, Tile
+from megatrain.store import HostStore, Layout, Tile
 from megatrain.timeline import COMPUTE, D2H, HOST, Timeline
 
 
@@ -73,15 +75,19 @@ class Engine:
         self.layer_units = [Unit.of(t.name, [t]) for t in store.layers]
         head_tiles = [store.head, store.embed] if arch.tied else [store.head]
         self.head_unit = Unit.of("head", head_tiles)
+        # the unit whose gradient buffer takes the embedding's rows: the head's when tied
+        self.embed_unit = self.head_unit if arch.tied else Unit.of("embed", [store.embed])
+        self.grad_units = [*self.layer_units, self.head_unit] + ([] if arch.tied else [self.embed_unit])
+        self.tile_index = {tile: k for k, tile in enumerate(store.tiles)}
+        self.sq_host = torch.zeros(len(store.tiles), dtype=torch.float64, pin_memory=device.is_cuda)
         L, K = arch.num_layers, cfg.checkpoint_every
         self.blocks = [(s, min(s + K, L)) for s in range(0, L, K)]
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
         self.timeline = Timeline(device, cfg.timeline)
         self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype, self.timeline)
         pinned = device.is_cuda
-        # a slab carries a layer's gradient, or a micro-batch's embedding-input gradient; bigger
-        # tiles (embedding, LM head) return in slab-sized pieces
-        self.slab_numel = slab_numel(arch, compute_dtype, max_tokens)
+        # a slab carries a layer's gradient; bigger tiles (embedding, LM head) return in pieces
+        self.slab_numel = Layout.of(arch.layer_specs).numel
         self.slabs = SlabPool(max(1, cfg.grad_slabs), self.slab_numel, pinned, self.timeline)
         self.sync_grads = cfg.grad_slabs == 0
         self.rows = torch.empty(max_tokens * arch.hidden, dtype=compute_dtype, pin_memory=pinned)
@@ -105,7 +111,7 @@ class Engine:
                                  f"for {self.max_tokens}")
         M = len(microbatches)
         self.timeline.begin_step()
-        self.worker.begin_step(self._contributions(M))
+        self.worker.begin_step(self._contributions())
         plan = self.layer_units + [self.head_unit]
         for s, e in reversed(self.blocks):
             plan += (self.layer_units[s:e] + self.layer_units[s:e][::-1]) * M
@@ -113,8 +119,10 @@ class Engine:
         h2d0, d2h0 = self.streamer.bytes_h2d, self.bytes_d2h
         wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
         with self.dev.on(self.dev.compute):
+            self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
             loss = self._run(microbatches, targets, 1.0 / n_targets)
-        self.worker.finish_step()
+            self.sq_host.copy_(self.sq, non_blocking=True)
+            self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
         loss_value = float(loss) / n_targets
@@ -127,14 +135,9 @@ class Engine:
                           self.streamer.bytes_h2d - h2d0, self.bytes_d2h - d2h0,
                           self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
 
-    def _contributions(self, M: int) -> dict[Tile, int]:
-        """How many gradient submissions each tile gets in a step of M micro-batches."""
-        count = {tile: 0 for tile in self.store.tiles}
-        for unit in [*self.layer_units, self.head_unit]:
-            for tile in unit.tiles:
-                count[tile] += -(-tile.layout.numel // self.slab_numel)
-        count[self.store.embed] += M  # the input gradient's rows, per micro-batch
-        return count
+    def _contributions(self) -> dict[Tile, int]:
+        """How many gradient pieces each tile gets in a step."""
+        return {tile: -(-tile.layout.numel // self.slab_numel) for unit in self.grad_units for tile in unit.tiles}
 
     def _run(self, mbs: list[Batch], targets: list[torch.Tensor], scale: float) -> torch.Tensor:
         dev, stream, tl, K = self.dev, self.streamer, self.timeline, self.cfg.checkpoint_every
@@ -166,7 +169,12 @@ class Engine:
                 loss += part
                 dhs.append(dh.view(h.shape))
         del hs
-        self._offload(self.head_unit, acc)
+        if self.arch.tied:
+            embed_acc = acc  # the embedding's rows join the head's gradient at the end
+        else:
+            self._offload(self.head_unit, acc)
+            embed_acc = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=dev.torch)
+        del acc, grads
         stream.release()
         # blocks in reverse; per micro-batch: recompute with small graphs, backward layer by layer
         for s, e in reversed(self.blocks):
@@ -202,7 +210,9 @@ class Engine:
                     stream.release()
                 dhs[m] = dh
                 if s == 0:
-                    self._embed_backward(mbs[m].input_ids, dhs[m])
+                    with tl.stream(COMPUTE, dev.compute, "embedding backward"):
+                        self._embed_backward(mbs[m].input_ids, dh, embed_acc)
+        self._offload(self.embed_unit, embed_acc)
         return loss
 
     # ------------------------------------------------------------------ pieces
@@ -244,35 +254,36 @@ class Engine:
         self.dev.wait(self.dev.compute, ready)
         return h
 
-    def _embed_backward(self, ids: torch.Tensor, dh: torch.Tensor) -> None:
-        ids = ids.reshape(-1)
+    def _embed_backward(self, ids: torch.Tensor, dh: torch.Tensor, acc: torch.Tensor) -> None:
+        """Add a micro-batch's input gradient, row by token id, into the embedding's gradient."""
+        table = self.embed_unit.views(acc)[-1]  # the embedding (after the final norm when tied)
+        ids = ids.reshape(-1).to(self.dev.torch, non_blocking=True)
+        rows = dh.reshape(-1, dh.shape[-1]).float()
         if self.arch.padding_idx is not None:  # nn.Embedding(padding_idx=...) gives that row no gradient
-            keep = ids != self.arch.padding_idx
-            ids, dh = ids[keep], dh.reshape(-1, dh.shape[-1])[keep.to(dh.device)]
-        rows = dh.reshape(-1, dh.shape[-1])
-        slab = self.slabs.acquire()
-        host = slab.view(rows.dtype)[: rows.numel()].view(rows.shape)
-        self._to_host(rows, host, lambda event: self.worker.submit_rows(
-            self.store.embed, ids, host, event, partial(self.slabs.release, slab)))
+            rows.mul_((ids != self.arch.padding_idx).unsqueeze(1))
+        table.index_add_(0, ids, rows)
 
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
-        """Return a unit's float32 step gradient to pinned slabs, one piece per slab."""
+        """Return a unit's float32 step gradient to pinned slabs, one piece per slab, and add each
+        tile's squared norm into the step's norms on the device."""
         for tile, offset in unit.segments:
+            grad = acc[offset: offset + tile.layout.numel]
+            self.sq[self.tile_index[tile]] += torch.linalg.vector_norm(grad).double().square()
             for lo in range(0, tile.layout.numel, self.slab_numel):
                 hi = min(tile.layout.numel, lo + self.slab_numel)
                 slab = self.slabs.acquire()
                 host = slab[: hi - lo]
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
-                self._to_host(acc[offset + lo: offset + hi], host, lambda event: self.worker.submit_dense(
+                self._to_host(grad[lo:hi], host, f"gradient {tile.name}", lambda event: self.worker.submit_dense(
                     tile, lo, hi, host, event, release))
 
-    def _to_host(self, src: torch.Tensor, dst: torch.Tensor, submit) -> None:
+    def _to_host(self, src: torch.Tensor, dst: torch.Tensor, name: str, submit) -> None:
         """D2H on the gradient stream after the backward-done event; hand the slab to the optimizer."""
         stream = self.dev.compute if self.sync_grads else self.dev.d2h
         backward_done = self.dev.record(self.dev.compute)
         with self.dev.on(stream):
             self.dev.wait(stream, backward_done)
-            with self.timeline.stream(D2H, stream, "gradient"):
+            with self.timeline.stream(D2H, stream, name):
                 dst.copy_(src, non_blocking=True)
             if self.dev.is_cuda:
                 src.record_stream(stream)  # the allocator must not reuse src before the copy ran

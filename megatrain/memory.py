@@ -13,7 +13,6 @@ import psutil
 import torch
 
 from megatrain.arch import Architecture
-from megatrain.buffers import slab_numel
 from megatrain.config import EngineConfig
 from megatrain.store import HostStore, Layout
 
@@ -41,15 +40,16 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     ffn = getattr(arch.config, "intermediate_size", 4 * h)
     host = {
         "store": HostStore.nbytes(arch, master, compute, clipping),
-        "grad_slabs": max(1, cfg.grad_slabs) * slab_numel(arch, compute, tokens) * 4,
+        "grad_slabs": max(1, cfg.grad_slabs) * layer * 4,
         "embedding_staging": tokens * h * c,
         "runtime": HOST_OVERHEAD,
     }
     chunk = min(cfg.loss_chunk_tokens, tokens)
     device = {
         "weight_buffers": cfg.weight_buffers * unit * c,
-        # float32 step gradients: the head's, or a block's K layers', plus one still returning
-        "grad_accumulators": (max(head, K * layer) + layer) * 4,
+        # float32 step gradients: a block's K layers' plus one still returning, the embedding's
+        # (kept through the backward for its rows), and the LM head's
+        "grad_accumulators": ((K + 1) * layer + v * h + head) * 4,
         "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
         "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
         # block inputs of every micro-batch, plus the hidden states and their gradients in flight

@@ -1,17 +1,15 @@
 """The CPU optimizer: AdamW on the host, with optional global-norm clipping, in a worker thread that
 overlaps the device's work.
 
-Each decoder layer's (and the head's) gradient is summed over the step's micro-batches on the
-device and returns once per step, in float32, as slab-sized pieces of its tile. Without clipping
-a piece updates its range of the tile straight from the pinned slab, during the backward pass:
-the host never stores a gradient of its own for these tiles. The embedding's gradient comes as
-rows per micro-batch and is summed by index into its float32 buffer (the tied head's dense
-gradient lands there first), then updated.
+Every tile's gradient is summed over the step's micro-batches on the device and returns once per
+step, in float32, as slab-sized pieces of the tile. Without clipping a piece updates its range of
+the tile straight from the pinned slab, during the backward pass: the host stores no gradient.
 
-With clipping the update needs the global norm, so every piece is copied into its tile's
-gradient buffer and all updates wait for the step's last gradient; they then run in the order the
-next step's forward reads the tiles, and the weight stream waits per tile (`Tile.ready`), so the
-updates overlap the next step's forward instead of stalling the device for the whole optimizer.
+With clipping the update needs the global norm, so every piece is copied into its tile's gradient
+buffer and all updates wait for the step's end; they then run in the order the next step's
+forward reads the tiles, and the weight stream waits per tile (`Tile.ready`), so the updates
+overlap the next step's forward instead of stalling the device for the whole optimizer.
+The squared norms are taken on the device and arrive with the step's end.
 """
 from __future__ import annotations
 
@@ -96,15 +94,10 @@ class OptimizerWorker:
         self._put(("dense", event, tile, lo, hi, grad, release))
         self._count(tile)
 
-    def submit_rows(self, tile: Tile, ids: torch.Tensor, rows: torch.Tensor, event,
-                    release: Callable[[], None]) -> None:
-        """Embedding gradient as rows: add rows[i] into row ids[i] of the tile's gradient buffer."""
-        self._put(("rows", event, tile, ids, rows, release))
-        self._count(tile)
-
-    def finish_step(self) -> None:
-        """All of the step's gradients are submitted: clip and update what remains."""
-        self._put(("finish",))
+    def finish_step(self, sq_norms: torch.Tensor, event) -> None:
+        """All of the step's gradients are submitted; `sq_norms` (each tile's squared gradient
+        norm, on the host once `event` completes) gives the global norm: clip and update."""
+        self._put(("finish", event, sq_norms))
 
     def flush(self) -> None:
         """Wait until every submitted task is done."""
@@ -134,8 +127,8 @@ class OptimizerWorker:
             try:
                 if self._error is None:
                     kind, *args = task
-                    if kind in ("dense", "rows"):
-                        args.pop(0).synchronize()  # the gradient's D2H copy has landed
+                    if kind in ("dense", "finish"):
+                        args.pop(0).synchronize()  # the D2H copy has landed
                     start = time.perf_counter()
                     with self.timeline.host(OPTIMIZER, _describe(kind, args)):
                         getattr(self, "_do_" + kind)(*args)
@@ -149,39 +142,20 @@ class OptimizerWorker:
     def _do_begin(self, expected: dict[Tile, int]) -> None:
         self._left = expected
         self._received = {tile: 0 for tile in expected}
-        self._sq = {tile: 0.0 for tile in expected}
         self.busy_s = 0.0
 
     def _do_dense(self, tile, lo, hi, grad, release) -> None:
-        if tile.grad is None:  # no clipping: update this range now, from the slab
-            self._sq[tile] += float(torch.linalg.vector_norm(grad)) ** 2
+        if self.cfg.max_grad_norm is None:  # update this range now, from the slab
             self._update(tile, lo, hi, grad, 1.0)
-        else:  # each element's one dense contribution of the step (a unit returns once per step)
+        else:  # each element's one contribution of the step (a unit returns once per step)
             tile.grad[lo:hi].copy_(grad)
         release()
-        self._received_one(tile)
-
-    def _do_rows(self, tile, ids, rows, release) -> None:
-        if self._received[tile] == 0:  # no dense contribution came first (an untied embedding)
-            tile.grad.zero_()
-        table = tile.grad[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
-        table.index_add_(0, ids, rows.to(torch.float32))
-        release()
-        self._received_one(tile)
-
-    def _received_one(self, tile: Tile) -> None:
         self._received[tile] += 1
-        if self._received[tile] < self._left[tile]:
-            return
-        if tile.grad is not None:
-            self._sq[tile] = float(torch.linalg.vector_norm(tile.grad)) ** 2
-            if self.cfg.max_grad_norm is not None:
-                return  # updated at the end of the step, once the global norm is known
-            self._update(tile, 0, tile.layout.numel, tile.grad, 1.0)
-        self._publish(tile)
+        if self._received[tile] == self._left[tile] and self.cfg.max_grad_norm is None:
+            self._publish(tile)
 
-    def _do_finish(self) -> None:
-        norm = self.grad_norms[self.updates_done] = math.sqrt(sum(self._sq.values()))
+    def _do_finish(self, sq_norms: torch.Tensor) -> None:
+        norm = self.grad_norms[self.updates_done] = math.sqrt(float(sq_norms.sum()))
         if self.cfg.max_grad_norm is not None:
             scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             for tile in self.tiles:
@@ -205,6 +179,4 @@ def _describe(kind: str, args: list) -> str:
     if kind == "dense":
         tile, lo, hi = args[:3]
         return f"{tile.name} [{lo}:{hi}]"
-    if kind == "rows":
-        return f"{args[0].name} rows"
     return kind

@@ -7,11 +7,9 @@ layer reaches the GPU in one DMA. When the master's dtype is the compute dtype (
 GPU, float32 on CPU) the shadow is the master itself. With float32 masters that is 4 + 4 + 4 + 2 =
 14 bytes per parameter.
 
-A float32 gradient buffer is added only where a gradient must wait on the host: in every tile
-when clipping needs the global norm before any update (+4 bytes per parameter), and otherwise
-only in the embedding, whose rows arrive per micro-batch and are summed by index. A decoder
-layer's or the head's gradient is summed over the micro-batches on the device and updates its
-tile straight from the pinned slab it returns into (see optim.py).
+Gradients are summed over the micro-batches on the device and update a tile straight from the
+pinned slab they return into (see optim.py). Only clipping, whose global norm is known at the
+step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parameter).
 
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
 and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
@@ -125,7 +123,7 @@ class HostStore:
                  clipping: bool):
         """`clipping`: every tile keeps a gradient buffer (updates wait for the global norm)."""
         self.arch = arch
-        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, True)
+        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, clipping)
         self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned, clipping)
                        for i in range(arch.num_layers)]
         self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned, clipping)
@@ -138,9 +136,8 @@ class HostStore:
     @staticmethod
     def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool) -> int:
         layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute, clipping)
-        embed = tile_bytes(Layout.of(arch.embed_specs).numel, master, compute, True)
-        head = tile_bytes(Layout.of(arch.head_specs).numel, master, compute, clipping)
-        return layer * arch.num_layers + embed + head
+        ends = sum(tile_bytes(Layout.of(s).numel, master, compute, clipping) for s in (arch.embed_specs, arch.head_specs))
+        return layer * arch.num_layers + ends
 
     # ---- filling the store ----
     def init_random(self, seed: int) -> None:
