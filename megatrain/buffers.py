@@ -116,13 +116,14 @@ class WeightStreamer:
         if self.slot_unit[slot] is unit and self.slot_versions[slot] == versions:
             return  # still resident and unchanged (a block's backward right after its recompute)
         stream = self.dev.h2d
-        with self.dev.on(stream), self.timeline.stream(H2D, stream, f"load {unit.name}"):
+        with self.dev.on(stream):
             if self.free[slot] is not None:
                 self.dev.wait(stream, self.free[slot])
-            for tile, offset in unit.segments:
-                n = tile.layout.numel
-                self.flat[slot, offset: offset + n].copy_(tile.shadow, non_blocking=True)
-                self.bytes_h2d += n * tile.shadow.itemsize
+            with self.timeline.stream(H2D, stream, f"load {unit.name}"):
+                for tile, offset in unit.segments:
+                    n = tile.layout.numel
+                    self.flat[slot, offset: offset + n].copy_(tile.shadow, non_blocking=True)
+                    self.bytes_h2d += n * tile.shadow.itemsize
             self.ready[slot] = done = self.dev.record(stream)
         for tile in unit.tiles:
             tile.read_done = done
