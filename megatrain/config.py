@@ -36,6 +36,7 @@ class EngineConfig:
     master_dtype: str = "float32"  # float32 (true full precision) or bfloat16 (the paper's 12 B/param)
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
+    offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
     grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default

@@ -3,7 +3,8 @@
 A step's micro-batches go through the model together, layer by layer (units in brackets):
   embed      host gathers each micro-batch's embedding rows from the pinned shadow -> H2D
   forward    [layer i] for i = 0..L-1 under no_grad, every micro-batch in turn while the layer's
-             weights are resident; the inputs of every K-th layer are kept as checkpoints
+             weights are resident; the inputs of every K-th layer are kept as checkpoints (on
+             the device, or offloaded to pinned host memory: activations.py)
   head       [head] chunked norm + LM head + cross-entropy, forward and backward at once
   blocks     for each block of K layers, last block first, for each micro-batch:
                recompute [layer s..e-1] from the block's checkpoint, building one small
@@ -29,6 +30,7 @@ from functools import partial
 
 import torch
 
+from megatrain.activations import Checkpoints
 from megatrain.arch import Architecture
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineConfig, OptimConfig
@@ -95,6 +97,7 @@ class Engine:
         self.max_tokens = max_tokens
         self.worker = OptimizerWorker(store.tiles, optim, total_steps, self.timeline)
         self.rotary = arch.rotary(device.torch)
+        self.checkpoints = Checkpoints(device, self.timeline, cfg.offload_checkpoints)
         self.bytes_d2h = 0
         self._packing: Unit | None = None
 
@@ -116,7 +119,8 @@ class Engine:
         for s, e in reversed(self.blocks):
             plan += (self.layer_units[s:e] + self.layer_units[s:e][::-1]) * M
         self.streamer.start(plan)
-        h2d0, d2h0 = self.streamer.bytes_h2d, self.bytes_d2h
+        h2d0 = self.streamer.bytes_h2d + self.checkpoints.bytes_h2d
+        d2h0 = self.bytes_d2h + self.checkpoints.bytes_d2h
         wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
@@ -132,7 +136,8 @@ class Engine:
             lengths += [int(n) for n in mask.sum(dim=1)]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
         return StepResult(loss_value, n_targets, lengths, time.perf_counter() - start, prev,
-                          self.streamer.bytes_h2d - h2d0, self.bytes_d2h - d2h0,
+                          self.streamer.bytes_h2d + self.checkpoints.bytes_h2d - h2d0,
+                          self.bytes_d2h + self.checkpoints.bytes_d2h - d2h0,
                           self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
 
     def _contributions(self) -> dict[Tile, int]:
@@ -144,11 +149,11 @@ class Engine:
         hs = [self._embed(mb.input_ids) for mb in mbs]
         ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(hs, mbs)]
         # forward: no graph; keep the inputs of every block
-        checkpoints = {}
+        checkpoints = self.checkpoints
         with torch.no_grad():
             for i in range(self.arch.num_layers):
                 if i % K == 0:
-                    checkpoints[i] = hs
+                    checkpoints.put(i, hs)
                 w = stream.acquire()
                 with tl.stream(COMPUTE, dev.compute, f"forward L{i}"):
                     hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
@@ -177,9 +182,13 @@ class Engine:
         del acc, grads
         stream.release()
         # blocks in reverse; per micro-batch: recompute with small graphs, backward layer by layer
-        for s, e in reversed(self.blocks):
+        for b in reversed(range(len(self.blocks))):
+            s, e = self.blocks[b]
+            inputs = checkpoints.take(s)
+            if b > 0:
+                checkpoints.prefetch(self.blocks[b - 1][0])  # overlaps this block's compute
             accs = {}
-            for m, (x, ctx) in enumerate(zip(checkpoints.pop(s), ctxs)):
+            for m, (x, ctx) in enumerate(zip(inputs, ctxs)):
                 graphs = []
                 for i in range(s, e):
                     leaves = [v.detach().requires_grad_() for v in stream.acquire()]
@@ -209,6 +218,7 @@ class Engine:
                         self._offload(unit, accs.pop(i))
                     stream.release()
                 dhs[m] = dh
+                inputs[m] = None  # this micro-batch's checkpoint is done with
                 if s == 0:
                     with tl.stream(COMPUTE, dev.compute, "embedding backward"):
                         self._embed_backward(mbs[m].input_ids, dh, embed_acc)

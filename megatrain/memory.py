@@ -42,6 +42,7 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "store": HostStore.nbytes(arch, master, compute, clipping),
         "grad_slabs": max(1, cfg.grad_slabs) * layer * 4,
         "embedding_staging": tokens * h * c,
+        "checkpoint_offload": (-(-L // K) * M * tokens * h * c) if cfg.offload_checkpoints else 0,
         "runtime": HOST_OVERHEAD,
     }
     chunk = min(cfg.loss_chunk_tokens, tokens)
@@ -52,8 +53,9 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "grad_accumulators": ((K + 1) * layer + v * h + head) * 4,
         "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
         "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
-        # block inputs of every micro-batch, plus the hidden states and their gradients in flight
-        "checkpoints": (-(-L // K) + 2) * M * tokens * h * c,
+        # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states
+        # and their gradients in flight
+        "checkpoints": ((2 if cfg.offload_checkpoints else -(-L // K)) + 2) * M * tokens * h * c,
         # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
         "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,

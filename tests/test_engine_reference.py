@@ -29,6 +29,8 @@ CASES = {
     "mistral-sliding-K2-untied": ("tiny-mistral", {}, 2, 1, 0.5, True, {}),
     "qwen2-one-buffer-sync-grads": ("tiny-qwen2", {}, 2, 2, 0.5, True, {"weight_buffers": 1, "grad_slabs": 0}),
     "llama-pad-token-row-noclip-accum": ("tiny-llama", {"pad_token_id": 3}, 1, 2, None, True, {}),
+    "llama-offloaded-checkpoints-K2-accum": ("tiny-llama", {"num_hidden_layers": 5}, 2, 2, None, True,
+                                             {"offload_checkpoints": True}),
     "llama-three-buffers-one-slab": ("tiny-llama", {"tie_word_embeddings": True}, 3, 2, 0.5, True,
                                      {"weight_buffers": 3, "grad_slabs": 1}),
 }

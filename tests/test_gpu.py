@@ -51,7 +51,8 @@ def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
 
 
 @pytest.mark.parametrize("engine", [{"weight_buffers": 1}, {"grad_slabs": 0}, {"checkpoint_every": 1},
-                                    {"checkpoint_every": 3, "weight_buffers": 3, "grad_slabs": 1}])
+                                    {"checkpoint_every": 3, "weight_buffers": 3, "grad_slabs": 1},
+                                    {"offload_checkpoints": True, "checkpoint_every": 2}])
 def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
