@@ -25,14 +25,14 @@ declare -A POINTS=(
   [abl_one_buffer]="$W7 --layers 14 --batch 4 --accum 4 --warmup 1 engine.checkpoint_every=1 engine.weight_buffers=1"
   [abl_sync_grads]="$W7 --layers 14 --batch 4 --accum 4 --warmup 1 engine.checkpoint_every=1 engine.grad_slabs=0"
 )
-declare -A GROUPS=(
+declare -A SETS=(
   [targets]="7b_16seq_mb4_K1 7b_16seq_mb8_K1 3b_4seq_K1"
   [depth]="depth_7b_L7 depth_7b_L14 depth_7b_L28"
   [ablations]="abl_base_K1 abl_K2 abl_K4 abl_K8 abl_one_buffer abl_sync_grads"
 )
 names=()
 for arg in "$@"; do
-  if [ -n "${GROUPS[$arg]:-}" ]; then names+=(${GROUPS[$arg]}); else names+=("$arg"); fi
+  if [ -n "${SETS[$arg]:-}" ]; then names+=(${SETS[$arg]}); else names+=("$arg"); fi
 done
 for name in "${names[@]}"; do
   [ -n "${POINTS[$name]:-}" ] || { echo "unknown point or group: $name" >&2; exit 2; }
