@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The speed issue's points on this machine's GPU, one process per point; prints a table last.
 #   OUT=results/h100/speed experiments/speed.sh GROUP|POINT ...
-# Groups: targets, depth, ablations. Each point writes $OUT/<point>.json (experiments/bench.py)
-# and $OUT/<point>.log; POINT_TIMEOUT (seconds, default 300) bounds each.
+# Groups: targets, depth, ablations. Each point writes $OUT/<point>.json (experiments/bench.py);
+# their logs go to $OUT/points.log; POINT_TIMEOUT (seconds, default 300) bounds each.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -37,8 +37,9 @@ done
 for name in "${names[@]}"; do
   [ -n "${POINTS[$name]:-}" ] || { echo "unknown point or group: $name" >&2; exit 2; }
   echo "== $name" >&2
+  echo "== $name" >> "$OUT/points.log"
   timeout "${POINT_TIMEOUT:-300}" python3 experiments/bench.py ${POINTS[$name]} --out "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?" >&2; tail -1 "$OUT/$name.log" >&2
+    >> "$OUT/points.log" 2>&1
+  echo "$name rc=$?" >&2; tail -1 "$OUT/points.log" >&2
 done
 python3 experiments/speed_table.py "$OUT"
