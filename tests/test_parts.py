@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from megatrain.arch import Architecture, load_hf_config
-from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
+from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, load_config
 from megatrain.data import FileSource, SyntheticSource
 from megatrain.memory import plan
 from megatrain.optim import lr_at
-from megatrain.store import ALIGN, PAGE, HostStore, Layout
+from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
+from megatrain.trainer import Trainer
 from tiny_tokenizer import save_tokenizer
 
 
@@ -138,3 +139,52 @@ def test_token_outside_vocab_is_refused(tmp_path):
     path.write_text(json.dumps({"text": "c c c c c"}) + "\n")
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         FileSource(DataConfig(source="file", path=str(path), seq_len=4), 10, str(tmp_path / "tok"))
+
+
+def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):
+    """A tile updated range by range, in small chunks, with decayed and undecayed parts, equals
+    torch.optim.AdamW on the same parameters."""
+    from megatrain import optim
+    from megatrain.arch import ParamSpec
+    monkeypatch.setattr(optim, "CHUNK", 100)
+    specs = [ParamSpec("w", (30, 20)), ParamSpec("norm", (70,))]
+    tile = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)
+    gen = torch.Generator().manual_seed(0)
+    tile.master.copy_(torch.randn(tile.layout.numel, generator=gen))
+    tile.exp_avg.zero_()
+    tile.exp_avg_sq.zero_()
+    ref = [v.clone().requires_grad_() for v in tile.master_views()]
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
+                            lr=1e-2, betas=cfg.betas, eps=cfg.eps)
+    for step in range(1, 4):
+        grad = torch.randn(tile.layout.numel, generator=gen)
+        for r, view in zip(ref, tile.layout.views(grad)):
+            r.grad = view.clone()
+        opt.step()
+        for lo, hi in ((0, 250), (250, 640), (640, tile.layout.numel)):  # pieces cut across both parameters
+            optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-2, cfg, 1.0)
+    for r, view in zip(ref, tile.master_views()):
+        torch.testing.assert_close(view, r.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_timeline_breakdown_and_trace(tmp_path):
+    from megatrain import timeline as tl
+    assert tl._union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert tl._complement([(1, 2), (3, 4)], 0, 5) == [(0, 1), (2, 3), (4, 5)]
+    assert tl._intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    cfg = load_config("configs/tiny-cpu.yaml", ["steps=2", "data.grad_accum=2"])
+    trainer = Trainer(cfg)
+    try:
+        for _ in range(2):
+            m = trainer.train_step(trainer.next_microbatches())
+        e = m["exposed"]
+        assert 0 < e["gpu_busy_frac"] <= 1 and e["optimizer_busy_s"] > 0 and e["h2d_busy_s"] >= 0
+        trainer.write_trace(tmp_path / "trace.json")
+    finally:
+        trainer.close()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    layers = trainer.arch.num_layers
+    assert {f"forward L{layers - 1}", "head", "recompute L0", "backward L0", "load layer.0"} <= names
+    assert any(n.startswith("layer.0 [") for n in names)  # the optimizer's update of layer 0
