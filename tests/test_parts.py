@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_timeline_breakdown_and_trace(tmp_path):
     assert tl._union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
     assert tl._complement([(1, 2), (3, 4)], 0, 5) == [(0, 1), (2, 3), (4, 5)]
     assert tl._intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
-    cfg = load_config("configs/tiny-cpu.yaml", ["steps=2", "data.grad_accum=2"])
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml", ["steps=2", "data.grad_accum=2"])
     trainer = Trainer(cfg)
     try:
         for _ in range(2):
