@@ -99,6 +99,15 @@ class WeightStreamer:
             raise RuntimeError(f"{unit.name} is not the unit of the current op")
         return self.current
 
+    def wait_updated(self, tiles: list[Tile]) -> None:
+        """Block the host until the optimizer has written these tiles' updates (timed)."""
+        for tile in tiles:
+            if not tile.ready.is_set():
+                start = time.perf_counter()
+                with self.timeline.host(HOST, f"wait optimizer: {tile.name}"):
+                    tile.ready.wait()
+                self.wait_s += time.perf_counter() - start
+
     def _issue_through(self, k: int) -> None:
         while self.issued <= k:
             self._issue(self.issued)
@@ -106,12 +115,7 @@ class WeightStreamer:
 
     def _issue(self, k: int) -> None:
         unit, slot = self.loads[k], k % self.nbuf
-        start = time.perf_counter()
-        for tile in unit.tiles:
-            if not tile.ready.is_set():
-                with self.timeline.host(HOST, f"wait optimizer: {tile.name}"):
-                    tile.ready.wait()  # the optimizer has written this tile's update
-        self.wait_s += time.perf_counter() - start
+        self.wait_updated(unit.tiles)
         versions = tuple(tile.version for tile in unit.tiles)
         if self.slot_unit[slot] is unit and self.slot_versions[slot] == versions:
             return  # still resident and unchanged (a block's backward right after its recompute)
@@ -155,4 +159,3 @@ class SlabPool:
 
     def release(self, slab: torch.Tensor) -> None:
         self._free.put(slab)
-

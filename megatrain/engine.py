@@ -245,11 +245,7 @@ class Engine:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Gather the batch's rows of the embedding on the host and send only those."""
         tile = self.store.embed
-        start = time.perf_counter()
-        if not tile.ready.is_set():
-            with self.timeline.host(HOST, "wait optimizer: embed"):
-                tile.ready.wait()
-        self.streamer.wait_s += time.perf_counter() - start
+        self.streamer.wait_updated([tile])
         n = ids.numel()
         table = tile.shadow[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done

@@ -48,9 +48,9 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     chunk = min(cfg.loss_chunk_tokens, tokens)
     device = {
         "weight_buffers": cfg.weight_buffers * unit * c,
-        # float32 step gradients: a block's K layers' plus one still returning, the embedding's
-        # (kept through the backward for its rows), and the LM head's
-        "grad_accumulators": ((K + 1) * layer + v * h + head) * 4,
+        # float32 step gradients: a block's K layers' plus one still returning, and the head's;
+        # untied, also the embedding's (kept through the backward for its rows)
+        "grad_accumulators": ((K + 1) * layer + head + (0 if arch.tied else v * h)) * 4,
         "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
         "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
         # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states

@@ -66,8 +66,8 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
 
 class OptimizerWorker:
     def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline):
-        self.tiles = tiles
-        self.timeline = timeline  # in the order the forward reads them
+        self.tiles = tiles  # in the order the forward reads them
+        self.timeline = timeline
         self.cfg = cfg
         self.total_steps = total_steps
         self.updates_done = 0  # optimizer steps completed (Adam's step count), worker side
