@@ -1,5 +1,5 @@
-"""Draw a window of a step's timeline (a Chrome trace from `Trainer.write_trace` / bench.py
---trace) as one lane per stream and CPU thread:
+"""Draw a window of a step's timeline (a Chrome trace from `Trainer.write_trace`, or the harness's
+megatrain option `trace=PATH`) as one lane per stream and CPU thread:
 
     python3 plots/timeline.py TRACE.json OUT.png [--window START_S END_S ...]
 """

@@ -1,0 +1,89 @@
+"""Command line of the harness: `python -m suite run | check | table`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatrain.config import parse_overrides
+from suite.spec import SYSTEMS, RunSpec
+
+
+def _options(items: list[str]) -> dict:
+    tree: dict = {}
+    for dotted, value in parse_overrides(items):
+        node = tree
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _run(args) -> int:
+    from suite.runner import run_point
+    model = {"preset": args.preset} if args.preset else {"config": args.config}
+    if args.layers:
+        model["overrides"] = {"num_hidden_layers": args.layers}
+    try:
+        spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
+                       grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                       lr=args.lr, timeout_s=args.timeout, options=_options(args.option))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    r = run_point(spec, args.out, python=args.python or sys.executable)
+    med = r.get("median", {})
+    print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
+          f"host {r['peak']['host_rss_bytes'] / 2**30:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
+    return 0 if r["status"] == "ok" else 1
+
+
+def _check(args) -> int:
+    from suite.check import check, passed
+    summary = check(args.systems.split(","), args.out_dir, steps=args.steps, tolerance=args.tolerance)
+    print(f"{'system':<14} {'status':<12} {'max gap':>8}  losses")
+    for r in summary["systems"]:
+        gap = f"{r['max_relative_gap']:.4f}" if "max_relative_gap" in r else "-"
+        losses = " ".join(f"{x:.3f}" for x in r["losses"])
+        print(f"{r['system']:<14} {r['status']:<12} {gap:>8}  {losses or r.get('reason') or ''}")
+    return 0 if passed(summary) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m suite", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="one point in its own process -> one JSON result")
+    r.add_argument("--system", required=True, choices=SYSTEMS)
+    r.add_argument("--preset", help="model shape (megatrain.presets)")
+    r.add_argument("--config", help="a transformers config.json instead of a preset")
+    r.add_argument("--layers", type=int, help="override the number of decoder layers")
+    r.add_argument("--seq", type=int, default=4096)
+    r.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    r.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    r.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--lr", type=float, default=1e-5)
+    r.add_argument("--timeout", type=float, default=1800.0, help="seconds before the point is killed")
+    r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
+    r.add_argument("--out", required=True, help="result JSON (the worker's log goes beside it, .log)")
+    r.add_argument("option", nargs="*", help="system options as key.sub=value (e.g. engine.checkpoint_every=1)")
+    c = sub.add_parser("check", help="each system's loss on a tiny model tracks native's")
+    c.add_argument("--systems", default="megatrain,native")
+    c.add_argument("--out-dir", required=True)
+    c.add_argument("--steps", type=int, default=10)
+    c.add_argument("--tolerance", type=float, default=0.03, help="largest relative loss gap to native")
+    t = sub.add_parser("table", help="the table of folders of results")
+    t.add_argument("folders", nargs="+")
+    args = p.parse_args(argv)
+    if args.command == "run" and bool(args.preset) == bool(args.config):
+        p.error("run: give exactly one of --preset and --config")
+    if args.command == "table":
+        from suite.table import main as table
+        return table(args.folders)
+    return {"run": _run, "check": _check}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Run one point in its own process, watched from outside: timeout, memory peaks, final status.
+
+The worker (suite.worker) runs in a new session so that the whole process tree it starts (DeepSpeed
+and FSDP spawn helpers; compilers run in children) can be killed as one. While it runs, a background
+sampler here reads the tree's resident memory (psutil) and the GPU's used memory (NVML). The parent
+waits with `Popen.wait(timeout)`: no polling loop. Whatever happens, one JSON result is written
+atomically to `out`, with the worker's steps so far.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from megatrain.checkpoint import write_json
+from megatrain.metrics import PeakSampler, environment
+from suite.spec import RunSpec
+
+STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error")
+_DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def classify(returncode: int | None, timed_out: bool, worker_status: str | None, log_tail: str,
+             peak_host: int, host_total: int) -> tuple[str, str | None]:
+    """The final status of a point, and the reason when the worker could not give one itself."""
+    if timed_out:
+        return "timeout", None
+    if worker_status in STATUSES:
+        return worker_status, None
+    if any(s in log_tail for s in _DEVICE_OOM):
+        return "oom_device", "the worker died on a device out-of-memory error (see log_tail)"
+    if returncode is not None and returncode < 0 and -returncode == signal.SIGKILL:
+        if peak_host >= 0.9 * host_total:
+            return "oom_host", (f"killed by SIGKILL with the process tree at {peak_host / 2**30:.1f} GiB of "
+                                f"{host_total / 2**30:.1f} GiB host memory (the kernel's OOM killer)")
+        return "error", "killed by SIGKILL"
+    return "error", f"the worker exited with code {returncode} without a result (see log_tail)"
+
+
+def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
+              python: str = sys.executable, gpu_index: int | None = 0) -> dict:
+    """Run `spec` in a fresh process; write and return its result. `log` keeps the worker's output."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = Path(log) if log else out.with_suffix(".log")
+    with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
+        spec_file, partial = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
+        start = time.perf_counter()
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen([python, "-m", "suite.worker", str(spec_file), str(partial)],
+                                    stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+            sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None)
+            nvml_before = sampler.peak_nvml_bytes
+            timed_out = False
+            try:
+                proc.wait(timeout=spec.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            finally:
+                sampler.close()
+        wall = time.perf_counter() - start
+        result = json.loads(partial.read_text()) if partial.exists() else {
+            "system": spec.system, "spec": spec.to_dict(), "env": environment(), "steps": []}
+    tail = _tail(log)
+    status, reason = classify(proc.returncode, timed_out, result.get("status"), tail,
+                              sampler.peak_host_bytes, psutil.virtual_memory().total)
+    if status != result.get("status"):
+        result["status"] = status
+        result["reason"] = reason if reason else f"no result within the timeout of {spec.timeout_s:.0f} s"
+    if status != "ok":
+        result["log_tail"] = tail
+    result["peak"] = {
+        "device_allocated_bytes": max((r.get("peak_device_allocated_bytes") or 0 for r in result["steps"]), default=0) or None,
+        "device_nvml_bytes": sampler.peak_nvml_bytes or None,
+        "device_nvml_before_bytes": nvml_before or None,
+        "host_rss_bytes": sampler.peak_host_bytes,
+    }
+    result["wall_s"] = wall
+    write_json(out, result)
+    return result
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _has_gpu() -> bool:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False

@@ -1,0 +1,88 @@
+"""The run spec every system shares: which model, which batch, how many steps, which options.
+
+A spec is plain data (JSON in, JSON out) so that a point can be handed to its own process and
+stored beside its result. Everything is validated before any process starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatrain.arch import load_hf_config
+from megatrain.config import DataConfig, ModelConfig
+
+SYSTEMS = ("megatrain", "native", "fsdp2", "zero3", "zero_infinity", "gemini", "ratel")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    system: str
+    model: dict[str, Any]  # a megatrain ModelConfig: {preset | config | pretrained, overrides}
+    seq_len: int = 4096
+    batch_size: int = 1  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps: int = 5  # measured steps, after the warm-up
+    warmup: int = 2
+    seed: int = 0
+    lr: float = 1e-5
+    repeat_batch: bool = False  # the same batch every step (the loss-tracking check)
+    timeout_s: float = 1800.0
+    options: dict[str, Any] = field(default_factory=dict)  # the system's own settings
+
+    def __post_init__(self):
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system: unknown {self.system!r}; known: {list(SYSTEMS)}")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup: must be a non-negative integer, got {self.warmup!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be positive, got {self.lr!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s!r}")
+        hf = self.hf_config()  # an unknown preset, a missing config or a bad override fails here
+        limit = getattr(hf, "max_position_embeddings", None)
+        if limit is not None and self.seq_len > limit:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings {limit}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "RunSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"run spec: unknown keys {unknown}; known: {sorted(names)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return ModelConfig(**self.model)
+        except TypeError as e:
+            raise ValueError(f"model: {e}") from None
+
+    def hf_config(self):
+        return load_hf_config(self.model_config())
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(source="synthetic", seq_len=self.seq_len, batch_size=self.batch_size,
+                          grad_accum=self.grad_accum, seed=self.seed, repeat_batch=self.repeat_batch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size * self.grad_accum
+
+    def key(self) -> str:
+        """A short stable name for the point (system, model, batch, and a hash of the rest)."""
+        model = self.model.get("preset") or "model"
+        digest = hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.system}-{model}-s{self.seq_len}-b{self.batch_size}x{self.grad_accum}-{digest}"

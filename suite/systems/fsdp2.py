@@ -1,0 +1,65 @@
+"""FSDP2 CPU offload on one GPU: `fully_shard` per decoder layer and at the root with
+`CPUOffloadPolicy` (pinned float32 parameters, gradients and optimizer state on the host), bf16
+mixed precision, activation checkpointing, fused AdamW on the CPU."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from suite.systems import hf
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class System:
+    # measured on the H100 machine at 3B: ~20 B/param of host RSS (HARDWARE.md)
+    HOST_BYTES_PER_PARAM = 20
+
+    def __init__(self, spec, device: torch.device):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload")
+        self.device = device
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
+        self.model = hf.build_model(spec, "cpu")
+        hf.enable_checkpointing(self.model)
+        self.model.train()
+        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+        kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+                      offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))
+        mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh, **kwargs)
+        fully_shard(self.model, mesh=mesh, **kwargs)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.0, fused=True)
+
+    def step(self, microbatches) -> dict:
+        total = torch.zeros((), device=self.device)
+        for batch in microbatches:
+            loss = hf.loss_of(self.model, batch, self.device, autocast=False)
+            (loss / len(microbatches)).backward()
+            total += loss.detach()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        hf.synchronize(self.device)
+        return {"loss": total.item() / len(microbatches)}
+
+    def info(self) -> dict:
+        return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",
+                "optimizer": "torch.optim.AdamW(fused=True) on the CPU", "offload": "CPUOffloadPolicy",
+                "activation_checkpointing": True}
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

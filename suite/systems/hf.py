@@ -1,0 +1,68 @@
+"""What the baselines share: the `transformers` model of a spec, its loss, its memory need."""
+from __future__ import annotations
+
+import psutil
+import torch
+
+from megatrain.arch import Architecture
+from suite.systems import DoesNotFit
+
+GiB = 1 << 30
+
+
+def build_model(spec, device: torch.device | str = "cpu"):
+    """The spec's model in float32: random init from spec.seed, or a local pretrained checkpoint."""
+    from transformers import AutoModelForCausalLM
+    mc = spec.model_config()
+    if mc.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
+                                                     attn_implementation=mc.attn_implementation)
+        return model.to(device)
+    torch.manual_seed(spec.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    return model
+
+
+def enable_checkpointing(model) -> None:
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def params(spec) -> int:
+    return Architecture(spec.hf_config()).total_params()
+
+
+def require_host(spec, bytes_per_param: float, what: str) -> None:
+    """Refuse before allocating when the host cannot hold `bytes_per_param` per parameter
+    (a measured figure of that system); `options.admission: false` tries anyway."""
+    if not spec.options.get("admission", True):
+        return
+    need = params(spec) * bytes_per_param
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise DoesNotFit("oom_host", f"{what} needs about {need / GiB:.1f} GiB of host memory "
+                                     f"({bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params); "
+                                     f"{have / GiB:.1f} GiB available")
+
+
+def require_device(spec, device: torch.device, bytes_per_param: float, what: str) -> None:
+    if device.type != "cuda" or not spec.options.get("admission", True):
+        return
+    need = params(spec) * bytes_per_param
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise DoesNotFit("oom_device", f"{what} needs at least {need / GiB:.1f} GiB of device memory "
+                                       f"({bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params) "
+                                       f"before activations; {free / GiB:.1f} GiB free")
+
+
+def loss_of(model, batch, device: torch.device, autocast: bool):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=batch.input_ids.to(device, non_blocking=True),
+                     labels=batch.labels.to(device, non_blocking=True)).loss
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

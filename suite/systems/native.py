@@ -1,0 +1,40 @@
+"""PyTorch native: the whole model resident on the GPU, float32 master weights with bf16 autocast,
+activation checkpointing, fused AdamW on the device. The reference every system is checked against."""
+from __future__ import annotations
+
+import torch
+
+from suite.systems import hf
+
+
+class System:
+    # float32 weights, gradients and two moments on the device
+    BYTES_PER_PARAM = 16
+
+    def __init__(self, spec, device: torch.device):
+        hf.require_device(spec, device, self.BYTES_PER_PARAM, "native training")
+        self.device = device
+        self.autocast = device.type == "cuda"
+        self.model = hf.build_model(spec, device)
+        hf.enable_checkpointing(self.model)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.0, fused=True)
+
+    def step(self, microbatches) -> dict:
+        total = torch.zeros((), device=self.device)
+        for batch in microbatches:
+            loss = hf.loss_of(self.model, batch, self.device, self.autocast)
+            (loss / len(microbatches)).backward()
+            total += loss.detach()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        hf.synchronize(self.device)
+        return {"loss": total.item() / len(microbatches)}
+
+    def info(self) -> dict:
+        return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.autocast else "float32",
+                "optimizer": "torch.optim.AdamW(fused=True)", "activation_checkpointing": True}
+
+    def close(self) -> None:
+        pass

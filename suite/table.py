@@ -1,0 +1,40 @@
+"""The table of a folder of results: `python -m suite table DIR [DIR ...]`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GiB = 2 ** 30
+COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'TFLOP/s':>8} {'ratio':>6} "
+           f"{'busy':>5} {'opt exp':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7}")
+
+
+def rows(folders: list[str | Path]) -> list[tuple[str, dict]]:
+    found = []
+    for folder in folders:
+        for f in sorted(Path(folder).glob("*.json")):
+            r = json.loads(f.read_text())
+            if isinstance(r, dict) and "spec" in r and "status" in r:
+                found.append((f.stem, r))
+    return found
+
+
+def line(name: str, r: dict) -> str:
+    spec, med, peak = r["spec"], r.get("median", {}), r.get("peak", {})
+    exposed = med.get("exposed") or {}
+    host, params = peak.get("host_rss_bytes"), r.get("params")
+    batch = f"{spec['batch_size']}x{spec['grad_accum']}"
+    return (f"{name:34} {r['system']:13} {r['status']:11} {batch:>6} {med.get('step_time_s') or 0:7.2f} "
+            f"{med.get('model_tflops') or 0:8.1f} {r.get('ratio_to_ceiling') or 0:6.3f} "
+            f"{exposed.get('gpu_busy_frac') or 0:5.2f} {exposed.get('optimizer_exposed_s') or 0:7.3f} "
+            f"{(peak.get('device_allocated_bytes') or 0) / GiB:7.1f} {(host or 0) / GiB:8.1f} "
+            f"{host / params if host and params else 0:7.2f}")
+
+
+def main(folders: list[str]) -> int:
+    print(COLUMNS)
+    for name, r in rows(folders):
+        print(line(name, r))
+        if r["status"] != "ok":
+            print("    " + (r.get("reason") or "")[:300].replace("\n", " "))
+    return 0

@@ -1,0 +1,108 @@
+"""One point, inside its own process: build the system, time its steps, write the result.
+
+    python -m suite.worker SPEC.json RESULT.json
+
+The result file is rewritten (atomically) after every step, so a point killed by its timeout or
+by the host's OOM killer still leaves the steps it measured. The parent (suite.runner) adds the
+process tree's host-memory and NVML peaks and the final status.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from megatrain.arch import Architecture
+from megatrain.checkpoint import write_json
+from megatrain.data import SyntheticSource
+from megatrain.metrics import environment, model_flops
+from suite.spec import RunSpec
+from suite.systems import DoesNotFit, Unsupported, load
+
+HARNESS_KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_tflops",
+                "peak_device_allocated_bytes")
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+    return statistics.median(values) if values else None
+
+
+def medians(rows: list[dict]) -> dict:
+    """Medians of every numeric per-step metric (one level of nesting, e.g. megatrain's `exposed`)."""
+    out = {}
+    for key in rows[0] if rows else ():
+        if key == "step":
+            continue
+        if isinstance(rows[0][key], dict):
+            out[key] = {k: _median([r[key] for r in rows], k) for k in rows[0][key]}
+        elif (m := _median(rows, key)) is not None:
+            out[key] = m
+    return out
+
+
+def run(spec: RunSpec, out: str) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    arch = Architecture(spec.hf_config())
+    flops = model_flops(arch.matmul_params(), arch.num_layers, arch.hidden,
+                        [spec.seq_len] * (spec.batch_size * spec.grad_accum))
+    result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
+              "params": arch.total_params(), "model_flops_per_step": flops, "steps": []}
+    write_json(out, result)
+    system = None
+    try:
+        system = load(spec.system)(spec, device)
+        data = SyntheticSource(spec.data_config(), arch.vocab)
+        for index in range(spec.total_steps):
+            microbatches = [data.next() for _ in range(spec.grad_accum)]
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            row = system.step(microbatches)
+            seconds = time.perf_counter() - start
+            row = {**row, "step": index + 1, "loss": float(row["loss"]), "step_time_s": seconds,
+                   "tokens": spec.tokens_per_step, "tokens_per_s": spec.tokens_per_step / seconds,
+                   "model_tflops": flops / seconds / 1e12,
+                   "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+            result["steps"].append(row)
+            write_json(out, result)
+            print(f"{spec.system} step {index + 1}/{spec.total_steps}: {seconds:.2f} s, "
+                  f"{row['model_tflops']:.1f} TFLOP/s, loss {row['loss']:.4f}", file=sys.stderr, flush=True)
+        result["median"] = medians(result["steps"][spec.warmup:])
+        result["info"] = system.info()
+        if "ceiling" in result["info"]:
+            result["ratio_to_ceiling"] = result["median"]["model_tflops"] / result["info"]["ceiling"]["model_tflops"]
+        result["status"] = "ok"
+    except Unsupported as e:
+        result.update(status="unsupported", reason=str(e))
+    except DoesNotFit as e:
+        result.update(status=e.status, reason=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        result.update(status="oom_device", reason=str(e).splitlines()[0])
+    except MemoryError as e:
+        result.update(status="oom_host", reason=f"MemoryError: {e}")
+    finally:
+        if system is not None:
+            system.close()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out = argv
+    spec = RunSpec.from_dict(json.loads(open(spec_path).read()))
+    try:
+        result = run(spec, out)
+    except Exception as e:  # a failed point is a result: keep what was measured, say why
+        result = json.loads(open(out).read()) if os.path.exists(out) else {"system": spec.system, "spec": spec.to_dict()}
+        result.update(status="error", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    write_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

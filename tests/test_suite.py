@@ -1,0 +1,106 @@
+"""The harness on CPU: spec validation, one process per point, statuses, atomic results, sampler."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatrain.metrics import PeakSampler
+from suite.check import check, passed
+from suite.runner import classify, run_point
+from suite.spec import RunSpec
+
+TINY = {"preset": "tiny-llama"}
+
+
+def tiny(system="native", **kw):
+    return RunSpec(**{"system": system, "model": TINY, "seq_len": 32, "batch_size": 2, "grad_accum": 2,
+                      "steps": 3, "warmup": 1, "timeout_s": 300.0, **kw})
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(system="nope"), "unknown 'nope'"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(warmup=-1), "warmup"),
+    (dict(seq_len=100_000), "max_position_embeddings"),
+    (dict(model={"preset": "qwen9"}), "unknown model preset"),
+    (dict(model={"preset": "tiny-llama", "overrides": {"model_type": "bert"}}), "not supported"),
+    (dict(timeout_s=0), "timeout_s"),
+])
+def test_spec_refuses_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**bad)
+
+
+def test_spec_round_trips_and_refuses_unknown_keys():
+    spec = tiny(options={"engine": {"checkpoint_every": 1}})
+    assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    with pytest.raises(ValueError, match="unknown keys"):
+        RunSpec.from_dict({**spec.to_dict(), "batch": 4})
+    assert spec.key() != tiny().key()
+
+
+@pytest.mark.parametrize("system", ["native", "megatrain"])
+def test_point_runs_in_its_own_process(tmp_path, system):
+    out = tmp_path / "r" / "point.json"
+    r = run_point(tiny(system), out)
+    assert r["status"] == "ok", r.get("log_tail")
+    assert json.loads(out.read_text()) == r
+    assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]  # one warm-up, three measured
+    assert r["steps"][0]["tokens"] == 32 * 2 * 2
+    assert r["median"]["model_tflops"] > 0 and r["median"]["step_time_s"] > 0
+    # the sampler watched the worker's tree, not this process
+    assert r["peak"]["host_rss_bytes"] > 100 * 2**20
+    assert r["env"]["cpu_cores"] and r["env"]["torch"] and "git_commit" in r["env"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["point.json", "point.log"]  # no temp files
+
+
+def test_timeout_kills_the_tree_and_is_a_result(tmp_path):
+    start = time.perf_counter()
+    r = run_point(tiny(timeout_s=1.0), tmp_path / "t.json")
+    assert r["status"] == "timeout" and "1 s" in r["reason"]
+    assert time.perf_counter() - start < 30
+    assert json.loads((tmp_path / "t.json").read_text())["status"] == "timeout"
+
+
+def test_failures_are_results(tmp_path):
+    r = run_point(tiny("megatrain", options={"engine": {"no_such_knob": 1}}), tmp_path / "e.json")
+    assert r["status"] == "error" and "no_such_knob" in r["reason"]
+    r = run_point(tiny("megatrain", options={"engine": {"host_memory_gb": 0.0001}}), tmp_path / "h.json")
+    assert r["status"] == "oom_host" and "host memory" in r["reason"]
+
+
+def test_classify_statuses():
+    total = 100 * 2**30
+    assert classify(None, True, "running", "", 0, total)[0] == "timeout"
+    assert classify(0, False, "ok", "", 0, total)[0] == "ok"
+    assert classify(1, False, "running", "torch.OutOfMemoryError: CUDA out of memory.", 0, total)[0] == "oom_device"
+    status, reason = classify(-signal.SIGKILL, False, "running", "", 95 * 2**30, total)
+    assert status == "oom_host" and "OOM killer" in reason
+    assert classify(-signal.SIGKILL, False, "running", "", 2**30, total)[0] == "error"
+    assert classify(-signal.SIGSEGV, False, None, "", 0, total)[0] == "error"
+
+
+def test_sampler_sees_a_child_process_tree():
+    code = "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(3)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    sampler = PeakSampler(pid=proc.pid, interval_s=0.05)
+    proc.wait()
+    sampler.close()
+    assert sampler.peak_host_bytes > 300 * 2**20
+
+
+def test_check_passes_when_systems_track_native(tmp_path):
+    summary = check(["megatrain"], tmp_path, steps=4)
+    assert passed(summary)
+    rows = {r["system"]: r for r in summary["systems"]}
+    assert rows["megatrain"]["max_relative_gap"] < 1e-4  # float32 on the CPU: the same numbers
+    assert rows["native"]["losses"][-1] < rows["native"]["losses"][0]  # it learns the batch
+
+
+def test_check_catches_a_diverging_system():
+    summary = {"systems": [{"system": "native", "status": "ok"},
+                           {"system": "zero3", "status": "ok", "tracks_native": False}]}
+    assert not passed(summary)
