@@ -57,6 +57,8 @@ def run(spec: RunSpec, out: str) -> dict:
     system = None
     try:
         system = load(spec.system)(spec, device)
+        # a system that runs another model (Ratel's own GPT) counts that model's FLOPs
+        flops = result["model_flops_per_step"] = getattr(system, "model_flops_per_step", flops)
         data = SyntheticSource(spec.data_config(), arch.vocab)
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
@@ -65,14 +67,17 @@ def run(spec: RunSpec, out: str) -> dict:
             start = time.perf_counter()
             row = system.step(microbatches)
             seconds = time.perf_counter() - start
-            row = {**row, "step": index + 1, "loss": float(row["loss"]), "step_time_s": seconds,
+            if getattr(system, "own_step_time", False):  # a system run as one script reports its steps
+                seconds = row["step_time_s"]
+            loss = None if row["loss"] is None else float(row["loss"])
+            row = {**row, "step": index + 1, "loss": loss, "step_time_s": seconds,
                    "tokens": spec.tokens_per_step, "tokens_per_s": spec.tokens_per_step / seconds,
                    "model_tflops": flops / seconds / 1e12,
                    "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
             result["steps"].append(row)
             write_json(out, result)
             print(f"{spec.system} step {index + 1}/{spec.total_steps}: {seconds:.2f} s, "
-                  f"{row['model_tflops']:.1f} TFLOP/s, loss {row['loss']:.4f}", file=sys.stderr, flush=True)
+                  f"{row['model_tflops']:.1f} TFLOP/s, loss {loss}", file=sys.stderr, flush=True)
         result["median"] = medians(result["steps"][spec.warmup:])
         result["info"] = system.info()
         if "ceiling" in result["info"]:
