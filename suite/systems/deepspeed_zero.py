@@ -1,0 +1,184 @@
+"""DeepSpeed ZeRO stage 3 on one GPU, shared by ZeRO-3 Offload (`zero3`: parameters and optimizer
+state in pinned host memory) and ZeRO-Infinity (`zero_infinity`: both on NVMe through libaio).
+
+The model is built under `deepspeed.zero.Init` by the `transformers` integration: an
+`HfDeepSpeedConfig` that is alive during `from_config` makes `transformers` partition each module as
+it is built and then initialise the weights gathered (a bare `zero.Init` leaves them uninitialised:
+loss 1314 instead of 9.35). DeepSpeed's CPU Adam (its "AdamW" with an offloaded optimizer), bf16,
+no gradient clipping, the model's own activation checkpointing.
+
+spec.options (anything else is refused):
+  ds_config  a dict deep-merged over the built config, e.g.
+             {"zero_optimization": {"offload_param": {"buffer_count": 8}}}
+  nvme_path  (zero_infinity only) the swap directory; default a fresh one under /tmp, removed at close
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatrain.arch import Architecture
+from suite.systems import Unsupported, hf
+
+OFFLOADS = ("cpu", "nvme")
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError:
+        raise Unsupported("deepspeed is not installed (pip install -e '.[baselines]', or carry the wheel "
+                          "folder built by ../shared/tools/device-wheels.sh)") from None
+    return deepspeed
+
+
+def largest_tensor_numel(spec) -> int:
+    """Elements of the model's largest parameter: the embedding, unless a layer matrix is larger."""
+    arch = Architecture(spec.hf_config())
+    return max([arch.vocab * arch.hidden] + [s.numel for s in arch.layer_specs])
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top: dicts merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of a point: ZeRO-3, parameters and optimizer offloaded to `offload`."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
+    known = ("ds_config", "nvme_path") if offload == "nvme" else ("ds_config",)
+    unknown = sorted(set(spec.options) - set(known))
+    if unknown:
+        raise ValueError(f"options: unknown {unknown} for system {spec.system!r}; known: {list(known)}")
+    if not isinstance(spec.options.get("ds_config", {}), dict):
+        raise ValueError("options.ds_config must be a dict of DeepSpeed config entries")
+    offload_param = {"device": offload, "pin_memory": True}
+    offload_optimizer = {"device": offload, "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "train_batch_size": spec.batch_size * spec.grad_accum,  # world size 1
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_optimizer},
+        "steps_per_print": 2**31 - 1,  # DeepSpeed's own step log would interleave with the harness's
+        "wall_clock_breakdown": False,
+    }
+    if offload == "nvme":
+        if not nvme_path:
+            raise ValueError("NVMe offload needs an nvme_path")
+        # Every swapped parameter takes a whole buffer, so a buffer must hold the largest one.
+        offload_param.update(nvme_path=nvme_path, buffer_count=5,
+                             buffer_size=max(10**8, largest_tensor_numel(spec)), max_in_cpu=10**9)
+        offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)
+        # The values of DeepSpeed's ZeRO-Infinity tutorial (thread_count is now intra_op_parallelism).
+        config["aio"] = {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 1,
+                         "single_submit": False, "overlap_events": True}
+    return merge(config, spec.options.get("ds_config", {}))
+
+
+def aio_problem() -> str | None:
+    """Why DeepSpeed cannot build its async_io op here, in DeepSpeed's words; None when it can."""
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):  # DeepSpeed prints its reasons as coloured warnings
+        if builder.is_compatible(verbose=True):
+            return None
+    text = re.sub(r"\x1b\[[0-9;]*m|\[WARNING\]", "", report.getvalue())
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or "is_compatible() is False"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(deepspeed, device: torch.device) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    # DeepSpeed picks its device from LOCAL_RANK
+    os.environ.update(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(verbose=False)
+
+
+def _build_model(spec):
+    """hf.build_model without its `.to(device)`: moving a ZeRO-3 partitioned model is not a no-op."""
+    from transformers import AutoModelForCausalLM
+    mc = spec.model_config()
+    if mc.pretrained:
+        return AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
+                                                    attn_implementation=mc.attn_implementation)
+    torch.manual_seed(spec.seed)
+    return AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+
+
+class ZeroSystem:
+    """The shared system; a subclass names itself and says where the states go and what it needs."""
+    NAME: str
+
+    def __init__(self, spec, device: torch.device):
+        deepspeed = import_deepspeed()
+        self.config = self.build_config(spec)
+        if device.type != "cuda":
+            raise Unsupported(f"{self.NAME} runs on a CUDA device, not on {device}")
+        self.admit(spec)
+        from transformers.integrations import HfDeepSpeedConfig
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.device = device
+        self.grad_accum = spec.grad_accum
+        self.version = deepspeed.__version__
+        _init_distributed(deepspeed, device)
+        # transformers holds only a weak reference to this: it must outlive the model's construction
+        self._hf_ds_config = HfDeepSpeedConfig(self.config)
+        model = _build_model(spec)
+        hf.enable_checkpointing(model)
+        model.train()
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)
+
+    def build_config(self, spec) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def admit(self, spec) -> None:
+        """Raise Unsupported or DoesNotFit before anything is allocated."""
+        raise NotImplementedError
+
+    def step(self, microbatches) -> dict:
+        # DeepSpeed counts micro-batches itself and steps the optimizer on the last of each group
+        assert len(microbatches) == self.grad_accum, (len(microbatches), self.grad_accum)
+        losses = []
+        for batch in microbatches:
+            loss = hf.loss_of(self.engine, batch, self.device, autocast=False)  # the engine runs in bf16
+            self.engine.backward(loss)  # scales by 1/grad_accum
+            self.engine.step()
+            losses.append(loss.detach())
+        hf.synchronize(self.device)
+        return {"loss": torch.stack(losses).float().mean().item()}
+
+    def info(self) -> dict:
+        return {"master_dtype": "float32", "compute_dtype": "bfloat16", "optimizer": "DeepSpeedCPUAdam (AdamW)",
+                "activation_checkpointing": True, "deepspeed_version": self.version, "ds_config": self.config}
+
+    def close(self) -> None:
+        self.engine.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""The DeepSpeed baselines without DeepSpeed: their config, their refusals, and the libaio route.
+
+Training itself needs a GPU and DeepSpeed; it is checked on the GPU machine, not here.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.arch import Architecture
+from suite.spec import RunSpec
+from suite.systems import DoesNotFit, Unsupported, deepspeed_zero, zero3, zero_infinity
+from suite.systems.deepspeed_zero import ds_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spec(system: str, preset: str = "tiny-qwen2", **kw) -> RunSpec:
+    return RunSpec(system=system, model={"preset": preset}, seq_len=32, batch_size=2, **kw)
+
+
+def test_zero3_offload_config():
+    c = ds_config(spec("zero3", grad_accum=3, lr=3e-4), "cpu")
+    z = c["zero_optimization"]
+    assert z["stage"] == 3
+    assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert c["bf16"] == {"enabled": True}
+    assert c["optimizer"] == {"type": "AdamW",
+                              "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (2, 3, 6)
+    assert c["gradient_clipping"] == 0.0
+    assert "aio" not in c
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "qwen2.5-7b"])
+def test_zero_infinity_config_buffers_hold_the_largest_tensor(preset):
+    s = spec("zero_infinity", preset)
+    c = ds_config(s, "nvme", "/swap")
+    param, opt = c["zero_optimization"]["offload_param"], c["zero_optimization"]["offload_optimizer"]
+    assert param["device"] == opt["device"] == "nvme"
+    assert param["nvme_path"] == opt["nvme_path"] == "/swap"
+    arch = Architecture(s.hf_config())
+    assert param["buffer_size"] >= arch.vocab * arch.hidden
+    assert param["buffer_size"] >= max(p.numel for p in arch.layer_specs)
+    assert param["buffer_count"] == 5 and param["max_in_cpu"] == 10**9
+    assert set(c["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"}
+
+
+def test_options_deep_merge_over_the_built_config():
+    over = {"zero_optimization": {"offload_param": {"buffer_count": 8}}, "gradient_clipping": 1.0}
+    c = ds_config(spec("zero_infinity", options={"ds_config": over, "nvme_path": "/swap"}), "nvme", "/swap")
+    assert c["zero_optimization"]["offload_param"]["buffer_count"] == 8
+    assert c["zero_optimization"]["offload_param"]["device"] == "nvme"  # siblings kept
+    assert c["zero_optimization"]["stage"] == 3
+    assert c["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize("options", [{"nvme_path": "/swap"}, {"zero_optimization": {}}, {"ds_config": 3}])
+def test_bad_options_are_refused(options):
+    with pytest.raises(ValueError, match="options"):
+        ds_config(spec("zero3", options=options), "cpu")
+
+
+@pytest.mark.parametrize("module", [zero3, zero_infinity])
+def test_missing_deepspeed_is_unsupported(module, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
+    with pytest.raises(Unsupported, match=r"deepspeed is not installed \(pip install -e '\.\[baselines\]'"):
+        module.System(spec(module.__name__.rsplit(".", 1)[1]), torch.device("cpu"))
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    monkeypatch.setattr(deepspeed_zero, "import_deepspeed", lambda: None)
+
+
+def test_cpu_device_is_unsupported(fake_deepspeed):
+    with pytest.raises(Unsupported, match="CUDA device"):
+        zero3.System(spec("zero3"), torch.device("cpu"))
+
+
+def test_zero3_refuses_a_model_the_host_cannot_hold(fake_deepspeed):
+    with pytest.raises(DoesNotFit, match="26 B/param") as e:
+        zero3.System(spec("zero3", "qwen2.5-72b"), torch.device("cuda"))
+    assert e.value.status == "oom_host"
+
+
+def test_zero_infinity_without_libaio_says_why(fake_deepspeed, monkeypatch):
+    reason = "async_io requires the dev libaio .so object and headers but these were not found."
+    monkeypatch.setattr(zero_infinity, "aio_problem", lambda: reason)
+    with pytest.raises(Unsupported) as e:
+        zero_infinity.System(spec("zero_infinity"), torch.device("cuda"))
+    assert reason in str(e.value) and "baselines/libaio.sh" in str(e.value)
+
+
+def test_zero_infinity_refuses_a_model_the_swap_cannot_hold(fake_deepspeed, monkeypatch, tmp_path):
+    monkeypatch.setattr(zero_infinity, "aio_problem", lambda: None)
+    swap = tmp_path / "swap"
+    with pytest.raises(DoesNotFit, match="GiB free there") as e:
+        zero_infinity.System(spec("zero_infinity", "qwen2.5-72b", options={"nvme_path": str(swap)}),
+                             torch.device("cuda"))
+    assert e.value.status == "oom_host" and not swap.exists()
+
+
+def _deb(path: Path, files: dict[str, bytes], links: dict[str, str]) -> None:
+    """A minimal .deb: an ar archive of debian-binary, control.tar.gz and data.tar.gz."""
+    def tar(entries) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as t:
+            for info, data in entries:
+                t.addfile(info, io.BytesIO(data) if data is not None else None)
+        return buf.getvalue()
+
+    def file(name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        return info, data
+
+    def link(name, target):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = tarfile.SYMTYPE, target
+        return info, None
+
+    members = {"debian-binary": b"2.0\n",
+               "control.tar.gz": tar([file("./control", b"Package: fake\n")]),
+               "data.tar.gz": tar([file(f"./{n}", d) for n, d in files.items()] +
+                                  [link(f"./{n}", t) for n, t in links.items()])}
+    with open(path, "wb") as f:
+        f.write(b"!<arch>\n")
+        for name, data in members.items():
+            f.write(f"{name:<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(data):<10}`\n".encode())
+            f.write(data + b"\n" * (len(data) % 2))
+
+
+@pytest.mark.skipif(not shutil.which("bash") or not (shutil.which("dpkg") or shutil.which("ar")),
+                    reason="libaio.sh needs bash, and dpkg or ar")
+def test_libaio_env_unpacks_into_a_prefix_and_fixes_absolute_links(tmp_path):
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    lib = "lib/x86_64-linux-gnu"
+    # the layout of older Debian/Ubuntu: runtime in /lib, dev link in /usr/lib pointing at it absolutely
+    _deb(debs / "libaio1_0.3_amd64.deb", {f"{lib}/libaio.so.1.0.1": b"elf"}, {f"{lib}/libaio.so.1": "libaio.so.1.0.1"})
+    _deb(debs / "libaio-dev_0.3_amd64.deb", {"usr/include/libaio.h": b"/* */"},
+         {f"usr/{lib}/libaio.so": f"/{lib}/libaio.so.1.0.1"})
+    prefix = tmp_path / "prefix"
+    env = {**os.environ, "LIBAIO_PREFIX": str(prefix), "LD_LIBRARY_PATH": "/old"}
+    out = subprocess.run(["bash", str(REPO / "baselines/libaio.sh"), "env", str(debs)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
+    assert set(exports) == {"CFLAGS", "LDFLAGS", "CPATH", "LIBRARY_PATH", "LD_LIBRARY_PATH"}
+    assert exports["CPATH"] == str(prefix / "usr/include") and exports["CFLAGS"] == f"-I{prefix}/usr/include"
+    assert exports["LD_LIBRARY_PATH"].split(":")[-1] == "/old"
+    assert str(prefix / lib) in exports["LIBRARY_PATH"].split(":")
+    dev_link = prefix / "usr" / lib / "libaio.so"
+    assert dev_link.resolve() == (prefix / lib / "libaio.so.1.0.1").resolve()
+
+
+def test_libaio_env_without_debs_says_what_to_run(tmp_path):
+    run = subprocess.run(["bash", str(REPO / "baselines/libaio.sh"), "env", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "fetch" in run.stderr
