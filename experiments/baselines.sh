@@ -12,6 +12,6 @@ if [ -d .whl ]; then
 fi
 [ -d .libaio ] && eval "$(baselines/libaio.sh env .libaio)"
 python3 -m suite check --systems "${CHECK_SYSTEMS:-megatrain,native,fsdp2,zero3,zero_infinity,gemini,ratel}" \
-  --out-dir "$OUT/check"
+  --out-dir "$OUT/check" --timeout "${POINT_TIMEOUT:-600}"
 [ $# -gt 0 ] || set -- baselines3b baselines7b
 experiments/points.sh "$@"

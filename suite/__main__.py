@@ -41,7 +41,8 @@ def _run(args) -> int:
 
 def _check(args) -> int:
     from suite.check import check, passed
-    summary = check(args.systems.split(","), args.out_dir, steps=args.steps, tolerance=args.tolerance)
+    summary = check(args.systems.split(","), args.out_dir, steps=args.steps, tolerance=args.tolerance,
+                    timeout_s=args.timeout)
     print(f"{'system':<14} {'status':<12} {'max gap':>8}  losses")
     for r in summary["systems"]:
         gap = f"{r['max_relative_gap']:.4f}" if "max_relative_gap" in r else "-"
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out-dir", required=True)
     c.add_argument("--steps", type=int, default=10)
     c.add_argument("--tolerance", type=float, default=0.03, help="largest relative loss gap to native")
+    c.add_argument("--timeout", type=float, default=900.0, help="seconds before a system's point is killed")
     t = sub.add_parser("table", help="the table of folders of results")
     t.add_argument("folders", nargs="+")
     args = p.parse_args(argv)
