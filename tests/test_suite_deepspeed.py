@@ -167,3 +167,11 @@ def test_libaio_env_without_debs_says_what_to_run(tmp_path):
     run = subprocess.run(["bash", str(REPO / "baselines/libaio.sh"), "env", str(tmp_path)],
                          capture_output=True, text=True)
     assert run.returncode != 0 and "fetch" in run.stderr
+
+
+def test_arch_list_loses_arch_specific_suffixes(monkeypatch):
+    from suite.systems.deepspeed_zero import _plain_arch_list
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;10.0f+PTX")
+    _plain_arch_list()
+    import os
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"

@@ -112,6 +112,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _plain_arch_list() -> None:
+    """DeepSpeed 0.19.8 parses TORCH_CUDA_ARCH_LIST entries as numbers and fails on an
+    arch-specific one such as "9.0a" (as set in the GPU machine's image) when it JIT-builds a CUDA
+    op (async_io): keep the same architectures without the suffix."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if value:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+
+
 def _init_distributed(deepspeed, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_device(index)
@@ -147,6 +156,7 @@ class ZeroSystem:
         self.device = device
         self.grad_accum = spec.grad_accum
         self.version = deepspeed.__version__
+        _plain_arch_list()
         _init_distributed(deepspeed, device)
         # transformers holds only a weak reference to this: it must outlive the model's construction
         self._hf_ds_config = HfDeepSpeedConfig(self.config)
