@@ -84,8 +84,11 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
     if offload == "nvme":
         if not nvme_path:
             raise ValueError("NVMe offload needs an nvme_path")
-        # Every swapped parameter takes a whole buffer, so a buffer must hold the largest one.
-        offload_param.update(nvme_path=nvme_path, buffer_count=5,
+        # Every swapped parameter takes a whole buffer, so a buffer must hold the largest one, and
+        # a layer's tensors plus the next layer's prefetch must find one each: DeepSpeed's default
+        # of 5 failed on the 3B shape ("Not enough buffers 0 for swapping 1", 12 tensors a layer).
+        per_layer = len(Architecture(spec.hf_config()).layer_specs)
+        offload_param.update(nvme_path=nvme_path, buffer_count=2 * per_layer + 4,
                              buffer_size=max(10**8, largest_tensor_numel(spec)), max_in_cpu=10**9)
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)
         # The values of DeepSpeed's ZeRO-Infinity tutorial (thread_count is now intra_op_parallelism).
