@@ -22,6 +22,7 @@ import psutil
 from megatrain.checkpoint import write_json
 from megatrain.metrics import PeakSampler, environment
 from suite.spec import RunSpec
+from suite.worker import medians
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error")
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -82,6 +83,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         result["reason"] = reason if reason else f"no result within the timeout of {spec.timeout_s:.0f} s"
     if status != "ok":
         result["log_tail"] = tail
+    measured = result["steps"][spec.warmup:]
+    if status == "timeout" and measured:  # a slow system: what it measured before the limit, flagged
+        result["median"] = medians(measured)
+        result["partial_samples"] = len(measured)
     result["peak"] = {
         "device_allocated_bytes": max((r.get("peak_device_allocated_bytes") or 0 for r in result["steps"]), default=0) or None,
         "device_nvml_bytes": sampler.peak_nvml_bytes or None,

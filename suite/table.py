@@ -36,5 +36,6 @@ def main(folders: list[str]) -> int:
     for name, r in rows(folders):
         print(line(name, r))
         if r["status"] != "ok":
-            print("    " + (r.get("reason") or "")[:300].replace("\n", " "))
+            partial = f"(medians of the {r['partial_samples']} steps measured before it) " if "partial_samples" in r else ""
+            print("    " + partial + (r.get("reason") or "")[:300].replace("\n", " "))
     return 0

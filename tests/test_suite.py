@@ -65,6 +65,14 @@ def test_timeout_kills_the_tree_and_is_a_result(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["status"] == "timeout"
 
 
+def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
+    # a tiny run whose steps are many: it measures a few, then the limit kills it
+    r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")
+    assert r["status"] == "timeout"
+    assert r["partial_samples"] == len(r["steps"]) - 1 > 0
+    assert r["median"]["step_time_s"] > 0
+
+
 def test_failures_are_results(tmp_path):
     r = run_point(tiny("megatrain", options={"engine": {"no_such_knob": 1}}), tmp_path / "e.json")
     assert r["status"] == "error" and "no_such_knob" in r["reason"]
