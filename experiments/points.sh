@@ -31,12 +31,16 @@ declare -A POINTS=(
   [3b_megatrain_b4]="megatrain $B3 --batch 4 $K1"
   [3b_megatrain_b8]="megatrain $B3 --batch 8 $K1"
   [3b_megatrain_b4x4]="megatrain $B3 --batch 4 --accum 4 $K1"
+  [3b_megatrain_b16]="megatrain $B3 --batch 16 $K1"
   [3b_fsdp2_b4]="fsdp2 $B3 --batch 4"
   [3b_fsdp2_b8]="fsdp2 $B3 --batch 8"
+  [3b_fsdp2_b16]="fsdp2 $B3 --batch 16"
   [3b_zero3_b4]="zero3 $B3 --batch 4"
   [3b_zero3_b8]="zero3 $B3 --batch 8"
+  [3b_zero3_b16]="zero3 $B3 --batch 16"
   [3b_zero_infinity_b4]="zero_infinity $B3 --batch 4"
   [3b_gemini_b4]="gemini $B3 --batch 4"
+  [3b_gemini_b8]="gemini $B3 --batch 8"
   [3b_ratel_b4]="ratel $B3 --batch 4"
   # and on the 7B shape (host memory refuses some: that is a result)
   [7b_megatrain_b8x2]="megatrain $W7 --batch 8 --accum 2 $K1"
@@ -49,7 +53,7 @@ declare -A SETS=(
   [targets]="7b_16seq_mb4_K1 7b_16seq_mb8_K1 3b_4seq_K1"
   [depth]="depth_7b_L7 depth_7b_L14 depth_7b_L28"
   [ablations]="abl_base_K1 abl_K2 abl_K4 abl_K8 abl_one_buffer abl_sync_grads"
-  [baselines3b]="3b_native_b4 3b_native_b8 3b_megatrain_b4 3b_megatrain_b8 3b_megatrain_b4x4 3b_fsdp2_b4 3b_fsdp2_b8 3b_zero3_b4 3b_zero3_b8 3b_zero_infinity_b4 3b_gemini_b4 3b_ratel_b4"
+  [baselines3b]="3b_native_b4 3b_native_b8 3b_megatrain_b4 3b_megatrain_b8 3b_megatrain_b4x4 3b_megatrain_b16 3b_fsdp2_b4 3b_fsdp2_b8 3b_fsdp2_b16 3b_zero3_b4 3b_zero3_b8 3b_zero3_b16 3b_zero_infinity_b4 3b_gemini_b4 3b_gemini_b8 3b_ratel_b4"
   [baselines7b]="7b_megatrain_b8x2 7b_native_b4 7b_fsdp2_b4 7b_zero3_b4 7b_zero_infinity_b4"
 )
 names=()
