@@ -9,6 +9,7 @@ process tree's host-memory and NVML peaks and the final status.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -76,6 +77,8 @@ def run(spec: RunSpec, out: str) -> dict:
                    "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
             result["steps"].append(row)
             write_json(out, result)
+            if loss is not None and not math.isfinite(loss):  # diverged: broken, not slow
+                raise FloatingPointError(f"the loss is {loss} at step {index + 1}: the system diverged")
             print(f"{spec.system} step {index + 1}/{spec.total_steps}: {seconds:.2f} s, "
                   f"{row['model_tflops']:.1f} TFLOP/s, loss {loss}", file=sys.stderr, flush=True)
         result["median"] = medians(result["steps"][spec.warmup:])

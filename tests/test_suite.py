@@ -80,6 +80,12 @@ def test_failures_are_results(tmp_path):
     assert r["status"] == "oom_host" and "host memory" in r["reason"]
 
 
+def test_a_diverging_system_is_an_error_not_a_speed(tmp_path):
+    r = run_point(tiny(lr=1e12, steps=6), tmp_path / "nan.json")
+    assert r["status"] == "error" and "diverged" in r["reason"]
+    assert "median" not in r
+
+
 def test_classify_statuses():
     total = 100 * 2**30
     assert classify(None, True, "running", "", 0, total)[0] == "timeout"
