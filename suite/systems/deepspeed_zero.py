@@ -19,7 +19,6 @@ import io
 import logging
 import os
 import re
-import socket
 from typing import Any
 
 import torch
@@ -109,12 +108,6 @@ def aio_problem() -> str | None:
     return " ".join(line.strip() for line in text.splitlines() if line.strip()) or "is_compatible() is False"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _plain_arch_list() -> None:
     """DeepSpeed 0.19.8 parses TORCH_CUDA_ARCH_LIST entries as numbers and fails on an
     arch-specific one such as "9.0a" (as set in the GPU machine's image) when it JIT-builds a CUDA
@@ -129,7 +122,7 @@ def _init_distributed(deepspeed, device: torch.device) -> None:
     torch.cuda.set_device(index)
     # DeepSpeed picks its device from LOCAL_RANK
     os.environ.update(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(hf.free_port()))
     deepspeed.init_distributed(verbose=False)
 
 

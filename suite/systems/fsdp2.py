@@ -4,18 +4,11 @@ mixed precision, activation checkpointing, fused AdamW on the CPU."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from suite.systems import hf
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class System:
@@ -28,7 +21,7 @@ class System:
         self.device = device
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(hf.free_port()))
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
         self.model = hf.build_model(spec, "cpu")
@@ -45,15 +38,7 @@ class System:
                                      weight_decay=0.0, fused=True)
 
     def step(self, microbatches) -> dict:
-        total = torch.zeros((), device=self.device)
-        for batch in microbatches:
-            loss = hf.loss_of(self.model, batch, self.device, autocast=False)
-            (loss / len(microbatches)).backward()
-            total += loss.detach()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        hf.synchronize(self.device)
-        return {"loss": total.item() / len(microbatches)}
+        return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False)
 
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",

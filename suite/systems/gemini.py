@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import socket
 
 import torch
 import torch.distributed as dist
@@ -60,12 +59,6 @@ def _import():
     return colossalai, Booster, GeminiPlugin, HybridAdam
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _settings(options: dict) -> dict:
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
@@ -99,7 +92,7 @@ class System:
                               f"HybridAdam kernels are CUDA-only); got {device} [{versions()}]")
         hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "ColossalAI Gemini with host offload")
         self.device = device
-        colossalai.launch(rank=0, world_size=1, host="127.0.0.1", port=_free_port(),
+        colossalai.launch(rank=0, world_size=1, host="127.0.0.1", port=hf.free_port(),
                           local_rank=device.index or 0, seed=spec.seed, verbose=False)
         # HybridAdam JIT-compiles its CPU-Adam and fused-Adam kernels (nvcc, ninja, CUDA_HOME; cached
         # in ~/.cache/colossalai): build them on a one-element parameter before the model is built

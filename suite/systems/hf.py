@@ -1,6 +1,8 @@
 """What the baselines share: the `transformers` model of a spec, its loss, its memory need."""
 from __future__ import annotations
 
+import socket
+
 import psutil
 import torch
 
@@ -66,3 +68,23 @@ def loss_of(model, batch, device: torch.device, autocast: bool):
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def train_step(model, opt, microbatches, device: torch.device, autocast: bool) -> dict:
+    """One optimizer step of a plain torch model over the micro-batches; the mean loss."""
+    total = torch.zeros((), device=device)
+    for batch in microbatches:
+        loss = loss_of(model, batch, device, autocast)
+        (loss / len(microbatches)).backward()
+        total += loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    synchronize(device)
+    return {"loss": total.item() / len(microbatches)}
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a one-process 'distributed' group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

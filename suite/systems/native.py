@@ -22,15 +22,7 @@ class System:
                                      weight_decay=0.0, fused=True)
 
     def step(self, microbatches) -> dict:
-        total = torch.zeros((), device=self.device)
-        for batch in microbatches:
-            loss = hf.loss_of(self.model, batch, self.device, self.autocast)
-            (loss / len(microbatches)).backward()
-            total += loss.detach()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        hf.synchronize(self.device)
-        return {"loss": total.item() / len(microbatches)}
+        return hf.train_step(self.model, self.opt, microbatches, self.device, self.autocast)
 
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.autocast else "float32",
