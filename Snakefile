@@ -1,13 +1,32 @@
-# The reproduction workflow. This first part runs the engine's smoke point; the paper's grids,
-# tables and figures are added by the workflow issue (rules in workflows/).
+# The reproduction workflow: the grid's points (one job each), one table and one figure per
+# experiment, and the engine's smoke run. The grid comes from the profile:
+#   snakemake --profile cpu        # tiny models on the CPU, the whole DAG in minutes
+#   snakemake --profile h100 -n    # the H100 grid (dry run)
+# Sub-targets: `tables`, `figures`, `engine_smoke`, or one file such as plots/cpu/depth.png.
 from snakemake.utils import min_version
 
 min_version("8.0")
 
 
+include: "workflows/common.smk"
+include: "workflows/points.smk"
+include: "workflows/report.smk"
 include: "workflows/engine.smk"
 
 
 rule all:
+    default_target: True
     input:
+        all_tables(),
+        all_figures(),
         rules.engine_smoke.output,
+
+
+rule tables:
+    input:
+        all_tables(),
+
+
+rule figures:
+    input:
+        all_figures(),

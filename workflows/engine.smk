@@ -4,6 +4,8 @@ rule engine_smoke:
         "configs/tiny-cpu.yaml",
     output:
         "results/cpu/engine/tiny-cpu.jsonl",
+    conda:
+        "envs/megatrain.yaml"
     log:
         "logs/engine_smoke.log",
     shell:

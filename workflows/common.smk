@@ -1,0 +1,43 @@
+# The grid (config["grid"], a workflows/grids/*.yaml chosen by the profile), validated by schema,
+# and the input functions of the target rules.
+import sys
+
+from snakemake.utils import validate
+
+sys.path.insert(0, workflow.basedir)  # workflows.scripts and megatrain's suite, from the repo root
+from workflows.scripts import grid as gridlib  # noqa: E402
+
+GRID_FILE = config.get("grid", "workflows/grids/cpu.yaml")
+GRID = gridlib.load(GRID_FILE)
+validate(GRID, "schemas/grid.schema.yaml")
+gridlib.check(GRID)
+HW = GRID["hardware"]
+POINTS = gridlib.points(GRID)
+EXPERIMENTS = list(GRID["experiments"])
+
+
+wildcard_constraints:
+    experiment="|".join(EXPERIMENTS),
+    id=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+
+
+def point_args(wildcards):
+    return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]))
+
+
+def experiment_results(wildcards):
+    ids = [p["id"] for p in GRID["experiments"][wildcards.experiment]["points"]]
+    return expand(f"results/{HW}/points/{wildcards.experiment}/{{id}}.json", id=ids)
+
+
+def paper_option(wildcards):
+    paper = GRID["experiments"][wildcards.experiment].get("paper")
+    return f"--paper {paper}" if paper else ""
+
+
+def all_tables():
+    return expand(f"results/{HW}/tables/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("csv", "md"))
+
+
+def all_figures():
+    return expand(f"plots/{HW}/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("png", "pdf"))
