@@ -12,12 +12,15 @@ include: "workflows/common.smk"
 include: "workflows/points.smk"
 include: "workflows/report.smk"
 include: "workflows/engine.smk"
+include: "workflows/hardware_tables.smk"
+include: "workflows/compare.smk"
 
 
 rule all:
     default_target: True
     input:
         all_tables(),
+        HARDWARE_TABLES,
         all_figures(),
         rules.engine_smoke.output,
 
@@ -25,6 +28,7 @@ rule all:
 rule tables:
     input:
         all_tables(),
+        HARDWARE_TABLES,
 
 
 rule figures:

@@ -1,11 +1,13 @@
-"""Command line of the harness: `python -m suite run | check | table`."""
+"""Command line of the harness: `python -m suite run | check | table | compare`."""
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from megatrain.config import parse_overrides
+from suite.compare import DEFAULT_METRICS, METRICS
 from suite.spec import SYSTEMS, RunSpec
 
 
@@ -52,6 +54,8 @@ def _check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a SIGTERM (a scheduler's or `timeout`'s) unwinds like Ctrl-C, so a running worker is killed too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     p = argparse.ArgumentParser(prog="python -m suite", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one point in its own process -> one JSON result")
@@ -78,12 +82,25 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--timeout", type=float, default=900.0, help="seconds before a system's point is killed")
     t = sub.add_parser("table", help="the table of folders of results")
     t.add_argument("folders", nargs="+")
+    d = sub.add_parser("compare", help="two folders of results point by point; exit 1 on a regression")
+    d.add_argument("base", help="folder of the reference results (searched recursively)")
+    d.add_argument("new", help="folder of the results to check against it")
+    d.add_argument("--threshold", type=float, default=0.05, help="relative change that counts (0.05 = 5%%)")
+    d.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, of {','.join(METRICS)}")
+    d.add_argument("--out", help="also write the comparison as JSON here")
     args = p.parse_args(argv)
     if args.command == "run" and bool(args.preset) == bool(args.config):
         p.error("run: give exactly one of --preset and --config")
     if args.command == "table":
         from suite.table import main as table
         return table(args.folders)
+    if args.command == "compare":
+        from suite.compare import main as compare
+        try:
+            return compare(args.base, args.new, args.threshold, tuple(filter(None, args.metrics.split(","))), args.out)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return {"run": _run, "check": _check}[args.command](args)
 
 

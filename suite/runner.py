@@ -70,6 +70,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            except BaseException:  # interrupted (Ctrl-C, SIGTERM): the worker's tree goes too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             finally:
                 sampler.close()
         wall = time.perf_counter() - start

@@ -73,6 +73,20 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     assert r["median"]["step_time_s"] > 0
 
 
+def test_a_terminated_runner_takes_its_worker_down(tmp_path):
+    import psutil
+    cli = subprocess.Popen([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
+                            "--seq", "64", "--steps", "100000", "--out", str(tmp_path / "k.json")])
+    deadline = time.time() + 60
+    while not (workers := psutil.Process(cli.pid).children(recursive=True)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert workers, "the worker never started"
+    cli.send_signal(signal.SIGTERM)
+    assert cli.wait(timeout=30) == 128 + signal.SIGTERM
+    # reaped before the runner exits, not left to die later of its deleted result folder
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_failures_are_results(tmp_path):
     r = run_point(tiny("megatrain", options={"engine": {"no_such_knob": 1}}), tmp_path / "e.json")
     assert r["status"] == "error" and "no_such_knob" in r["reason"]

@@ -1,0 +1,164 @@
+"""suite.compare: points pair by spec across folders, direction-aware verdicts, exit status, and the
+cross-hardware figure's inputs. Synthetic harness-format results in tmp_path; no subprocess."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from suite import compare
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINES = ROOT / "results" / "h100" / "baselines"
+GiB = 2 ** 30
+
+
+def result(system="megatrain", batch=4, status="ok", tflops=300.0, host_gib=50.0, device_gib=20.0, options=None):
+    ok = status == "ok"
+    return {
+        "system": system, "status": status, "reason": None if ok else "out of memory",
+        "spec": {"system": system, "model": {"preset": "qwen2.5-3b"}, "seq_len": 4096, "batch_size": batch,
+                 "grad_accum": 1, "steps": 5, "warmup": 2, "seed": 0, "lr": 1e-5, "repeat_batch": False,
+                 "timeout_s": 600.0, "options": options or {}},
+        "median": {"model_tflops": tflops, "step_time_s": 1.0} if ok else {},
+        "peak": {"host_rss_bytes": int(host_gib * GiB), "device_allocated_bytes": int(device_gib * GiB) if ok else None,
+                 "device_nvml_bytes": None},
+        "env": {"gpu": "test", "git_commit": "0" * 40},
+    }
+
+
+def write(folder: Path, name: str, r: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(r))
+
+
+@pytest.fixture
+def base(tmp_path):
+    d = tmp_path / "base"
+    write(d, "a", result("megatrain", 4))
+    write(d, "b", result("native", 4, tflops=320.0, host_gib=2.0, device_gib=70.0))
+    return d
+
+
+def verdicts(report) -> dict[tuple[str, str], str]:
+    return {(r["point"].split()[0], r["metric"]): r["verdict"] for r in report["rows"]}
+
+
+def test_pairs_by_spec_not_file_name(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "renamed_native", result("native", 4, tflops=320.0, host_gib=2.0, device_gib=70.0))
+    write(new / "sub", "x", result("megatrain", 4))  # folders are searched recursively
+    report = compare.compare(base, new)
+    assert report["matched"] == 2 and not report["only_base"] and not report["only_new"]
+    assert set(verdicts(report).values()) == {"same"}
+
+
+def test_same_name_other_spec_does_not_pair(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 8))  # the name of base's b4 point, but batch 8
+    write(new, "b", result("native", 4, tflops=320.0, host_gib=2.0, device_gib=70.0))
+    report = compare.compare(base, new)
+    assert report["matched"] == 1
+    assert report["only_base"] == ["megatrain qwen2.5-3b s4096 b4x1"]
+    assert report["only_new"] == ["megatrain qwen2.5-3b s4096 b8x1"]
+    assert compare.main(str(base), str(new), 0.05, compare.DEFAULT_METRICS) == 0  # unmatched is no regression
+
+
+def test_options_are_part_of_the_key(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4, options={"engine": {"checkpoint_every": 2}}))
+    report = compare.compare(base, new)
+    assert report["only_new"] == ["megatrain qwen2.5-3b s4096 b4x1 engine.checkpoint_every=2"]
+
+
+def test_tflops_drop_beyond_threshold_is_worse_and_exits_1(base, tmp_path, capsys):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4, tflops=270.0))  # -10%
+    write(new, "b", result("native", 4, tflops=330.0, host_gib=2.0, device_gib=70.0))  # +3%: within 5%
+    report = compare.compare(base, new, threshold=0.05)
+    v = verdicts(report)
+    assert v[("megatrain", "model_tflops")] == "worse" and v[("native", "model_tflops")] == "same"
+    assert report["regressed"]
+    assert compare.main(str(base), str(new), 0.05, compare.DEFAULT_METRICS) == 1
+    assert "-10.0" in capsys.readouterr().out
+    assert compare.main(str(base), str(new), 0.15, compare.DEFAULT_METRICS) == 0  # a looser threshold
+
+
+def test_memory_increase_is_worse_and_decrease_better(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4, host_gib=60.0))  # +20% host
+    write(new, "b", result("native", 4, tflops=320.0, host_gib=2.0, device_gib=50.0))  # -29% device
+    report = compare.compare(base, new)
+    v = verdicts(report)
+    assert v[("megatrain", "peak_host")] == "worse" and v[("native", "peak_device")] == "better"
+    assert report["regressed"]
+
+
+def test_faster_is_better_not_a_regression(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4, tflops=360.0))
+    write(new, "b", result("native", 4, tflops=320.0, host_gib=2.0, device_gib=70.0))
+    report = compare.compare(base, new)
+    assert verdicts(report)[("megatrain", "model_tflops")] == "better" and not report["regressed"]
+
+
+def test_ok_to_oom_is_status_changed_and_exits_1(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4))
+    write(new, "b", result("native", 4, status="oom_device"))
+    report = compare.compare(base, new)
+    row = next(r for r in report["rows"] if r["point"].startswith("native"))
+    assert (row["metric"], row["base"], row["new"], row["verdict"]) == ("status", "ok", "oom_device", "status changed")
+    assert compare.main(str(base), str(new), 0.05, compare.DEFAULT_METRICS) == 1
+    # The other way round (a point now fits) moves the status too, but is no regression.
+    assert not compare.compare(new, base)["regressed"]
+
+
+def test_identical_folders_exit_0_and_write_json(base, tmp_path):
+    out = tmp_path / "cmp.json"
+    assert compare.main(str(base), str(base), 0.05, compare.DEFAULT_METRICS, str(out)) == 0
+    saved = json.loads(out.read_text())
+    assert saved["matched"] == 2 and not saved["regressed"] and len(saved["rows"]) == 6
+
+
+def test_non_harness_files_are_skipped_with_a_note(base, tmp_path):
+    new = tmp_path / "new"
+    write(new, "a", result("megatrain", 4))
+    write(new, "old_tool", {"spec": {"model": {"preset": "qwen2.5-3b"}, "steps": 6}, "status": "ok",
+                            "peak": {"peak_host_bytes": 1}})
+    (new / "broken.json").write_text("{")
+    report = compare.compare(base, new)
+    assert report["matched"] == 1 and len(report["skipped"]) == 2
+    assert any("not a harness result" in s for s in report["skipped"])
+
+
+def test_unknown_metric_is_rejected(base):
+    with pytest.raises(ValueError, match="metrics: unknown"):
+        compare.compare(base, base, metrics=("flops",))
+
+
+def test_cli_parses_compare(base, capsys):
+    from suite.__main__ import main
+    assert main(["compare", str(base), str(base), "--threshold", "0.1", "--metrics", "model_tflops"]) == 0
+    assert "2 points matched (threshold 10.0%)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not BASELINES.is_dir(), reason="no stored H100 baseline results")
+def test_real_baselines_against_themselves():
+    report = compare.compare(BASELINES, BASELINES)
+    assert report["matched"] >= 16 and not report["regressed"]
+    assert {r["verdict"] for r in report["rows"]} == {"same"}
+
+
+def test_hardware_figure(base, tmp_path):
+    pytest.importorskip("matplotlib")
+    from workflows.scripts import hardware_compare
+    other = tmp_path / "other"
+    write(other, "x", result("megatrain", 4, tflops=350.0))
+    write(other, "y", result("native", 4, status="oom_device"))
+    png, pdf = tmp_path / "c.png", tmp_path / "c.pdf"
+    assert hardware_compare.main([f"h100={base}", f"h200={other}", "--png", str(png), "--pdf", str(pdf)]) == 0
+    assert png.stat().st_size > 0 and pdf.stat().st_size > 0
+    labels, by_hw = hardware_compare.collect({"h100": str(base), "h200": str(other)})
+    assert len(labels) == 2 and by_hw["h200"]["native qwen2.5-3b s4096 b4x1"]["status"] == "oom_device"
