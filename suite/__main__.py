@@ -25,9 +25,12 @@ def _options(items: list[str]) -> dict:
 def _run(args) -> int:
     from suite.runner import run_point
     model = {"preset": args.preset} if args.preset else {"config": args.config}
-    if args.layers:
-        model["overrides"] = {"num_hidden_layers": args.layers}
     try:
+        overrides = dict(parse_overrides(args.override))
+        if args.layers:
+            overrides["num_hidden_layers"] = args.layers
+        if overrides:
+            model["overrides"] = overrides
         spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
                        lr=args.lr, timeout_s=args.timeout, options=_options(args.option))
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--preset", help="model shape (megatrain.presets)")
     r.add_argument("--config", help="a transformers config.json instead of a preset")
     r.add_argument("--layers", type=int, help="override the number of decoder layers")
+    r.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model config field to change, repeatable (e.g. --override hidden_size=7168)")
     r.add_argument("--seq", type=int, default=4096)
     r.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     r.add_argument("--accum", type=int, default=1, help="micro-batches per step")

@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("snakemake")
 pd = pytest.importorskip("pandas")
@@ -25,18 +26,58 @@ def test_grid_is_valid_and_ids_unique(path):
     validate(g, str(grid.SCHEMA))
     grid.check(g)
     assert g["hardware"] == path.stem  # results/<hardware>/ matches the profile's grid
-    assert {"scale", "depth", "ablations"} <= set(g["experiments"])
+    assert set(g["experiments"]) <= {"scale", "depth", "width", "context", "ablations", "devices"}
+    # A not-runnable point is data with a reason, never a job of its experiment.
+    for n in g.get("not_runnable", []):
+        assert n["experiment"] in g["experiments"] and len(n["reason"]) >= 10
+        assert (n["experiment"], n["id"]) not in grid.points(g)
 
 
 @pytest.mark.parametrize("path", GRIDS, ids=lambda p: p.stem)
 def test_every_point_is_a_valid_run_spec(path):
     # The harness rejects a bad spec before it starts a process; catch it here instead.
     for p in grid.points(grid.load(path)).values():
-        model = {"preset": p["preset"], **({"overrides": {"num_hidden_layers": p["layers"]}} if p.get("layers") else {})}
-        RunSpec(system=p["system"], model=model, seq_len=p["seq"], batch_size=p["batch"], grad_accum=p["accum"],
-                steps=p["steps"], warmup=p["warmup"], timeout_s=p["timeout"])
+        RunSpec(system=p["system"], model=grid.model(p), seq_len=p["seq"], batch_size=p["batch"],
+                grad_accum=p["accum"], steps=p["steps"], warmup=p["warmup"], timeout_s=p["timeout"])
         args = grid.argv(p)
         assert args[:2] == ["--system", p["system"]] and "--out" not in args
+
+
+@pytest.mark.parametrize("path", [p for p in GRIDS if "host_gib" in grid.load(p)], ids=lambda p: p.stem)
+def test_points_over_the_host_are_marked_not_dropped(path):
+    # The sizing is data: a MegaTrain point over host_gib at 14 B/param says so (expect: oom_host),
+    # and one that fits does not.
+    g = grid.load(path)
+    for key, p in grid.points(g).items():
+        if p["system"] == "megatrain":
+            over = grid.host_need_gib(p) > g["host_gib"]
+            assert (p.get("expect") == "oom_host") == over, key
+
+
+def test_profiles_pick_existing_grids_and_are_linked():
+    for profile in sorted((ROOT / "profiles").glob("*/config.yaml")):
+        cfg = yaml.safe_load(profile.read_text())
+        [entry] = [c for c in cfg["config"] if c.startswith("grid=")]
+        assert (ROOT / entry.removeprefix("grid=")).is_file(), profile
+        link = ROOT / profile.parent.name
+        assert link.is_symlink() and link.resolve() == profile.parent.resolve(), link
+
+
+def test_overrides_reach_the_harness_spec(tmp_path, monkeypatch):
+    # grid.argv's --override/--layers flags parse back into the RunSpec's model overrides.
+    import suite.__main__ as cli
+    import suite.runner
+    p = {"system": "megatrain", "preset": "tiny-llama", "layers": 2, "seq": 32, "batch": 1, "accum": 1, "steps": 1,
+         "warmup": 0, "timeout": 10, "options": {}, "overrides": {"hidden_size": 128, "num_attention_heads": 8}}
+    seen = {}
+
+    def fake_run_point(spec, out, python):
+        seen["model"] = spec.model
+        return {"status": "ok", "median": {}, "peak": {"host_rss_bytes": 0}}
+    monkeypatch.setattr(suite.runner, "run_point", fake_run_point)
+    assert cli.main(["run", *grid.argv(p), "--out", str(tmp_path / "r.json")]) == 0
+    assert seen["model"] == grid.model(p) == {
+        "preset": "tiny-llama", "overrides": {"hidden_size": 128, "num_attention_heads": 8, "num_hidden_layers": 2}}
 
 
 def test_duplicate_id_is_rejected():
@@ -46,6 +87,14 @@ def test_duplicate_id_is_rejected():
     pts.append(dict(pts[0]))
     with pytest.raises(ValueError, match="used twice"):
         grid.check(bad)
+    # A not-runnable entry shares its experiment's ids and must name an experiment of the grid.
+    clash = copy.deepcopy(g)
+    clash["not_runnable"] = [{"experiment": "depth", "id": "L2", "system": "x", "model": "y", "reason": "no preset here"}]
+    with pytest.raises(ValueError, match="used twice"):
+        grid.check(clash)
+    clash["not_runnable"][0].update(id="new", experiment="nowhere")
+    with pytest.raises(ValueError, match="unknown experiment"):
+        grid.check(clash)
 
 
 def test_options_become_lower_case_yaml_scalars():

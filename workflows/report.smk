@@ -1,10 +1,19 @@
+# Tables and figures of the experiments, and the HTML report (`snakemake --report report.html`):
+# every figure, and each table's Markdown, with its caption from workflows/report/.
+from workflows.scripts.aggregate import EXPERIMENTS as KNOWN_EXPERIMENTS
+
+
+report: "report/workflow.rst"
+
+
 rule table:
     """One experiment's points -> a tidy CSV and a Markdown table, the paper's rows apart."""
     input:
         experiment_results,
     output:
         csv=f"results/{HW}/tables/{{experiment}}.csv",
-        md=f"results/{HW}/tables/{{experiment}}.md",
+        md=report(f"results/{HW}/tables/{{experiment}}.md", caption="report/table.rst",
+                  category="Tables", subcategory=HW),
     conda:
         "envs/megatrain.yaml"
     log:
@@ -17,19 +26,27 @@ rule table:
         "--hardware {params.hardware} {params.paper} --csv {output.csv} --md {output.md} {input} > {log} 2>&1"
 
 
-rule figure:
-    """One experiment's table -> a figure, measured points and the paper's drawn apart."""
-    input:
-        f"results/{HW}/tables/{{experiment}}.csv",
-    output:
-        png=f"plots/{HW}/{{experiment}}.png",
-        pdf=f"plots/{HW}/{{experiment}}.pdf",
-    conda:
-        "envs/megatrain.yaml"
-    log:
-        f"logs/{HW}/figures/{{experiment}}.log",
-    params:
-        hardware=HW,
-    shell:
-        "python -m workflows.scripts.plot --csv {input} --experiment {wildcards.experiment} "
-        "--hardware {params.hardware} --png {output.png} --pdf {output.pdf} > {log} 2>&1"
+# One figure rule per experiment, so that each figure carries its own caption (a caption's path
+# takes no wildcards); an experiment without a caption of its own gets report/generic.rst.
+for _experiment in EXPERIMENTS:
+
+    rule:
+        name:
+            f"figure_{_experiment}"
+        input:
+            f"results/{HW}/tables/{_experiment}.csv",
+        output:
+            png=report(f"plots/{HW}/{_experiment}.png",
+                       caption=f"report/{_experiment if _experiment in KNOWN_EXPERIMENTS else 'generic'}.rst",
+                       category="Figures", subcategory=HW),
+            pdf=f"plots/{HW}/{_experiment}.pdf",
+        conda:
+            "envs/megatrain.yaml"
+        log:
+            f"logs/{HW}/figures/{_experiment}.log",
+        params:
+            hardware=HW,
+            experiment=_experiment,
+        shell:
+            "python -m workflows.scripts.plot --csv {input} --experiment {params.experiment} "
+            "--hardware {params.hardware} --png {output.png} --pdf {output.pdf} > {log} 2>&1"

@@ -4,12 +4,16 @@
         --csv OUT.csv --md OUT.md RESULT.json ...
 
 Measured rows carry source="measured"; the paper's rows (workflows.paper.rows) keep their own
-columns and source="paper", so the two never share a number column by accident.
+columns and source="paper", so the two never share a number column by accident. The one column
+they share is `x`, the experiment's x-axis coordinate (EXPERIMENTS), so that a figure can put them
+on one axis. Without --paper, the experiment's default artefacts (EXPERIMENTS) are appended.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -17,9 +21,88 @@ import pandas as pd
 GiB = 2 ** 30
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq",
                     "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
-                    "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param"]
+                    "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
-INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "params"]
+INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "params", "hidden_size"]
+
+
+def _size_b(model) -> float | None:
+    """ "7B" or "Qwen2.5-14B" -> 7.0, 14.0 (billion parameters)."""
+    m = re.search(r"([\d.]+)\s*B\b", str(model))
+    return float(m.group(1)) if m else None
+
+
+def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
+    present = [c for c in cols if c in df]
+    return df[present].astype(str).agg(" / ".join, axis=1) if present else pd.Series("", index=df.index)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """How one experiment is tabulated and drawn. `x` is a measured column (the x axis, or the bar
+    labels when kind="bars"); `paper_x` turns the paper artefact's rows into the same coordinate;
+    `paper_y` maps a measured column to the paper's column of the same quantity (GB for memory)."""
+    paper: tuple[str, ...]
+    x: str
+    label: str
+    kind: str = "line"  # "line": one line per system over x; "bars": one bar per point
+    log_x: bool = False
+    panels: tuple[str, ...] = ("model_tflops", "peak_host_GiB", "peak_device_GiB")
+    paper_x: object = None  # Callable[[DataFrame], Series] over the paper's rows
+    paper_y: dict = field(default_factory=dict)
+    paper_hardware: str = "GH200"
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "scale": Experiment(("figure1_scale",), "params_B", "model size (billion parameters)", log_x=True,
+                        paper_x=lambda r: r["model"].map(_size_b), paper_y={"model_tflops": "tflops"}),
+    "depth": Experiment(("table5_depth",), "layers", "decoder layers",
+                        paper_x=lambda r: r["layers"], paper_y={"peak_device_GiB": "device_alloc_GB"}),
+    "width": Experiment(("table6_width",), "width", "width multiplier (x the preset's hidden size)",
+                        paper_x=lambda r: r["width_scale"], paper_y={"peak_device_GiB": "device_alloc_GB"}),
+    "context": Experiment(("table7_context",), "seq", "sequence length (tokens)", log_x=True,
+                          paper_x=lambda r: pd.to_numeric(r["context_K"], errors="coerce") * 1024,
+                          paper_y={"model_tflops": "tflops", "peak_device_GiB": "mem_GB"}),
+    "ablations": Experiment(("table4_ablations",), "id", "configuration", kind="bars",
+                            panels=("model_tflops", "peak_device_GiB"),
+                            paper_x=lambda r: r["configuration"],
+                            paper_y={"model_tflops": "tflops", "peak_device_GiB": "device_mem_GB"},
+                            paper_hardware="GH200 (not stated; inferred)"),
+    # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
+    "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
+                          paper_x=lambda r: _label(r, ["gpu", "model", "method"]),
+                          paper_y={"model_tflops": "tflops", "peak_host_GiB": "cpu_mem_GB",
+                                   "peak_device_GiB": "gpu_mem_GB"},
+                          paper_hardware="RTX A6000 / RTX 3090"),
+}
+GENERIC = Experiment((), "id", "grid point", kind="bars", panels=("model_tflops",))
+
+
+def experiment(name: str) -> Experiment:
+    """The experiment's mapping; an unknown one gets GENERIC (a table and TFLOP/s bars per point id)."""
+    return EXPERIMENTS.get(name, GENERIC)
+
+
+def _hidden_size(model: dict) -> int | None:
+    hidden = (model.get("overrides") or {}).get("hidden_size")
+    if hidden is None and model.get("preset"):
+        try:
+            from megatrain.presets import PRESETS
+        except ImportError:  # the workflow scripts also run without the engine installed
+            return None
+        hidden = (PRESETS.get(model["preset"]) or {}).get("hidden_size")
+    return int(hidden) if hidden else None
+
+
+def _width(result: dict, model: dict) -> float | None:
+    """The point's width multiplier: its own `width` field where the result carries one, else its
+    hidden size over its preset's."""
+    for where in (result, result["spec"], model):
+        if where.get("width") is not None:
+            return float(where["width"])
+    hidden = (model.get("overrides") or {}).get("hidden_size")
+    base = _hidden_size({"preset": model.get("preset")})
+    return float(hidden) / base if hidden and base else (1.0 if base else None)
 
 
 def flatten(result: dict, point_id: str, experiment: str) -> dict:
@@ -40,6 +123,8 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "peak_host_GiB": host / GiB if host else None,
         "peak_device_GiB": device / GiB if device else None,
         "host_bytes_per_param": host / params if host and params else None,
+        "hidden_size": _hidden_size(model), "width": _width(result, model),
+        "params_B": params / 1e9 if params else None,
     }
 
 
@@ -49,13 +134,32 @@ def measured(paths: list[str | Path], experiment: str) -> pd.DataFrame:
     return df.astype({c: "Int64" for c in INTEGER_COLUMNS})
 
 
-def table(paths: list[str | Path], experiment: str, paper: str | None = None) -> pd.DataFrame:
-    """Measured rows, then the paper artefact's rows (its own columns; source="paper")."""
+def _paper_x(spec: Experiment, ref: pd.DataFrame):
+    """The paper rows' x coordinate; None where the artefact lacks the columns it is read from
+    (a --paper artefact other than the experiment's own)."""
+    if spec.paper_x is None or ref.empty:
+        return None
+    try:
+        return spec.paper_x(ref)
+    except KeyError:
+        return None
+
+
+def table(paths: list[str | Path], experiment: str, paper: str | list[str] | None = None) -> pd.DataFrame:
+    """Measured rows, then each paper artefact's rows (their own columns; source="paper"); both
+    carry `x`, the experiment's x coordinate. paper=None: the experiment's default artefacts."""
+    spec = EXPERIMENTS.get(experiment, GENERIC)
+    papers = spec.paper if paper is None else ([paper] if isinstance(paper, str) else list(paper))
     df = measured(paths, experiment)
-    if paper:
+    df["x"] = df[spec.x]
+    if papers:
         from workflows.paper import rows
-        ref = rows(paper).assign(experiment=experiment)
-        df = pd.concat([df, ref], ignore_index=True, sort=False)
+        refs = []
+        for name in papers:
+            ref = rows(name).assign(experiment=experiment)
+            ref["x"] = _paper_x(spec, ref)
+            refs.append(ref)
+        df = pd.concat([df, *refs], ignore_index=True, sort=False)
         df = df.astype({c: "Int64" for c in INTEGER_COLUMNS})  # concat turns missing ints to float
     return df
 
@@ -76,14 +180,14 @@ def _md(df: pd.DataFrame) -> str:
 
 
 def markdown(df: pd.DataFrame, experiment: str, hardware: str) -> str:
-    """The measured rows and the paper's rows as two separate Markdown tables."""
+    """The measured rows, then each paper artefact's rows, as separate Markdown tables (a paper table
+    shows only its artefact's own columns)."""
     out = [f"# {experiment} ({hardware})", "", f"## Measured ({hardware})", "",
            _md(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
-    ref = df[df["source"] == "paper"]
-    if len(ref):
-        paper_cols = [c for c in ref.columns if c not in MEASURED_COLUMNS or c in ("system", "layers")]
-        out += ["", f"## Paper ({ref['artefact'].iloc[0]}; its hardware, not {hardware})", "",
-                _md(ref[[c for c in paper_cols if c != "artefact"]])]
+    paper = df[df["source"] == "paper"]
+    for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
+        cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
+        out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", _md(ref[cols])]
     return "\n".join(out) + "\n"
 
 
@@ -91,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workflows.scripts.aggregate", description=__doc__)
     p.add_argument("--experiment", required=True)
     p.add_argument("--hardware", required=True)
-    p.add_argument("--paper", help="workflows/paper artefact (file stem) to append")
+    p.add_argument("--paper", action="append",
+                   help="workflows/paper artefact (file stem) to append, repeatable (default: the experiment's)")
     p.add_argument("--csv", required=True)
     p.add_argument("--md", required=True)
     p.add_argument("results", nargs="+")

@@ -1,7 +1,9 @@
 """A benchmark grid (workflows/grids/*.yaml): its points, resolved against the defaults.
 
 The schema (workflows/schemas/grid.schema.yaml) checks the shape; this module checks what a schema
-cannot (ids unique within an experiment) and turns a point into the harness's command line.
+cannot (ids unique within an experiment) and turns a point into the harness's command line. The
+grid's `not_runnable` entries (points the paper has that no RunSpec can express) are data only:
+nothing here turns them into jobs.
 """
 from __future__ import annotations
 
@@ -19,13 +21,18 @@ def load(path: str | Path) -> dict:
 
 
 def check(grid: dict) -> dict:
-    """Raise ValueError on a point id used twice in one experiment; return the grid."""
+    """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
+    a point of its experiment); return the grid."""
     for name, exp in grid["experiments"].items():
         seen: set[str] = set()
-        for p in exp["points"]:
-            if p["id"] in seen:
-                raise ValueError(f"grid experiment {name!r}: point id {p['id']!r} is used twice")
-            seen.add(p["id"])
+        ids = [p["id"] for p in exp["points"]] + [n["id"] for n in grid.get("not_runnable", []) if n["experiment"] == name]
+        for i in ids:
+            if i in seen:
+                raise ValueError(f"grid experiment {name!r}: point id {i!r} is used twice")
+            seen.add(i)
+    for n in grid.get("not_runnable", []):
+        if n["experiment"] not in grid["experiments"]:
+            raise ValueError(f"not_runnable {n['id']!r}: unknown experiment {n['experiment']!r}")
     return grid
 
 
@@ -36,6 +43,7 @@ def points(grid: dict) -> dict[tuple[str, str], dict[str, Any]]:
         for p in exp["points"]:
             full = {"accum": 1, **grid["defaults"], **p}
             full.setdefault("options", {})
+            full.setdefault("overrides", {})
             out[(name, p["id"])] = full
     return out
 
@@ -45,11 +53,31 @@ def _value(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+# Host bytes per parameter MegaTrain keeps (bf16 weights and gradients, float32 master and two Adam
+# moments): the sizing rule of the grids' `host_gib` and `expect: oom_host`.
+HOST_BYTES_PER_PARAM = 14
+
+
+def model(point: dict[str, Any]) -> dict[str, Any]:
+    """The RunSpec `model` of a point: its preset with `layers` and `overrides` laid on top."""
+    overrides = {**point.get("overrides", {}), **({"num_hidden_layers": point["layers"]} if point.get("layers") else {})}
+    return {"preset": point["preset"], **({"overrides": overrides} if overrides else {})}
+
+
+def host_need_gib(point: dict[str, Any]) -> float:
+    """MegaTrain's host memory for the point's model at HOST_BYTES_PER_PARAM (no activations)."""
+    from megatrain.arch import Architecture, load_hf_config
+    from megatrain.config import ModelConfig
+    params = Architecture(load_hf_config(ModelConfig(**model(point)))).total_params()
+    return params * HOST_BYTES_PER_PARAM / 2**30
+
+
 def argv(point: dict[str, Any]) -> list[str]:
     """The `python -m suite run` arguments of a point (without --out)."""
     args = ["--system", point["system"], "--preset", point["preset"]]
     if point.get("layers"):
         args += ["--layers", str(point["layers"])]
+    args += [f"--override={k}={_value(v)}" for k, v in sorted(point.get("overrides", {}).items())]
     args += ["--seq", str(point["seq"]), "--batch", str(point["batch"]), "--accum", str(point["accum"]),
              "--steps", str(point["steps"]), "--warmup", str(point["warmup"]),
              "--timeout", str(point["timeout"])]

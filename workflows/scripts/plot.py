@@ -2,122 +2,123 @@
 
     python -m workflows.scripts.plot --csv T.csv --experiment E --hardware H --png F.png --pdf F.pdf
 
-Measured points are filled circles joined by solid lines, labelled "measured (<hardware>)"; the
-paper's are open squares with dashed lines, labelled "paper (GH200)". Points that did not run
-(out of memory, timeout, unsupported) are drawn as crosses on the axis floor with their status.
+How an experiment is drawn comes from aggregate.EXPERIMENTS (x axis, its label, line or bars, the
+panels and the paper's matching columns); an unknown experiment gets bars of TFLOP/s per point id.
+Measured points are filled markers with solid lines, labelled "measured (<hardware>)"; the paper's
+are open black squares with dashed lines (or hatched open bars), labelled "paper (<its hardware>)".
+Points that did not run (out of memory, timeout, unsupported) are red crosses on the axis floor
+with their status. The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
 """
 from __future__ import annotations
 
 import argparse
-import re
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only; no display on the workflow's machines
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from workflows.scripts.aggregate import Experiment, experiment
+
 GB_PER_GiB = 2 ** 30 / 1e9
 MEASURED = dict(marker="o", linestyle="-")
 PAPER = dict(marker="s", linestyle="--", markerfacecolor="none", color="black")
+YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak host memory (GiB)",
+           "peak_device_GiB": "peak device memory (GiB)"}
+TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
 
 
 def _split(df: pd.DataFrame):
     return df[df["source"] == "measured"], df[df["source"] == "paper"]
 
 
-def _failed(ax, rows: pd.DataFrame, x: str):
-    bad = rows[(rows["status"] != "ok") & rows[x].notna()]
+def _paper_y(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.Series | None:
+    """The paper's value of measured column `y` (GB converted to GiB), or None if it prints none."""
+    col = spec.paper_y.get(y)
+    if col is None or col not in paper or "x" not in paper:
+        return None
+    v = pd.to_numeric(paper[col], errors="coerce")  # "OOM", "–" -> NaN: printed, not plotted
+    return v / GB_PER_GiB if y.endswith("_GiB") else v
+
+
+def _failed(ax, rows: pd.DataFrame):
+    bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
     if len(bad):
-        ax.scatter(bad[x], [0] * len(bad), marker="x", color="red", zorder=3, label="did not run (status)")
+        ax.scatter(bad["x"], [0] * len(bad), marker="x", color="red", zorder=3, label="did not run (status)")
         for _, r in bad.iterrows():
-            ax.annotate(r["status"], (r[x], 0), textcoords="offset points", xytext=(3, 4), fontsize=7,
+            ax.annotate(r["status"], (r["x"], 0), textcoords="offset points", xytext=(3, 4), fontsize=7,
                         color="red", rotation=45)
 
 
-def _series(ax, rows: pd.DataFrame, x: str, y: str, hardware: str, by: str = "system"):
-    ok = rows[(rows["status"] == "ok") & rows[y].notna()].sort_values(x)
-    for key, g in ok.groupby(by):
-        ax.plot(g[x], g[y], label=f"measured ({hardware}): {key}", **MEASURED)
-
-
-def _size_b(model: str) -> float | None:
-    m = re.fullmatch(r"\s*([\d.]+)\s*B\s*", str(model))
-    return float(m.group(1)) if m else None
-
-
-def scale(df: pd.DataFrame, hardware: str):
+def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
+    """One panel per quantity; one line per system over the experiment's x."""
     ours, paper = _split(df)
-    ours = ours.assign(params_B=ours["params"].astype(float) / 1e9)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    _series(a, ours, "params_B", "model_tflops", hardware)
-    _failed(a, ours, "params_B")
-    ref = paper.assign(params_B=paper["model"].map(_size_b)).dropna(subset=["tflops"]) if len(paper) else paper
-    if len(ref):
-        a.plot(ref["params_B"], ref["tflops"], label="paper (GH200): MegaTrain", **PAPER)
-    a.set(xscale="log", xlabel="model size (billion parameters)", ylabel="throughput (TFLOP/s)",
-          title="Throughput by model size")
-    _series(b, ours, "params_B", "peak_host_GiB", hardware)
-    b.set(xscale="log", xlabel="model size (billion parameters)", ylabel="peak host memory (GiB)",
-          title="Host memory by model size")
-    return fig, (a, b)
-
-
-def depth(df: pd.DataFrame, hardware: str):
-    ours, paper = _split(df)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, y, label in zip(axes, ("model_tflops", "peak_host_GiB", "peak_device_GiB"),
-                            ("throughput (TFLOP/s)", "peak host memory (GiB)", "peak device memory (GiB)")):
-        _series(ax, ours, "layers", y, hardware)
-        ax.set(xlabel="decoder layers", ylabel=label)
-    _failed(axes[0], ours, "layers")
-    if len(paper) and "device_alloc_GB" in paper:
-        ref = paper.dropna(subset=["device_alloc_GB"])
-        # The paper prints GB; read as 10^9 bytes and drawn in GiB like our measurements.
-        axes[2].plot(ref["layers"], ref["device_alloc_GB"] / GB_PER_GiB, label="paper (GH200): device alloc", **PAPER)
-    axes[0].set_title("Throughput by depth")
-    axes[1].set_title("Host memory by depth")
-    axes[2].set_title("Device memory by depth")
+    ours = ours.assign(x=pd.to_numeric(ours["x"], errors="coerce"))
+    paper = paper.assign(x=pd.to_numeric(paper["x"], errors="coerce")) if "x" in paper else paper
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=(4.7 * len(spec.panels), 4.2), squeeze=False)
+    axes = list(axes[0])
+    for ax, y in zip(axes, spec.panels):
+        ok = ours[(ours["status"] == "ok") & ours[y].notna() & ours["x"].notna()].sort_values("x")
+        for system, g in ok.groupby("system"):
+            ax.plot(g["x"], g[y], label=f"measured ({hardware}): {system}", **MEASURED)
+        _failed(ax, ours)
+        ref_y = _paper_y(paper, spec, y)
+        if ref_y is not None:
+            ref = paper.assign(y=ref_y).dropna(subset=["x", "y"]).sort_values("x")
+            if len(ref):
+                ax.plot(ref["x"], ref["y"], label=f"paper ({spec.paper_hardware})", **PAPER)
+        ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
+        if spec.log_x and (ax.has_data() and (ours["x"].dropna() > 0).all()):
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     return fig, axes
 
 
-def ablations(df: pd.DataFrame, hardware: str):
+def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
+    """One horizontal bar per measured point (labelled by the experiment's x), then the paper's
+    rows as open hatched bars below; a point that did not run is a red status note at zero."""
     ours, paper = _split(df)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * (len(ours) + len(paper)) + 1.5))
-    labels, y = [], 0
-    ok = ours[ours["status"] == "ok"]
-    ax.scatter(ok["model_tflops"], range(len(ok)), label=f"measured ({hardware})", marker="o")
-    labels += list(ok["id"])
-    y = len(ok)
-    if len(paper):
-        ax.scatter(paper["tflops"], range(y, y + len(paper)), label="paper (GH200)", marker="s",
-                   facecolors="none", edgecolors="black")
-        labels += list(paper["configuration"])
-    ax.set_yticks(range(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.set(xlabel="throughput (TFLOP/s)", title="Ablations", xscale="log")
-    return fig, [ax]
+    labels = [f"measured: {i}" if str(x) == str(i) else f"measured: {x} ({i})" for x, i in zip(ours["x"], ours["id"])]
+    n = len(ours)
+    paper_rows = pd.concat([paper.assign(_y=_paper_y(paper, spec, y)) for y in spec.panels]) if len(paper) else paper
+    keep = paper_rows.dropna(subset=["_y"]).index.unique() if len(paper_rows) else []
+    paper = paper.loc[keep] if len(paper) else paper
+    labels += [f"paper: {v}" for v in paper["x"].astype(str)] if len(paper) else []
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=(5.5 * len(spec.panels), 0.35 * len(labels) + 1.8),
+                             squeeze=False, sharey=True)
+    axes = list(axes[0])
+    for ax, y in zip(axes, spec.panels):
+        vals = pd.to_numeric(ours[y], errors="coerce").where(ours["status"] == "ok")
+        ax.barh(range(n), vals.fillna(0), label=f"measured ({hardware})")
+        for i, (status, v) in enumerate(zip(ours["status"], vals)):
+            if status != "ok":
+                ax.annotate(status, (0, i), xytext=(3, 0), textcoords="offset points", va="center",
+                            fontsize=7, color="red")
+        ref_y = _paper_y(paper, spec, y)
+        if ref_y is not None and len(paper):
+            ax.barh(range(n, n + len(paper)), ref_y.fillna(0), fill=False, hatch="//", edgecolor="black",
+                    label=f"paper ({spec.paper_hardware})")
+        ax.set(xlabel=YLABELS[y], title=TITLES[y])
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].set_ylabel(spec.label)
+    return fig, axes
 
 
-def generic(df: pd.DataFrame, hardware: str):
-    ours, _ = _split(df)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ok = ours[ours["status"] == "ok"]
-    ax.bar(ok["id"], ok["model_tflops"], label=f"measured ({hardware})")
-    ax.set(xlabel="point", ylabel="throughput (TFLOP/s)")
-    return fig, [ax]
-
-
-PLOTS = {"scale": scale, "depth": depth, "ablations": ablations}
-
-
-def figure(df: pd.DataFrame, experiment: str, hardware: str):
-    fig, axes = PLOTS.get(experiment, generic)(df, hardware)
+def figure(df: pd.DataFrame, name: str, hardware: str):
+    spec = experiment(name)
+    if "x" not in df:  # a table from before aggregate wrote `x`
+        df = df.assign(x=df[spec.x] if spec.x in df else df["id"])
+    fig, axes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{experiment}: measured on {hardware} vs the paper", fontsize=10)
+    fig.suptitle(f"{name}: measured on {hardware}; the paper's points are the paper's, not measured here",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     fig = figure(pd.read_csv(a.csv), a.experiment, a.hardware)
     fig.savefig(a.png, dpi=150)
     fig.savefig(a.pdf)
+    plt.close(fig)
     return 0
 
 

@@ -1,0 +1,97 @@
+"""The experiments' aggregation and figures on synthetic harness results (tmp_path), for every
+experiment kind the mapping knows and for an unknown one; measured and paper rows stay apart."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pd = pytest.importorskip("pandas")
+pytest.importorskip("matplotlib")
+pytest.importorskip("yaml")
+
+from workflows import paper as paperlib  # noqa: E402
+from workflows.scripts import aggregate, plot  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ["scale", "depth", "width", "context", "ablations", "devices"]
+
+
+def _result(system: str, preset: str = "tiny-llama", *, status: str = "ok", layers: int | None = None,
+            hidden: int | None = None, seq: int = 64, params: int = 143808, tflops: float = 0.01) -> dict:
+    overrides = {k: v for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden)) if v}
+    ok = status == "ok"
+    return {
+        "system": system, "status": status, "reason": None if ok else "out of memory", "params": params,
+        "spec": {"system": system, "model": {"preset": preset, **({"overrides": overrides} if overrides else {})},
+                 "seq_len": seq, "batch_size": 2, "grad_accum": 1},
+        "median": {"model_tflops": tflops, "step_time_s": 0.1, "tokens_per_s": 1000.0} if ok else {},
+        "peak": {"host_rss_bytes": 2 ** 30, "device_allocated_bytes": 2 ** 29 if ok else None},
+    }
+
+
+def _points(kind: str) -> dict[str, dict]:
+    if kind == "depth":
+        return {f"L{n}": _result("megatrain", layers=n, tflops=0.01 * n) for n in (2, 4, 8)}
+    if kind == "width":
+        return {f"w{m}": _result("megatrain", hidden=64 * m) for m in (1, 2, 3)}
+    if kind == "context":
+        return {f"s{s}": _result("megatrain", seq=s) for s in (32, 64, 128)} | {"s256": _result("megatrain", seq=256, status="oom_device")}
+    return {"a_megatrain": _result("megatrain", params=7_000_000_000), "b_native": _result("native", params=3_000_000_000),
+            "c_zero3": _result("zero3", status="oom_host")}
+
+
+def _write(tmp_path: Path, kind: str) -> list[Path]:
+    folder = tmp_path / "points" / kind
+    folder.mkdir(parents=True)
+    paths = []
+    for pid, r in _points(kind).items():
+        (folder / f"{pid}.json").write_text(json.dumps(r))
+        paths.append(folder / f"{pid}.json")
+    return paths
+
+
+def test_mapping_covers_the_paper_experiments():
+    for kind in KINDS:
+        spec = aggregate.experiment(kind)
+        assert spec is not aggregate.GENERIC and spec.paper and spec.label
+        for artefact in spec.paper:
+            assert (ROOT / "workflows" / "paper" / f"{artefact}.yaml").exists()
+        assert spec.x in aggregate.MEASURED_COLUMNS
+    assert aggregate.experiment("scale").paper == ("figure1_scale",)
+    assert aggregate.experiment("context").log_x and aggregate.experiment("ablations").kind == "bars"
+    assert set(aggregate.experiment("devices").paper) == {"table8_pcie_systems", "table9_consumer_gpus"}
+    assert aggregate.experiment("nonsense") is aggregate.GENERIC
+
+
+@pytest.mark.parametrize("kind", KINDS + ["mystery"])
+def test_aggregate_and_plot_each_kind(kind, tmp_path):
+    paths = _write(tmp_path, kind)
+    csv, md, png, pdf = (tmp_path / f"{kind}.{e}" for e in ("csv", "md", "png", "pdf"))
+    assert aggregate.main(["--experiment", kind, "--hardware", "cpu", "--csv", str(csv), "--md", str(md),
+                           *map(str, paths)]) == 0
+    df = pd.read_csv(csv)
+    ours, paper = df[df["source"] == "measured"], df[df["source"] == "paper"]
+    assert len(ours) == len(paths) and ours["x"].notna().all()
+    # The paper's numbers never land in a measured column, and ours never in the paper's.
+    assert paper[["model_tflops", "peak_host_GiB", "peak_device_GiB"]].isna().all().all()
+    assert set(paper.get("artefact", pd.Series(dtype=str)).dropna()) == {paperlib.load(a)["artefact"] for a in aggregate.experiment(kind).paper}
+    text = md.read_text()
+    assert "## Measured (cpu)" in text and text.count("## Paper (") == len(aggregate.experiment(kind).paper)
+    assert plot.main(["--csv", str(csv), "--experiment", kind, "--hardware", "cpu", "--png", str(png),
+                      "--pdf", str(pdf)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and pdf.read_bytes()[:4] == b"%PDF"
+
+
+def test_x_coordinates(tmp_path):
+    width = aggregate.table(_write(tmp_path, "width"), "width")
+    assert sorted(width[width["source"] == "measured"]["x"]) == [1.0, 2.0, 3.0]  # hidden 64k / tiny-llama's 64
+    assert sorted(width[width["source"] == "paper"]["x"])[:2] == [1.0, 1.5]
+    explicit = _result("megatrain", hidden=96) | {"width": 2.5}
+    assert aggregate.flatten(explicit, "w", "width")["width"] == 2.5
+    ctx = aggregate.table(_write(tmp_path, "context"), "context")
+    assert ctx[ctx["source"] == "paper"]["x"].max() == 512 * 1024
+    scale = aggregate.table(_write(tmp_path, "scale"), "scale")
+    assert scale[scale["source"] == "paper"]["x"].dropna().tolist() == [7.0, 14.0, 32.0, 14.0]
+    assert scale[scale["source"] == "measured"]["x"].tolist() == [7.0, 3.0, 0.000143808]
