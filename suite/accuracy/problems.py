@@ -41,11 +41,10 @@ def _share(rng: random.Random) -> dict:
 
 def _weeks(rng: random.Random) -> dict:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    per_day, days, weeks, spent = rng.randint(1, 9), rng.randint(2, 7), rng.randint(2, 4), rng.randint(0, 9)
+    per_day, days, weeks = rng.randint(1, 9), rng.randint(2, 7), rng.randint(2, 4)
     week = per_day * days
+    spent = rng.randint(0, min(9, week * weeks - 1))  # something is always left
     answer = week * weeks - spent
-    if answer <= 0:
-        spent, answer = 0, week * weeks
     query = (f"{name} collects {per_day} {item} a day, {days} days a week, for {weeks} weeks, and loses "
              f"{spent} of them. How many {item} does {name} have at the end?")
     steps = [f"In one week {name} collects {per_day} * {days} = {week} {item}.",

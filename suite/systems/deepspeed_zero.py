@@ -126,17 +126,6 @@ def _init_distributed(deepspeed, device: torch.device) -> None:
     deepspeed.init_distributed(verbose=False)
 
 
-def _build_model(spec):
-    """hf.build_model without its `.to(device)`: moving a ZeRO-3 partitioned model is not a no-op."""
-    from transformers import AutoModelForCausalLM
-    mc = spec.model_config()
-    if mc.pretrained:
-        return AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
-                                                    attn_implementation=mc.attn_implementation)
-    torch.manual_seed(spec.seed)
-    return AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
-
-
 class ZeroSystem:
     """The shared system; a subclass names itself and says where the states go and what it needs."""
     NAME: str
@@ -156,7 +145,7 @@ class ZeroSystem:
         _init_distributed(deepspeed, device)
         # transformers holds only a weak reference to this: it must outlive the model's construction
         self._hf_ds_config = HfDeepSpeedConfig(self.config)
-        model = _build_model(spec)
+        model = hf.build_model(spec)  # not moved: zero.Init partitions it as it is built
         hf.enable_checkpointing(model)
         model.train()
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)

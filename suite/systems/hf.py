@@ -1,6 +1,7 @@
 """What the baselines share: the `transformers` model of a spec, its loss, its memory need."""
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import psutil
@@ -12,18 +13,19 @@ from suite.systems import DoesNotFit
 GiB = 1 << 30
 
 
-def build_model(spec, device: torch.device | str = "cpu"):
-    """The spec's model in float32: random init from spec.seed, or a local pretrained checkpoint."""
+def build_model(spec, device: torch.device | str | None = None):
+    """The spec's model in float32: random init from spec.seed, or a local pretrained checkpoint.
+    With no `device` it is built where torch's defaults put it and never moved (a ZeRO-3 model,
+    partitioned as it is built, must not be moved)."""
     from transformers import AutoModelForCausalLM
     mc = spec.model_config()
     if mc.pretrained:
         model = AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
                                                      attn_implementation=mc.attn_implementation)
-        return model.to(device)
+        return model.to(device) if device is not None else model
     torch.manual_seed(spec.seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
-    return model
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
 
 
 def enable_checkpointing(model) -> None:
