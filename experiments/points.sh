@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Named benchmark points on this machine's GPU, one process per point (python -m suite run); table last.
 #   OUT=results/h100/speed experiments/points.sh GROUP|POINT ...
-# Groups: targets, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
+# Groups: targets, device_tiles, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
 # Each point writes $OUT/<point>.json and $OUT/<point>.log; POINT_TIMEOUT (seconds, default 600) bounds each.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -14,6 +14,11 @@ declare -A POINTS=(
   [7b_16seq_mb4_K1]="megatrain $W7 --batch 4 --accum 4 $K1 ceiling=true trace=$OUT/7b_16seq_mb4_K1.trace.json"
   [7b_16seq_mb8_K1]="megatrain $W7 --batch 8 --accum 2 $K1 ceiling=true"
   [3b_4seq_K1]="megatrain $B3 --batch 4 --accum 1 $K1 ceiling=true"
+  # device tiles: the embedding and the first layers' master and moments on the GPU, updated there
+  [7b_16seq_mb8_K1_dt3]="megatrain $W7 --batch 8 --accum 2 $K1 engine.device_tiles=3 ceiling=true trace=$OUT/7b_16seq_mb8_K1_dt3.trace.json"
+  [3b_4seq_K1_dt1]="megatrain $B3 --batch 4 $K1 engine.device_tiles=1 ceiling=true"
+  [3b_4seq_K1_dt12]="megatrain $B3 --batch 4 $K1 engine.device_tiles=12 ceiling=true"
+  [3b_4seq_K1_dt20]="megatrain $B3 --batch 4 $K1 engine.device_tiles=20 ceiling=true trace=$OUT/3b_4seq_K1_dt20.trace.json"
   # depth: the 7B width at 7, 14, 28 layers, checkpoints offloaded (device memory flat in depth)
   [depth_7b_L7]="megatrain $W7 --layers 7 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
   [depth_7b_L14]="megatrain $W7 --layers 14 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
@@ -51,6 +56,7 @@ declare -A POINTS=(
 )
 declare -A SETS=(
   [targets]="7b_16seq_mb4_K1 7b_16seq_mb8_K1 3b_4seq_K1"
+  [device_tiles]="3b_4seq_K1_dt1 3b_4seq_K1_dt12 3b_4seq_K1_dt20 7b_16seq_mb8_K1_dt3"
   [depth]="depth_7b_L7 depth_7b_L14 depth_7b_L28"
   [ablations]="abl_base_K1 abl_K2 abl_K4 abl_K8 abl_one_buffer abl_sync_grads"
   [baselines3b]="3b_native_b4 3b_native_b8 3b_megatrain_b4 3b_megatrain_b8 3b_megatrain_b4x4 3b_megatrain_b16 3b_fsdp2_b4 3b_fsdp2_b8 3b_fsdp2_b16 3b_zero3_b4 3b_zero3_b8 3b_zero3_b16 3b_zero_infinity_b4 3b_gemini_b4 3b_gemini_b8 3b_ratel_b4"

@@ -126,8 +126,12 @@ class WeightStreamer:
             with self.timeline.stream(H2D, stream, f"load {unit.name}"):
                 for tile, offset in unit.segments:
                     n = tile.layout.numel
-                    self.flat[slot, offset: offset + n].copy_(tile.shadow, non_blocking=True)
-                    self.bytes_h2d += n * tile.shadow.itemsize
+                    if tile.on_device:  # cast on the device, once its update has run
+                        if tile.updated is not None:
+                            self.dev.wait(stream, tile.updated)
+                    else:
+                        self.bytes_h2d += n * tile.shadow.itemsize
+                    self.flat[slot, offset: offset + n].copy_(tile.source, non_blocking=True)
             self.ready[slot] = done = self.dev.record(stream)
         for tile in unit.tiles:
             tile.read_done = done

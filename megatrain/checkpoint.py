@@ -80,7 +80,7 @@ def save_pretrained(store: HostStore, arch: Architecture, path: str | Path, dtyp
                 if shard and size + nbytes > SHARD_BYTES:
                     flush()
                     size = 0
-                shard[name] = view.to(dtype).contiguous()
+                shard[name] = view.to("cpu", dtype).contiguous()
                 size += nbytes
                 total += nbytes
         flush()
@@ -103,7 +103,7 @@ def save_state(store: HostStore, path: str | Path, meta: dict) -> None:
     """Master weights and both moments of every tile, plus `meta` (step, data position, config)."""
     with atomic_dir(path) as tmp:
         for tile in store.tiles:
-            save_file({k: getattr(tile, k) for k in _STATE}, tmp / f"{tile.name}.safetensors")
+            save_file({k: getattr(tile, k).cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -38,6 +38,9 @@ class EngineConfig:
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
     grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
+    # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
+    # memory and update there: the updates that stay exposed on the CPU (see store.py)
+    device_tiles: int = 0
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
@@ -49,7 +52,8 @@ class EngineConfig:
             raise ValueError(f"engine.compute_dtype must be auto, float32 or bfloat16, not {self.compute_dtype!r}")
         if self.master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"engine.master_dtype must be float32 or bfloat16, not {self.master_dtype!r}")
-        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1)):
+        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1),
+                          ("device_tiles", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
 

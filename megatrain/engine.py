@@ -2,6 +2,7 @@
 
 A step's micro-batches go through the model together, layer by layer (units in brackets):
   embed      host gathers each micro-batch's embedding rows from the pinned shadow -> H2D
+             (a device tile: gathered on the device)
   forward    [layer i] for i = 0..L-1 under no_grad, every micro-batch in turn while the layer's
              weights are resident; the inputs of every K-th layer are kept as checkpoints (on
              the device, or offloaded to pinned host memory: activations.py)
@@ -18,6 +19,10 @@ pinned host slabs once per step, after the unit's last backward: a gradient cros
 however many micro-batches the step has, and the host keeps no accumulator for it. Each tile's
 squared gradient norm is taken there too, on the device, and reaches the optimizer with the step's
 end. With K = 1 a layer's recompute and backward of all micro-batches share one weight load.
+
+Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
+step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
+on the device).
 
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
@@ -36,7 +41,7 @@ from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineConfig, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
-from megatrain.optim import OptimizerWorker
+from megatrain.optim import OptimizerWorker, adamw, lr_at
 from megatrain.store import HostStore, Layout, Tile
 from megatrain.timeline import COMPUTE, D2H, HOST, Timeline
 
@@ -95,7 +100,10 @@ class Engine:
         self.rows = torch.empty(max_tokens * arch.hidden, dtype=compute_dtype, pin_memory=pinned)
         self.rows_free = device.event()
         self.max_tokens = max_tokens
-        self.worker = OptimizerWorker(store.tiles, optim, total_steps, self.timeline)
+        self.worker = OptimizerWorker([t for t in store.tiles if not t.on_device], optim, total_steps,
+                                      self.timeline)
+        self.optim, self.total_steps = optim, total_steps
+        self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, cfg.offload_checkpoints)
         self.bytes_d2h = 0
@@ -125,6 +133,8 @@ class Engine:
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
             loss = self._run(microbatches, targets, 1.0 / n_targets)
+            if self._clip_later:
+                self._clip_and_update_device_tiles()
             self.sq_host.copy_(self.sq, non_blocking=True)
             self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
@@ -142,7 +152,8 @@ class Engine:
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
-        return {tile: -(-tile.layout.numel // self.slab_numel) for unit in self.grad_units for tile in unit.tiles}
+        return {tile: -(-tile.layout.numel // self.slab_numel)
+                for unit in self.grad_units for tile in unit.tiles if not tile.on_device}
 
     def _run(self, mbs: list[Batch], targets: list[torch.Tensor], scale: float) -> torch.Tensor:
         dev, stream, tl, K = self.dev, self.streamer, self.timeline, self.cfg.checkpoint_every
@@ -245,9 +256,13 @@ class Engine:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Gather the batch's rows of the embedding on the host and send only those."""
         tile = self.store.embed
+        spec = tile.layout.specs[0]
+        if tile.on_device:  # ordered after its update by the compute stream
+            table = tile.master[: spec.numel].view(spec.shape)
+            return torch.nn.functional.embedding(ids.to(self.dev.torch, non_blocking=True), table).to(self.dtype)
         self.streamer.wait_updated([tile])
         n = ids.numel()
-        table = tile.shadow[: tile.layout.specs[0].numel].view(tile.layout.specs[0].shape)
+        table = tile.shadow[: spec.numel].view(spec.shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done
         rows = self.rows[: n * self.arch.hidden].view(n, self.arch.hidden)
         with self.timeline.host(HOST, "embedding gather"):
@@ -270,11 +285,17 @@ class Engine:
         table.index_add_(0, ids, rows)
 
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
-        """Return a unit's float32 step gradient to pinned slabs, one piece per slab, and add each
-        tile's squared norm into the step's norms on the device."""
+        """Return a unit's float32 step gradient to pinned slabs, one piece per slab (a device
+        tile's updates it where it is), and add each tile's squared norm into the step's norms."""
         for tile, offset in unit.segments:
             grad = acc[offset: offset + tile.layout.numel]
             self.sq[self.tile_index[tile]] += torch.linalg.vector_norm(grad).double().square()
+            if tile.on_device:
+                if self.optim.max_grad_norm is None:
+                    self._update_device_tile(tile, grad)
+                else:
+                    self._clip_later.append((tile, grad))
+                continue
             for lo in range(0, tile.layout.numel, self.slab_numel):
                 hi = min(tile.layout.numel, lo + self.slab_numel)
                 slab = self.slabs.acquire()
@@ -282,6 +303,22 @@ class Engine:
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
                 self._to_host(grad[lo:hi], host, f"gradient {tile.name}", lambda event: self.worker.submit_dense(
                     tile, lo, hi, host, event, release))
+
+    def _update_device_tile(self, tile: Tile, grad: torch.Tensor) -> None:
+        t = self.worker.steps_begun - 1  # this step's update number
+        with self.timeline.stream(COMPUTE, self.dev.compute, f"adamw {tile.name}"):
+            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, self.optim, self.total_steps), self.optim, 1.0)
+        tile.version += 1
+        tile.updated = self.dev.record(self.dev.compute)
+
+    def _clip_and_update_device_tiles(self) -> None:
+        """The global norm on the device, as torch's clip_grad_norm_; no host sync."""
+        norm = self.sq.sum().sqrt()
+        scale = (self.optim.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        for tile, grad in self._clip_later:
+            grad.mul_(scale)
+            self._update_device_tile(tile, grad)
+        self._clip_later.clear()
 
     def _to_host(self, src: torch.Tensor, dst: torch.Tensor, name: str, submit) -> None:
         """D2H on the gradient stream after the backward-done event; hand the slab to the optimizer."""

@@ -14,7 +14,7 @@ import torch
 
 from megatrain.arch import Architecture
 from megatrain.config import EngineConfig
-from megatrain.store import HostStore, Layout
+from megatrain.store import HostStore, Layout, check_device_tiles
 
 GiB = 1 << 30
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -38,8 +38,10 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     head = Layout.of(arch.head_specs).numel + (v * h if arch.tied else 0)
     unit = max(layer, head)
     ffn = getattr(arch.config, "intermediate_size", 4 * h)
+    check_device_tiles(arch, cfg.device_tiles)
+    store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, cfg.device_tiles)
     host = {
-        "store": HostStore.nbytes(arch, master, compute, clipping),
+        "store": store_host,
         "grad_slabs": max(1, cfg.grad_slabs) * layer * 4,
         "embedding_staging": tokens * h * c,
         "checkpoint_offload": (-(-L // K) * M * tokens * h * c) if cfg.offload_checkpoints else 0,
@@ -59,6 +61,9 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
         "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,
+        # master and moments of the device tiles; with clipping their layers' step gradients wait
+        # for the global norm
+        "device_tiles": store_device + (max(0, cfg.device_tiles - 1) * layer * 4 if clipping else 0),
     }
     return MemoryPlan(sum(host.values()), sum(device.values()),
                       {**host, **{"device." + k: b for k, b in device.items()}}, clipping)

@@ -42,7 +42,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float, cfg: OptimConfig,
           grad_scale: float) -> None:
     """One AdamW update of elements [lo, hi) of a tile from `grad` (float32, hi - lo elements),
-    then refresh that range of the shadow."""
+    then refresh that range of the shadow. A device tile's runs on the current stream."""
     decay_end = tile.layout.decay_numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master.dtype == torch.float32
@@ -57,7 +57,7 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
                 continue
             torch._fused_adamw_(
                 [param[a - a0: b - a0]], [grad[a - lo: b - lo]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]],
-                [], [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                [], [torch.full((), float(step), device=param.device)], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
                 eps=cfg.eps, amsgrad=False, maximize=False)
         if not fp32_master:
             tile.master[a0:b0].copy_(param)

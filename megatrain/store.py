@@ -14,6 +14,12 @@ step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parame
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
 and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
 seed or from safetensors shards: the whole model never exists as one object.
+
+Device tiles (`engine.device_tiles`): the first tiles the forward reads (the embedding, then
+layers 0, 1, ...) can keep their master and moments in spare device memory instead, updated on the
+device. Their gradients are the last of a step to arrive and their weights the first the next step
+needs, so on the host their update is the one that stays exposed; on the device it takes
+milliseconds. Such a tile has no host memory and no shadow: a load casts its master on the device.
 """
 from __future__ import annotations
 
@@ -84,12 +90,19 @@ def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 grad: bool):
+                 grad: bool, device: torch.device | None = None):
+        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer)."""
         self.name = name
         self.layout = layout
+        self.on_device = device is not None
         n = layout.numel
         state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
-        if master == compute:
+        self.grad: torch.Tensor | None = None
+        if self.on_device:  # the step's gradient stays in its device accumulator until the update
+            self.master = torch.empty(n, dtype=master, device=device)
+            self.exp_avg, self.exp_avg_sq = torch.empty(2, n, dtype=torch.float32, device=device)
+            self.shadow = None
+        elif master == compute:
             # The master streams as it is: it lives in pinned memory and is its own shadow.
             (self.master,) = _carve(_page_aligned(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
             self.shadow = self.master
@@ -97,13 +110,15 @@ class Tile:
         else:
             self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state])
             (self.shadow,) = _carve(_page_aligned(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
-        self.grad: torch.Tensor | None = rest[0] if grad else None
+        if grad and not self.on_device:
+            self.grad = rest[0]
         # Set while the shadow holds the current weights; cleared from the moment the main thread
         # hands the tile's last gradient of a step to the optimizer until the update is written.
         self.ready = threading.Event()
         self.ready.set()
         self.version = 0  # incremented by each optimizer update
         self.read_done = None  # device event: the last H2D copy out of the shadow has finished
+        self.updated = None  # device tiles: event after the last update was issued on the compute stream
 
     @staticmethod
     def _block(n: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
@@ -113,19 +128,27 @@ class Tile:
     def master_views(self) -> list[torch.Tensor]:
         return self.layout.views(self.master)
 
+    @property
+    def source(self) -> torch.Tensor:
+        """What a load copies into a device buffer: the pinned shadow, or a device tile's master."""
+        return self.master if self.on_device else self.shadow
+
     def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
-        if self.shadow is not self.master:
+        if self.shadow is not None and self.shadow is not self.master:
             self.shadow[lo:hi].copy_(self.master[lo:hi])
 
 
 class HostStore:
     def __init__(self, arch: Architecture, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 clipping: bool):
-        """`clipping`: every tile keeps a gradient buffer (updates wait for the global norm)."""
+                 clipping: bool, device_tiles: int = 0, device: torch.device | None = None):
+        """`clipping`: every host tile keeps a gradient buffer (updates wait for the global norm).
+        `device_tiles`: how many tiles, in forward order, live on `device` (see the module note)."""
         self.arch = arch
-        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, clipping)
-        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned, clipping)
-                       for i in range(arch.num_layers)]
+        check_device_tiles(arch, device_tiles)
+        where = [device if k < device_tiles else None for k in range(arch.num_layers + 1)]
+        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, clipping, where[0])
+        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned, clipping,
+                            where[i + 1]) for i in range(arch.num_layers)]
         self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned, clipping)
 
     @property
@@ -134,10 +157,17 @@ class HostStore:
         return [self.embed, *self.layers, self.head]
 
     @staticmethod
-    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool) -> int:
-        layer = tile_bytes(Layout.of(arch.layer_specs).numel, master, compute, clipping)
-        ends = sum(tile_bytes(Layout.of(s).numel, master, compute, clipping) for s in (arch.embed_specs, arch.head_specs))
-        return layer * arch.num_layers + ends
+    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool,
+               device_tiles: int = 0) -> tuple[int, int]:
+        """(host bytes, device bytes) of the store."""
+        host = device = 0
+        for k, specs in enumerate([arch.embed_specs, *[arch.layer_specs] * arch.num_layers, arch.head_specs]):
+            numel = Layout.of(specs).numel
+            if k < device_tiles:
+                device += numel * (master.itemsize + 8)
+            else:
+                host += tile_bytes(numel, master, compute, clipping)
+        return host, device
 
     # ---- filling the store ----
     def init_random(self, seed: int) -> None:
@@ -201,3 +231,9 @@ class HostStore:
             tile.grad.zero_()
         tile.refresh_shadow()
         tile.ready.set()
+
+
+def check_device_tiles(arch: Architecture, device_tiles: int) -> None:
+    if not 0 <= device_tiles <= arch.num_layers + 1:
+        raise ValueError(f"engine.device_tiles must be between 0 and {arch.num_layers + 1} (the embedding "
+                         f"and the {arch.num_layers} layers), not {device_tiles}")

@@ -52,7 +52,8 @@ class Trainer:
         self.data = make_source(cfg.data, arch.vocab, cfg.model.pretrained)
         if cfg.engine.optimizer_threads:
             torch.set_num_threads(cfg.engine.optimizer_threads)
-        self.store = HostStore(arch, master, self.compute_dtype, self.device.is_cuda, clipping)
+        self.store = HostStore(arch, master, self.compute_dtype, self.device.is_cuda, clipping,
+                               cfg.engine.device_tiles, self.device.torch)
         if cfg.model.pretrained:
             self.store.load_pretrained(cfg.model.pretrained)
         else:

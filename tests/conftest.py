@@ -74,7 +74,7 @@ def store_params(trainer) -> dict[str, torch.Tensor]:
     out = {}
     for tile in trainer.store.tiles:
         for name, view in zip(trainer.arch.hf_names(tile.name), tile.master_views()):
-            out[name] = view.float()
+            out[name] = view.to("cpu", torch.float32)
     return out
 
 

@@ -2,6 +2,7 @@
 continues bit for bit like the uninterrupted one."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -10,10 +11,10 @@ from megatrain.config import load_config
 from megatrain.trainer import Trainer
 
 
-def config(tmp_path, steps, **extra):
+def config(tmp_path, steps, engine=None, **extra):
     return load_config(base={
         "model": {"pretrained": str(tmp_path / "init")},
-        "engine": {"device": "cpu", "checkpoint_every": 2},
+        "engine": {"device": "cpu", "checkpoint_every": 2, **(engine or {})},
         "optim": {"lr": 1e-3, "warmup_steps": 1},
         "data": {"seq_len": 16, "batch_size": 2, "grad_accum": 2},
         "steps": steps, **extra,
@@ -39,20 +40,22 @@ def test_save_pretrained_round_trip(tmp_path):
     assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("engine", [{}, {"device_tiles": 2}], ids=["host", "device-tiles"])
+def test_resume_equals_uninterrupted(tmp_path, engine):
+    """Device tiles' master and moments go through the saved state like the host tiles'."""
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
-    whole = Trainer(config(tmp_path, 4, output_dir=str(tmp_path / "a")))
+    whole = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "a")))
     try:
         whole.fit(log=open("/dev/null", "w"), progress=False)
         expected = store_params(whole)
     finally:
         whole.close()
-    first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "b")))
+    first = Trainer(config(tmp_path, 2, engine, output_dir=str(tmp_path / "b")))
     try:
         first.fit(log=open("/dev/null", "w"), progress=False)
     finally:
         first.close()
-    resumed = Trainer(config(tmp_path, 4, output_dir=str(tmp_path / "b"), resume=True))
+    resumed = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "b"), resume=True))
     try:
         assert resumed.step == 2 and resumed.data.position == 4
         resumed.fit(log=open("/dev/null", "w"), progress=False)

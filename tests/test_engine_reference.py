@@ -33,6 +33,11 @@ CASES = {
                                              {"offload_checkpoints": True}),
     "llama-three-buffers-one-slab": ("tiny-llama", {"tie_word_embeddings": True}, 3, 2, 0.5, True,
                                      {"weight_buffers": 3, "grad_slabs": 1}),
+    # embedding and layer 0 updated where they live (tied: inside the head's unit), clipped by the
+    # norm computed on the device
+    "qwen2-tied-device-tiles-clip-accum": ("tiny-qwen2", {}, 1, 2, 0.5, True, {"device_tiles": 2}),
+    "llama-untied-all-device-tiles-noclip": ("tiny-llama", {}, 2, 1, None, True, {"device_tiles": 4}),
+    "mistral-device-embedding-clip": ("tiny-mistral", {}, 1, 1, 0.5, True, {"device_tiles": 1}),
 }
 
 

@@ -64,3 +64,20 @@ def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
         finally:
             trainer.close()
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+def test_device_tiles_track_host_tiles(tmp_path, cuda_only):
+    """The embedding and layer 0 updated on the device (CUDA's fused AdamW, the clip scale computed
+    there) instead of by the host's: the same gradients, so only AdamW's rounding differs (a real
+    error moves weights by lr = 1e-3)."""
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
+    runs = []
+    for settings in ({}, {"device_tiles": 2}):
+        _, trainer = gpu_trainer(tmp_path, **settings)
+        try:
+            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
+        finally:
+            trainer.close()
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-5)

@@ -51,9 +51,9 @@ def test_host_bytes_per_parameter():
         store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False, clipping=clipping)
         layer = store.layers[0]
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
-        per_layer = HostStore.nbytes(arch, torch.float32, torch.bfloat16, clipping)
+        per_layer = HostStore.nbytes(arch, torch.float32, torch.bfloat16, clipping)[0]
         deeper = Architecture(load_hf_config(ModelConfig(preset="tiny-llama", overrides={"num_hidden_layers": 16})))
-        growth = HostStore.nbytes(deeper, torch.float32, torch.bfloat16, clipping) - per_layer
+        growth = HostStore.nbytes(deeper, torch.float32, torch.bfloat16, clipping)[0] - per_layer
         # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
         n = layer.layout.numel
         assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
@@ -88,6 +88,25 @@ def test_memory_plan_counts_bytes_per_parameter():
     assert 13.99 < per_param(torch.float32, False) < 14.01  # fp32 master + 2 moments + bf16 shadow
     assert 17.99 < per_param(torch.float32, True) < 18.01  # + a float32 gradient waiting for the norm
     assert 9.99 < per_param(torch.bfloat16, False) < 10.01
+
+
+def test_device_tiles_move_bytes_from_host_to_device():
+    """Device tiles leave the host store (14 B/param there) for 12 B/param on the device; a count
+    beyond the embedding and the layers is refused by name."""
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    base = plan(arch, EngineConfig(), torch.float32, torch.bfloat16, tokens=16384, microbatches=4, clipping=False)
+    moved = plan(arch, EngineConfig(device_tiles=3), torch.float32, torch.bfloat16, tokens=16384, microbatches=4,
+                 clipping=False)
+    n = arch.vocab * arch.hidden + 2 * Layout.of(arch.layer_specs).numel  # embedding and layers 0, 1
+    assert moved.detail["device.device_tiles"] == 12 * n
+    assert 14 * n <= base.detail["store"] - moved.detail["store"] <= 14 * n + 3 * 4 * PAGE
+    with pytest.raises(ValueError, match="engine.device_tiles must be between 0 and 29"):
+        plan(arch, EngineConfig(device_tiles=30), torch.float32, torch.bfloat16, tokens=16384, microbatches=4,
+             clipping=False)
+    store = HostStore(Architecture(load_hf_config(ModelConfig(preset="tiny-llama"))), torch.float32,
+                      torch.float32, pinned=False, clipping=True, device_tiles=2, device=torch.device("cpu"))
+    assert [t.on_device for t in store.tiles] == [True, True, False, False, False]
+    assert store.embed.shadow is None and store.embed.grad is None and store.layers[1].grad is not None
 
 
 def test_synthetic_source_is_deterministic_and_repeatable():

@@ -70,7 +70,7 @@ def layer_ceiling(trainer, reps: int = 5) -> dict:
     dev = engine.dev
     unit = engine.layer_units[0]
     flat = engine.streamer.flat[0]
-    flat[: unit.numel].copy_(unit.tiles[0].shadow)
+    flat[: unit.numel].copy_(unit.tiles[0].source)
     weights = unit.views(flat)
     gen = torch.Generator(device=dev.torch).manual_seed(0)
     shape = (cfg.batch_size, cfg.seq_len, arch.hidden)
