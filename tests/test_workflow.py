@@ -122,3 +122,18 @@ def test_aggregate_real_results():
     assert row["params"] == 7615616512 and 10 < row["host_bytes_per_param"] < 20
     md = aggregate.markdown(df, "scale", "h100")
     assert "## Measured (h100)" in md and "## Paper (Figure 1" in md
+
+
+def test_grid_points_without_a_result_keep_a_not_run_row(tmp_path):
+    """A table made before the whole grid has run (partial=true) lists the missing points as
+    not_run, with their shape, and no throughput."""
+    g = tmp_path / "grid.yaml"
+    g.write_text(yaml.safe_dump({
+        "hardware": "test", "defaults": {"seq": 32, "batch": 2, "steps": 1, "warmup": 0, "timeout": 10},
+        "experiments": {"depth": {"points": [
+            {"id": "L2", "system": "megatrain", "preset": "tiny-llama", "layers": 2},
+            {"id": "L4", "system": "zero3", "preset": "tiny-llama", "layers": 4}]}}}))
+    df = aggregate.table([], "depth", paper=[], grid=g)
+    assert list(df["id"]) == ["L2", "L4"] and set(df["status"]) == {"not_run"}
+    assert list(df["x"]) == [2, 4] and list(df["system"]) == ["megatrain", "zero3"]
+    assert df["model_tflops"].isna().all() and (df["params"] > 0).all()

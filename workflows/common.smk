@@ -1,5 +1,6 @@
 # The grid (config["grid"], a workflows/grids/*.yaml chosen by the profile), validated by schema,
 # and the input functions of the target rules.
+import os
 import sys
 
 from snakemake.utils import validate
@@ -25,9 +26,15 @@ def point_args(wildcards):
     return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]))
 
 
+# `--config partial=true`: tables and figures from the points that have a result, without running
+# the others (their rows say not_run): a grid measured over several sessions, figures on the way.
+PARTIAL = bool(config.get("partial", False))
+
+
 def experiment_results(wildcards):
     ids = [p["id"] for p in GRID["experiments"][wildcards.experiment]["points"]]
-    return expand(f"results/{HW}/points/{wildcards.experiment}/{{id}}.json", id=ids)
+    files = expand(f"results/{HW}/points/{wildcards.experiment}/{{id}}.json", id=ids)
+    return [f for f in files if os.path.exists(f)] if PARTIAL else files
 
 
 def paper_option(wildcards):

@@ -21,9 +21,10 @@ rule table:
     params:
         paper=paper_option,
         hardware=HW,
+        grid=GRID_FILE,
     shell:
-        "python -m workflows.scripts.aggregate --experiment {wildcards.experiment} "
-        "--hardware {params.hardware} {params.paper} --csv {output.csv} --md {output.md} {input} > {log} 2>&1"
+        "python -m workflows.scripts.aggregate --experiment {wildcards.experiment} --hardware {params.hardware} "
+        "{params.paper} --grid {params.grid} --csv {output.csv} --md {output.md} {input} > {log} 2>&1"
 
 
 # One figure rule per experiment, so that each figure carries its own caption (a caption's path

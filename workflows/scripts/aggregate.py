@@ -1,6 +1,6 @@
 """One experiment's result JSONs -> a tidy table (CSV and Markdown), the paper's rows appended apart.
 
-    python -m workflows.scripts.aggregate --experiment E --hardware H [--paper ARTEFACT] \
+    python -m workflows.scripts.aggregate --experiment E --hardware H [--paper ARTEFACT] [--grid GRID] \
         --csv OUT.csv --md OUT.md RESULT.json ...
 
 Measured rows carry source="measured"; the paper's rows (workflows.paper.rows) keep their own
@@ -128,8 +128,16 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
     }
 
 
-def measured(paths: list[str | Path], experiment: str) -> pd.DataFrame:
+def measured(paths: list[str | Path], experiment: str, grid: str | Path | None = None) -> pd.DataFrame:
+    """One row per result file; with `grid`, also a `not_run` row for each of the experiment's
+    points that has no file among `paths` (a table made before the whole grid has run)."""
     rows = [flatten(json.loads(Path(p).read_text()), Path(p).stem, experiment) for p in paths]
+    if grid is not None:
+        from workflows.scripts import grid as gridlib
+        have = {Path(p).stem for p in paths}
+        for (name, point_id), point in gridlib.points(gridlib.load(grid)).items():
+            if name == experiment and point_id not in have:
+                rows.append(flatten(gridlib.not_run(point), point_id, experiment))
     df = pd.DataFrame(rows, columns=MEASURED_COLUMNS)
     return df.astype({c: "Int64" for c in INTEGER_COLUMNS})
 
@@ -145,12 +153,14 @@ def _paper_x(spec: Experiment, ref: pd.DataFrame):
         return None
 
 
-def table(paths: list[str | Path], experiment: str, paper: str | list[str] | None = None) -> pd.DataFrame:
-    """Measured rows, then each paper artefact's rows (their own columns; source="paper"); both
-    carry `x`, the experiment's x coordinate. paper=None: the experiment's default artefacts."""
+def table(paths: list[str | Path], experiment: str, paper: str | list[str] | None = None,
+          grid: str | Path | None = None) -> pd.DataFrame:
+    """Measured rows (and `not_run` rows for the grid's points without a result), then each paper
+    artefact's rows (their own columns; source="paper"); both carry `x`, the experiment's x
+    coordinate. paper=None: the experiment's default artefacts."""
     spec = EXPERIMENTS.get(experiment, GENERIC)
     papers = spec.paper if paper is None else ([paper] if isinstance(paper, str) else list(paper))
-    df = measured(paths, experiment)
+    df = measured(paths, experiment, grid)
     df["x"] = df[spec.x]
     if papers:
         from workflows.paper import rows
@@ -197,11 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", required=True)
     p.add_argument("--paper", action="append",
                    help="workflows/paper artefact (file stem) to append, repeatable (default: the experiment's)")
+    p.add_argument("--grid", help="the grid file: its points of this experiment without a result get a not_run row")
     p.add_argument("--csv", required=True)
     p.add_argument("--md", required=True)
-    p.add_argument("results", nargs="+")
+    p.add_argument("results", nargs="*")
     a = p.parse_args(argv)
-    df = table(a.results, a.experiment, a.paper)
+    df = table(a.results, a.experiment, a.paper, a.grid)
     df.to_csv(a.csv, index=False)
     Path(a.md).write_text(markdown(df, a.experiment, a.hardware))
     return 0

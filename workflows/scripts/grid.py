@@ -64,12 +64,24 @@ def model(point: dict[str, Any]) -> dict[str, Any]:
     return {"preset": point["preset"], **({"overrides": overrides} if overrides else {})}
 
 
-def host_need_gib(point: dict[str, Any]) -> float:
-    """MegaTrain's host memory for the point's model at HOST_BYTES_PER_PARAM (no activations)."""
+def params(point: dict[str, Any]) -> int:
+    """Parameters of the point's model."""
     from megatrain.arch import Architecture, load_hf_config
     from megatrain.config import ModelConfig
-    params = Architecture(load_hf_config(ModelConfig(**model(point)))).total_params()
-    return params * HOST_BYTES_PER_PARAM / 2**30
+    return Architecture(load_hf_config(ModelConfig(**model(point)))).total_params()
+
+
+def host_need_gib(point: dict[str, Any]) -> float:
+    """MegaTrain's host memory for the point's model at HOST_BYTES_PER_PARAM (no activations)."""
+    return params(point) * HOST_BYTES_PER_PARAM / 2**30
+
+
+def not_run(point: dict[str, Any]) -> dict[str, Any]:
+    """A point without a result yet, shaped like a harness result with status `not_run`, so that a
+    table made before the whole grid has run (`--config partial=true`) keeps its row."""
+    return {"system": point["system"], "status": "not_run", "reason": "no result yet", "params": params(point),
+            "spec": {"model": model(point), "seq_len": point["seq"], "batch_size": point["batch"],
+                     "grad_accum": point["accum"]}}
 
 
 def argv(point: dict[str, Any]) -> list[str]:

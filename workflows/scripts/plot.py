@@ -12,6 +12,7 @@ with their status. The paper's memory (printed in GB, 10^9 bytes) is drawn in Gi
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 import matplotlib
 import matplotlib.ticker
@@ -44,12 +45,21 @@ def _paper_y(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.Series | None:
 
 
 def _failed(ax, rows: pd.DataFrame):
+    """A red cross at zero for each point that did not run; `_failed_note` says which and why."""
     bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
     if len(bad):
-        ax.scatter(bad["x"], [0] * len(bad), marker="x", color="red", zorder=3, label="did not run (status)")
-        for _, r in bad.iterrows():
-            ax.annotate(r["status"], (r["x"], 0), textcoords="offset points", xytext=(3, 4), fontsize=7,
-                        color="red", rotation=45)
+        ax.scatter(bad["x"], [0] * len(bad), marker="x", color="red", zorder=3,
+                   label="did not run (see the note below)")
+
+
+def _failed_note(rows: pd.DataFrame, label: str) -> str:
+    """One line per system and status of the points that did not run, with their x values."""
+    bad = rows[rows["status"] != "ok"]
+    parts = []
+    for (system, status), g in bad.groupby(["system", "status"], sort=True):
+        xs = ", ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in g["x"])
+        parts.append(f"{system} {status} at {xs}")
+    return f"did not run (x: {label}): " + "; ".join(parts) if parts else ""
 
 
 def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
@@ -119,7 +129,10 @@ def figure(df: pd.DataFrame, name: str, hardware: str):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{name}: measured on {hardware}; the paper's points are the paper's, not measured here",
                  fontsize=10)
-    fig.tight_layout()
+    note = _failed_note(df[df["source"] == "measured"], spec.label) if spec.kind != "bars" else ""
+    fig.tight_layout(rect=(0, 0.06 if note else 0, 1, 1))
+    if note:
+        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, 220)), fontsize=7, color="red", va="bottom")
     return fig
 
 
