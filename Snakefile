@@ -14,6 +14,7 @@ include: "workflows/report.smk"
 include: "workflows/engine.smk"
 include: "workflows/hardware_tables.smk"
 include: "workflows/compare.smk"
+include: "workflows/accuracy.smk"
 
 
 rule all:
@@ -22,6 +23,7 @@ rule all:
         all_tables(),
         HARDWARE_TABLES,
         all_figures(),
+        ACCURACY_OUTPUTS,
         rules.engine_smoke.output,
 
 
@@ -29,6 +31,7 @@ rule tables:
     input:
         all_tables(),
         HARDWARE_TABLES,
+        ACCURACY_OUTPUTS,
 
 
 rule figures:

@@ -1,4 +1,4 @@
-"""Command line of the harness: `python -m suite run | check | table | compare`."""
+"""Command line of the harness: `python -m suite run | check | table | compare | accuracy`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,30 @@ def _check(args) -> int:
     return 0 if passed(summary) else 1
 
 
+def _accuracy(args) -> int:
+    from suite.accuracy.experiment import Settings, run
+    options: dict = {}
+    for item in args.option:
+        system, _, setting = item.partition(":")
+        options.setdefault(system, {}).update(_options([setting]))
+    try:
+        settings = Settings(out=args.out, work=args.work, systems=args.systems.split(","), model=args.model,
+                            pretrained=args.pretrained, metamath=args.metamath, problems=args.problems,
+                            seed=args.seed, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                            eval_limit=args.eval_limit or None, timeout_s=args.timeout, options=options)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = run(settings)
+    print(f"{'system':<14} {'status':<12} {'accuracy':>9} {'max loss gap':>13}")
+    for system, row in summary["systems"].items():
+        gap = summary["loss_gap_to_native"].get(system, {}).get("max_abs")
+        acc = f"{100 * row['accuracy']:.1f}%" if "accuracy" in row else "-"
+        gap = "-" if gap is None else f"{gap:.4f}"
+        print(f"{system:<14} {row['status']:<12} {acc:>9} {gap:>13}")
+    return 0 if all(r["status"] == "ok" for r in summary["systems"].values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (a scheduler's or `timeout`'s) unwinds like Ctrl-C, so a running worker is killed too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -93,6 +117,23 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--threshold", type=float, default=0.05, help="relative change that counts (0.05 = 5%%)")
     d.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, of {','.join(METRICS)}")
     d.add_argument("--out", help="also write the comparison as JSON here")
+    a = sub.add_parser("accuracy", help="Table 3: train one model with each system, exact-match accuracy of each")
+    a.add_argument("--out", required=True, help="results: per-system JSON, summary.json")
+    a.add_argument("--work", required=True, help="scratch: data, the initial model, the trained checkpoints")
+    a.add_argument("--systems", default="megatrain,native", help="comma-separated; native is always included")
+    a.add_argument("--model", default="tiny", help="llama shape for the generated task: tiny or 100m")
+    a.add_argument("--pretrained", help="a local checkpoint directory (with its tokenizer) instead")
+    a.add_argument("--metamath", help="a local MetaMathQA json/jsonl (query, response) instead of generated problems")
+    a.add_argument("--problems", type=int, default=2000, help="generated problems before the 70/30 split")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--steps", type=int, default=100)
+    a.add_argument("--batch", type=int, default=16, help="sequences per step")
+    a.add_argument("--seq", type=int, default=192)
+    a.add_argument("--lr", type=float, default=1e-3)
+    a.add_argument("--eval-limit", type=int, default=500, help="test problems evaluated (0: all)")
+    a.add_argument("--timeout", type=float, default=3600.0, help="seconds before a system's training is killed")
+    a.add_argument("--option", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
+                   help="a system option, repeatable (e.g. megatrain:engine.checkpoint_every=1)")
     args = p.parse_args(argv)
     if args.command == "run" and bool(args.preset) == bool(args.config):
         p.error("run: give exactly one of --preset and --config")
@@ -106,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    return {"run": _run, "check": _check}[args.command](args)
+    return {"run": _run, "check": _check, "accuracy": _accuracy}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ class RunSpec:
     repeat_batch: bool = False  # the same batch every step (the loss-tracking check)
     timeout_s: float = 1800.0
     options: dict[str, Any] = field(default_factory=dict)  # the system's own settings
+    # a local data file instead of synthetic tokens: megatrain DataConfig fields (path, format,
+    # prompt_field, response_field, tokenizer, ...); batches drawn in the same seeded order for every system
+    data: dict[str, Any] | None = None
+    save_to: str | None = None  # after the steps, save the trained weights there as a transformers checkpoint
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -44,6 +48,10 @@ class RunSpec:
             raise ValueError(f"lr: must be positive, got {self.lr!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: must be positive, got {self.timeout_s!r}")
+        if self.data is not None:
+            if self.repeat_batch:
+                raise ValueError("repeat_batch applies to synthetic data, not to a data file")
+            self.data_config()  # a missing file or a bad field fails here
         hf = self.hf_config()  # an unknown preset, a missing config or a bad override fails here
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and self.seq_len > limit:
@@ -70,8 +78,13 @@ class RunSpec:
         return load_hf_config(self.model_config())
 
     def data_config(self) -> DataConfig:
-        return DataConfig(source="synthetic", seq_len=self.seq_len, batch_size=self.batch_size,
-                          grad_accum=self.grad_accum, seed=self.seed, repeat_batch=self.repeat_batch)
+        common = dict(seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed)
+        if self.data is None:
+            return DataConfig(source="synthetic", repeat_batch=self.repeat_batch, **common)
+        unknown = sorted(set(self.data) - {f.name for f in dataclasses.fields(DataConfig)})
+        if unknown or set(self.data) & set(common) or "source" in self.data:
+            raise ValueError(f"data: give the file's fields (path, format, tokenizer, ...); not {sorted(self.data)}")
+        return DataConfig(source="file", **self.data, **common)
 
     @property
     def total_steps(self) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from megatrain.arch import Architecture
 from megatrain.checkpoint import write_json
-from megatrain.data import SyntheticSource
+from megatrain.data import make_source
 from megatrain.metrics import environment, model_flops
 from suite.spec import RunSpec
 from suite.systems import DoesNotFit, Unsupported, load
@@ -60,9 +60,12 @@ def run(spec: RunSpec, out: str) -> dict:
         system = load(spec.system)(spec, device)
         # a system that runs another model (Ratel's own GPT) counts that model's FLOPs
         flops = result["model_flops_per_step"] = getattr(system, "model_flops_per_step", flops)
-        data = SyntheticSource(spec.data_config(), arch.vocab)
+        data = make_source(spec.data_config(), arch.vocab, spec.model_config().pretrained)
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
+            if spec.data is not None:  # padded examples: count the real tokens only
+                lengths = [int(n) for mb in microbatches for n in mb.attention_mask.sum(dim=1)]
+                flops = model_flops(arch.matmul_params(), arch.num_layers, arch.hidden, lengths)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
@@ -71,8 +74,9 @@ def run(spec: RunSpec, out: str) -> dict:
             if getattr(system, "own_step_time", False):  # a system run as one script reports its steps
                 seconds = row["step_time_s"]
             loss = None if row["loss"] is None else float(row["loss"])
+            tokens = sum(lengths) if spec.data is not None else spec.tokens_per_step
             row = {**row, "step": index + 1, "loss": loss, "step_time_s": seconds,
-                   "tokens": spec.tokens_per_step, "tokens_per_s": spec.tokens_per_step / seconds,
+                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                    "model_tflops": flops / seconds / 1e12,
                    "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
             result["steps"].append(row)
@@ -83,6 +87,9 @@ def run(spec: RunSpec, out: str) -> dict:
                   f"{row['model_tflops']:.1f} TFLOP/s, loss {loss}", file=sys.stderr, flush=True)
         result["median"] = medians(result["steps"][spec.warmup:])
         result["info"] = system.info()
+        if spec.save_to:
+            system.save(spec.save_to)
+            result["saved_to"] = spec.save_to
         if "ceiling" in result["info"]:
             result["ratio_to_ceiling"] = result["median"]["model_tflops"] / result["info"]["ceiling"]["model_tflops"]
         result["status"] = "ok"

@@ -3,6 +3,7 @@
     system = System(spec, device)        # build the model and the optimizer
     row = system.step(microbatches)      # one optimizer step, device synchronised: {"loss": ..., ...}
     system.info()                        # what the system wants recorded once (settings, versions)
+    system.save(path)                    # the trained weights as a `transformers` checkpoint (float32)
     system.close()
 
 A constructor that finds the system cannot run here raises `Unsupported(reason)`; one that finds

@@ -169,6 +169,14 @@ class ZeroSystem:
         hf.synchronize(self.device)
         return {"loss": torch.stack(losses).float().mean().item()}
 
+    def save(self, path: str) -> None:
+        """The partitioned float32 masters, gathered from the optimizer (what DeepSpeed's own
+        zero_to_fp32 recovers from a checkpoint), saved under the model's names."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        module = self.engine.module
+        masters = {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in module.named_parameters()}
+        module.save_pretrained(path, state_dict=masters)
+
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16", "optimizer": "DeepSpeedCPUAdam (AdamW)",
                 "activation_checkpointing": True, "deepspeed_version": self.version, "ds_config": self.config}

@@ -40,6 +40,11 @@ class System:
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False)
 
+    def save(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        self.model.save_pretrained(path, state_dict=full)
+
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True) on the CPU", "offload": "CPUOffloadPolicy",

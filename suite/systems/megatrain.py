@@ -50,6 +50,9 @@ class System:
     def step(self, microbatches) -> dict:
         return self.trainer.train_step(microbatches)
 
+    def save(self, path: str) -> None:
+        self.trainer.save_pretrained(path)
+
     def info(self) -> dict:
         t = self.trainer
         out = {"memory_plan": t.memory_plan.detail, "engine": vars(t.cfg.engine),

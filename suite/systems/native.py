@@ -24,6 +24,9 @@ class System:
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, self.autocast)
 
+    def save(self, path: str) -> None:
+        self.model.save_pretrained(path)
+
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.autocast else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True)", "activation_checkpointing": True}
