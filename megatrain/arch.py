@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from megatrain.chunked_mlp import chunk_tokens
 from megatrain.config import ModelConfig
 from megatrain.presets import preset
 
@@ -118,6 +119,13 @@ class Architecture:
             self.head_specs.append(ParamSpec("lm_head.weight", (self.vocab, self.hidden)))
         self._templates: dict[str, Template] = {}
         self._norm_template: Template | None = None
+        self.mlp_chunk: int | None = None  # set by chunk_mlp before the first template is made
+
+    def chunk_mlp(self, tokens: int) -> None:
+        """Every layer's MLP runs over `tokens` tokens at a time (megatrain/chunked_mlp.py)."""
+        with torch.device("meta"):
+            chunk_tokens(self._layer_cls(self.config, 0).mlp, tokens, self.config.hidden_act)  # refuses early
+        self.mlp_chunk = tokens
 
     # ---- names in a `transformers` checkpoint ----
     def hf_names(self, tile: str) -> list[str]:
@@ -146,6 +154,8 @@ class Architecture:
             with torch.device("meta"):
                 module = self._layer_cls(self.config, index)
             module.train()
+            if self.mlp_chunk:
+                chunk_tokens(module.mlp, self.mlp_chunk, self.config.hidden_act)
             self._templates[kind] = Template(module)
         template = self._templates[kind]
         template.module.self_attn.layer_idx = index

@@ -59,7 +59,8 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         # and their gradients in flight
         "checkpoints": ((2 if cfg.offload_checkpoints else -(-L // K)) + 2) * M * tokens * h * c,
         # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
-        "block_activations": K * tokens * (10 * h + 4 * ffn) * c,
+        # (chunked: the MLP's only for one chunk, in its backward)
+        "block_activations": K * (tokens * 10 * h + min(tokens, cfg.mlp_chunk_tokens or tokens) * 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm

@@ -31,6 +31,8 @@ class Trainer:
         self.cfg = cfg
         hf = load_hf_config(cfg.model)
         self.arch = arch = Architecture(hf)
+        if cfg.engine.mlp_chunk_tokens:
+            arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and cfg.data.seq_len > limit:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")

@@ -61,10 +61,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             proc = subprocess.Popen([python, "-m", "suite.worker", str(spec_file), str(partial)],
                                     stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-            sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None)
-            nvml_before = sampler.peak_nvml_bytes
-            timed_out = False
-            try:
+            timed_out, sampler = False, None
+            try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
+                sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None)
+                nvml_before = sampler.peak_nvml_bytes
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -75,7 +75,8 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 proc.wait()
                 raise
             finally:
-                sampler.close()
+                if sampler is not None:
+                    sampler.close()
         wall = time.perf_counter() - start
         result = json.loads(partial.read_text()) if partial.exists() else {
             "system": spec.system, "spec": spec.to_dict(), "env": environment(), "steps": []}

@@ -38,6 +38,9 @@ CASES = {
     "qwen2-tied-device-tiles-clip-accum": ("tiny-qwen2", {}, 1, 2, 0.5, True, {"device_tiles": 2}),
     "llama-untied-all-device-tiles-noclip": ("tiny-llama", {}, 2, 1, None, True, {"device_tiles": 4}),
     "mistral-device-embedding-clip": ("tiny-mistral", {}, 1, 1, 0.5, True, {"device_tiles": 1}),
+    # the MLP over 5 tokens at a time (not dividing the 32 of a micro-batch), forward and backward
+    "qwen2-chunked-mlp-K2-accum": ("tiny-qwen2", {}, 2, 2, 0.5, True, {"mlp_chunk_tokens": 5}),
+    "llama-chunked-mlp-device-tiles": ("tiny-llama", {}, 1, 1, None, True, {"mlp_chunk_tokens": 7, "device_tiles": 2}),
 }
 
 

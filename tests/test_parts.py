@@ -208,3 +208,27 @@ def test_timeline_breakdown_and_trace(tmp_path):
     layers = trainer.arch.num_layers
     assert {f"forward L{layers - 1}", "head", "recompute L0", "backward L0", "load layer.0"} <= names
     assert any(n.startswith("layer.0 [") for n in names)  # the optimizer's update of layer 0
+
+
+def test_chunked_mlp_equals_the_whole_mlp():
+    """Forward and every gradient of the chunked MLP equal the unchunked module's (float32, a chunk
+    that does not divide the tokens); an MLP of another kind is refused by name."""
+    from megatrain.chunked_mlp import chunk_tokens
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    cfg = load_hf_config(ModelConfig(preset="tiny-llama"))
+    torch.manual_seed(0)
+    whole, chunked = LlamaMLP(cfg), LlamaMLP(cfg)
+    chunked.load_state_dict(whole.state_dict())
+    chunk_tokens(chunked, 7, cfg.hidden_act)
+    x = torch.randn(2, 19, cfg.hidden_size)
+    dy = torch.randn(2, 19, cfg.hidden_size)
+    outs = []
+    for mlp in (whole, chunked):
+        xi = x.clone().requires_grad_()
+        y = mlp(xi)
+        grads = torch.autograd.grad(y, [xi, *mlp.parameters()], dy)
+        outs.append([y.detach(), *grads])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not a bias-free SiLU-gated MLP"):
+        chunk_tokens(LlamaMLP(cfg), 7, "gelu")
