@@ -86,7 +86,8 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
         problems.append(
             f"device memory: needs about {p.device_bytes / GiB:.1f} GiB, {device_available / GiB:.1f} GiB free "
             f"(activations {acts / GiB:.1f} GiB; lower data.batch_size, data.grad_accum or data.seq_len, "
-            f"engine.checkpoint_every or engine.loss_chunk_tokens)")
+            f"engine.checkpoint_every, engine.loss_chunk_tokens or engine.mlp_chunk_tokens, or set "
+            f"engine.offload_checkpoints)")
     if problems:
         raise ValueError("the run does not fit: " + "; ".join(problems))
 

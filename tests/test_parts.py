@@ -232,3 +232,21 @@ def test_chunked_mlp_equals_the_whole_mlp():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not a bias-free SiLU-gated MLP"):
         chunk_tokens(LlamaMLP(cfg), 7, "gelu")
+
+
+def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
+    """At 512K tokens of the 7B shape the whole MLP's activations (four tokens x FFN tensors per
+    layer) are most of a layer's graph; chunked, only one chunk's count. A plan over the device is
+    refused with its numbers and the settings to change."""
+    from megatrain.memory import admit
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b", overrides={"max_position_embeddings": 524288})))
+    def acts(chunk):
+        cfg = EngineConfig(checkpoint_every=1, offload_checkpoints=True, mlp_chunk_tokens=chunk)
+        return plan(arch, cfg, torch.float32, torch.bfloat16, tokens=524288, microbatches=1, clipping=False)
+    whole, chunked = acts(None), acts(16384)
+    ffn = arch.config.intermediate_size
+    assert whole.detail["device.block_activations"] - chunked.detail["device.block_activations"] == \
+        (524288 - 16384) * 4 * ffn * 2
+    with pytest.raises(ValueError, match=r"device memory: needs about 1\d\d\.\d GiB, 80.0 GiB free.*mlp_chunk_tokens"):
+        admit(whole, host_available=2**50, device_available=80 * 2**30)
+    admit(chunked, host_available=2**50, device_available=80 * 2**30)
