@@ -95,3 +95,18 @@ def test_x_coordinates(tmp_path):
     scale = aggregate.table(_write(tmp_path, "scale"), "scale")
     assert scale[scale["source"] == "paper"]["x"].dropna().tolist() == [7.0, 14.0, 32.0, 14.0]
     assert scale[scale["source"] == "measured"]["x"].tolist() == [7.0, 3.0, 0.000143808]
+
+
+def test_points_on_fewer_layers_get_lines_of_their_own(tmp_path):
+    """Table 7's longest contexts run on fewer layers: they are drawn apart, labelled by depth."""
+    points = {"s64": _result("megatrain", seq=64), "s128": _result("megatrain", seq=128),
+              "s256_L1": _result("megatrain", seq=256, layers=1)}
+    paths = []
+    for pid, r in points.items():
+        (tmp_path / f"{pid}.json").write_text(json.dumps(r))
+        paths.append(tmp_path / f"{pid}.json")
+    df = aggregate.table(paths, "context", paper=[])
+    series = plot._series(df, aggregate.experiment("context"))
+    assert list(series) == ["megatrain (all layers)", "megatrain (all layers)", "megatrain (1 layer)"]
+    depth = aggregate.table(paths[:2], "context", paper=[])
+    assert list(plot._series(depth, aggregate.experiment("context"))) == ["megatrain", "megatrain"]

@@ -62,6 +62,16 @@ def _failed_note(rows: pd.DataFrame, label: str) -> str:
     return f"did not run (x: {label}): " + "; ".join(parts) if parts else ""
 
 
+def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
+    """One line per system; where points of one experiment run at different depths (Table 7's
+    longest contexts on fewer layers) and depth is not the x axis, one line per system and depth."""
+    layers = rows["layers"].dropna() if "layers" in rows else pd.Series(dtype=object)
+    if spec.x == "layers" or layers.nunique() + rows["layers"].isna().any() <= 1:
+        return rows["system"]
+    depth = rows["layers"].map(lambda n: "all layers" if pd.isna(n) else f"{int(n)} layer{'s' * (n != 1)}")
+    return rows["system"] + " (" + depth + ")"
+
+
 def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One panel per quantity; one line per system over the experiment's x."""
     ours, paper = _split(df)
@@ -71,7 +81,7 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     axes = list(axes[0])
     for ax, y in zip(axes, spec.panels):
         ok = ours[(ours["status"] == "ok") & ours[y].notna() & ours["x"].notna()].sort_values("x")
-        for system, g in ok.groupby("system"):
+        for system, g in ok.groupby(_series(ok, spec)):
             ax.plot(g["x"], g[y], label=f"measured ({hardware}): {system}", **MEASURED)
         _failed(ax, ours)
         ref_y = _paper_y(paper, spec, y)
