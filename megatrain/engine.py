@@ -254,7 +254,8 @@ class Engine:
         return _Context(masks, position_ids, (cos, sin))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Gather the batch's rows of the embedding on the host and send only those."""
+        """The batch's rows of the embedding: gathered on the host and sent alone, or, for a device
+        tile, gathered on the device."""
         tile = self.store.embed
         spec = tile.layout.specs[0]
         if tile.on_device:  # ordered after its update by the compute stream
