@@ -92,7 +92,10 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
         if spec.log_x and (ax.has_data() and (ours["x"].dropna() > 0).all()):
             ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            # ticks at the measured x values (a log axis over 3-33 would label only 10)
+            ticks = sorted(set(ours["x"].dropna()))
+            ax.set_xticks(ticks if len(ticks) <= 12 else ticks[:: -(-len(ticks) // 12)])
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     return fig, axes
 
