@@ -142,7 +142,12 @@ def evaluate(checkpoint: str | Path, tokenizer_dir: str | Path, test: list[dict]
 
 
 def run(s: Settings) -> dict:
-    """Prepare, evaluate the untrained model, train and evaluate each system; write the summary."""
+    """Prepare, evaluate the untrained model, train and evaluate each system; write the summary.
+
+    Resumable: a system whose result in `out` has this run's exact spec and status ok, with its
+    evaluation beside it (`<system>.eval.json`), is not trained again, so a run longer than one
+    sitting on a lent GPU goes on where it stopped (the data and the initial model are a function
+    of the settings and are rebuilt identically)."""
     from suite.runner import run_point
     out, work = Path(s.out), Path(s.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,20 +155,37 @@ def run(s: Settings) -> dict:
     test = [json.loads(line) for line in (work / "data" / "test.jsonl").read_text().splitlines()]
     test = test[: s.eval_limit] if s.eval_limit else test
     tok_dir = prepared["init"]
-    rows = {"untrained": {"status": "ok", **evaluate(prepared["init"], tok_dir, test, s.eval_batch, s.seq)}}
+    key = {"init": prepared, "evaluated": len(test), "settings": asdict(s)}
+
+    def cached(name: str) -> dict | None:
+        file = out / f"{name}.eval.json"
+        old = json.loads(file.read_text()) if file.is_file() else {}
+        return old["evaluation"] if old.get("key") == key else None
+
+    def evaluated(name: str, checkpoint) -> dict:
+        if (evaluation := cached(name)) is None:
+            evaluation = evaluate(checkpoint, tok_dir, test, s.eval_batch, s.seq)
+            write_json(out / f"{name}.eval.json", {"key": key, "evaluation": evaluation})
+        return evaluation
+
+    rows = {"untrained": {"status": "ok", **evaluated("untrained", prepared["init"])}}
     for system in ["native", *[x for x in s.systems if x != "native"]]:
         saved = work / "checkpoints" / system
-        shutil.rmtree(saved, ignore_errors=True)
         spec = RunSpec(system=system, model={"pretrained": prepared["init"]}, seq_len=s.seq, batch_size=s.batch,
                        grad_accum=1, steps=s.steps, warmup=0, seed=s.seed, lr=s.lr, timeout_s=s.timeout_s,
                        options=s.options.get(system, {}), save_to=str(saved),
                        data={"path": str(work / "data" / "train.jsonl"), "format": "instruction",
                              "prompt_field": "prompt", "response_field": "response", "tokenizer": tok_dir})
-        result = run_point(spec, out / f"{system}.json")
+        file = out / f"{system}.json"
+        result = json.loads(file.read_text()) if file.is_file() else {}
+        if not (result.get("status") == "ok" and result.get("spec") == spec.to_dict() and cached(system)):
+            (out / f"{system}.eval.json").unlink(missing_ok=True)
+            shutil.rmtree(saved, ignore_errors=True)
+            result = run_point(spec, file)
         row = {"status": result["status"], "reason": result.get("reason"),
                "losses": [step["loss"] for step in result.get("steps", [])]}
         if result["status"] == "ok":
-            row.update(evaluate(saved, tok_dir, test, s.eval_batch, s.seq))
+            row.update(evaluated(system, saved))
         rows[system] = row
     summary = {"settings": asdict(s), "data": prepared, "evaluated": len(test), "systems": rows,
                **loss_gaps(rows)}
