@@ -66,7 +66,8 @@ def _accuracy(args) -> int:
         settings = Settings(out=args.out, work=args.work, systems=args.systems.split(","), model=args.model,
                             pretrained=args.pretrained, metamath=args.metamath, problems=args.problems,
                             seed=args.seed, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
-                            eval_limit=args.eval_limit or None, timeout_s=args.timeout, options=options)
+                            eval_limit=args.eval_limit or None, eval_batch=args.eval_batch,
+                            timeout_s=args.timeout, options=options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seq", type=int, default=192)
     a.add_argument("--lr", type=float, default=1e-3)
     a.add_argument("--eval-limit", type=int, default=500, help="test problems evaluated (0: all)")
+    a.add_argument("--eval-batch", type=int, default=64, help="problems generated at once")
     a.add_argument("--timeout", type=float, default=3600.0, help="seconds before a system's training is killed")
     a.add_argument("--option", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                    help="a system option, repeatable (e.g. megatrain:engine.checkpoint_every=1)")

@@ -3,7 +3,7 @@ ACCURACY = GRID.get("accuracy")
 ACCURACY_ARGS = " ".join(
     [f"--systems {','.join(ACCURACY['systems'])}"]
     + [f"--{key.replace('_', '-')} {ACCURACY[key]}" for key in
-       ("model", "problems", "steps", "batch", "seq", "lr", "eval_limit", "timeout") if key in ACCURACY]
+       ("model", "problems", "steps", "batch", "seq", "lr", "eval_limit", "eval_batch", "timeout") if key in ACCURACY]
 ) if ACCURACY else ""
 ACCURACY_OUTPUTS = (
     expand(f"results/{HW}/tables/table3_accuracy.{{ext}}", ext=("csv", "md"))
