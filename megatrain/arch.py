@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatrain.chunked_mlp import chunk_tokens
+from megatrain.chunked_mlp import chunk_tokens, chunkable
 from megatrain.config import ModelConfig
 from megatrain.presets import preset
 
@@ -120,6 +120,10 @@ class Architecture:
         self._templates: dict[str, Template] = {}
         self._norm_template: Template | None = None
         self.mlp_chunk: int | None = None  # set by chunk_mlp before the first template is made
+
+    def mlp_chunkable(self) -> bool:
+        with torch.device("meta"):
+            return chunkable(self._layer_cls(self.config, 0).mlp, self.config.hidden_act)
 
     def chunk_mlp(self, tokens: int) -> None:
         """Every layer's MLP runs over `tokens` tokens at a time (megatrain/chunked_mlp.py)."""

@@ -56,11 +56,16 @@ def _forward(mlp: nn.Module, chunk: int, x: torch.Tensor) -> torch.Tensor:
     return _ChunkedGatedMLP.apply(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, chunk)
 
 
-def chunk_tokens(mlp: nn.Module, chunk: int, hidden_act: str) -> None:
-    """Make a decoder layer's MLP module (its config's `hidden_act` given) run over `chunk` tokens
-    at a time; refused, by name, for an MLP that is not the bias-free SiLU-gated one."""
+def chunkable(mlp: nn.Module, hidden_act: str) -> bool:
+    """Is this decoder layer's MLP (its config's `hidden_act` given) the bias-free SiLU-gated one?"""
     parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if any(not isinstance(p, nn.Linear) or p.bias is not None for p in parts) or hidden_act not in ("silu", "swish"):
+    return all(isinstance(p, nn.Linear) and p.bias is None for p in parts) and hidden_act in ("silu", "swish")
+
+
+def chunk_tokens(mlp: nn.Module, chunk: int, hidden_act: str) -> None:
+    """Make a decoder layer's MLP module run over `chunk` tokens at a time; refused, by name, for an
+    MLP that is not the bias-free SiLU-gated one."""
+    if not chunkable(mlp, hidden_act):
         raise ValueError(f"engine.mlp_chunk_tokens: {type(mlp).__name__} with hidden_act {hidden_act!r} is not a "
                          "bias-free SiLU-gated MLP; set engine.mlp_chunk_tokens: null for this model")
     mlp.forward = partial(_forward, mlp, chunk)

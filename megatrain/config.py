@@ -42,7 +42,9 @@ class EngineConfig:
     # memory and update there: the updates that stay exposed on the CPU (see store.py)
     device_tiles: int = 0
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
-    mlp_chunk_tokens: int | None = None  # tokens per MLP chunk, forward and backward (long contexts); None: whole
+    # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
+    # memory plan fits the device, else the largest chunk that makes it fit (memory.choose_mlp_chunk)
+    mlp_chunk_tokens: int | str | None = "auto"
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
@@ -57,8 +59,9 @@ class EngineConfig:
                           ("device_tiles", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
-        if self.mlp_chunk_tokens is not None and self.mlp_chunk_tokens < 1:
-            raise ValueError(f"engine.mlp_chunk_tokens must be at least 1 or null, not {self.mlp_chunk_tokens}")
+        chunk = self.mlp_chunk_tokens
+        if chunk not in (None, "auto") and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {chunk!r}")
 
 
 @dataclass

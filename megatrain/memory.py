@@ -7,7 +7,7 @@ stops with both numbers and what to change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -27,6 +27,11 @@ class MemoryPlan:
     device_bytes: int
     detail: dict[str, int]
     clipping: bool  # the store keeps a float32 gradient per parameter
+
+
+def _chunk(cfg: EngineConfig) -> int | None:
+    """The MLP chunk a plan counts (`auto` not yet resolved counts as the whole MLP)."""
+    return cfg.mlp_chunk_tokens if isinstance(cfg.mlp_chunk_tokens, int) else None
 
 
 def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
@@ -60,7 +65,7 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "checkpoints": ((2 if cfg.offload_checkpoints else -(-L // K)) + 2) * M * tokens * h * c,
         # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
         # (chunked: the MLP's only for one chunk, in its backward)
-        "block_activations": K * (tokens * 10 * h + min(tokens, cfg.mlp_chunk_tokens or tokens) * 4 * ffn) * c,
+        "block_activations": K * (tokens * 10 * h + min(tokens, _chunk(cfg) or tokens) * 4 * ffn) * c,
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm
@@ -68,6 +73,23 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     }
     return MemoryPlan(sum(host.values()), sum(device.values()),
                       {**host, **{"device." + k: b for k, b in device.items()}}, clipping)
+
+
+MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
+
+
+def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
+                     tokens: int, microbatches: int, clipping: bool, device_available: int | None) -> int | None:
+    """`engine.mlp_chunk_tokens: auto`: the whole MLP when the plan fits the device (or nothing bounds
+    it), else the largest chunk of MLP_CHUNKS that makes it fit, else the smallest (admission then
+    refuses with the numbers). Chunking recomputes part of the MLP: it is chosen only when needed."""
+    def fits(chunk: int | None) -> bool:
+        p = plan(arch, replace(cfg, mlp_chunk_tokens=chunk), master, compute, tokens, microbatches, clipping)
+        return device_available is None or p.device_bytes <= device_available
+    if fits(None):
+        return None
+    candidates = [c for c in MLP_CHUNKS if c < tokens]
+    return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:

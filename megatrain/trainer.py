@@ -31,8 +31,6 @@ class Trainer:
         self.cfg = cfg
         hf = load_hf_config(cfg.model)
         self.arch = arch = Architecture(hf)
-        if cfg.engine.mlp_chunk_tokens:
-            arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and cfg.data.seq_len > limit:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
@@ -44,11 +42,17 @@ class Trainer:
         master = _DTYPES[cfg.engine.master_dtype]
         tokens = cfg.data.batch_size * cfg.data.seq_len
         clipping = cfg.optim.max_grad_norm is not None
-        self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
-                                       cfg.data.grad_accum, clipping)
         device_free = self.device.free_bytes()
         if cfg.engine.device_memory_gb is not None:
             device_free = int(cfg.engine.device_memory_gb * memory.GiB)
+        if cfg.engine.mlp_chunk_tokens == "auto":  # resolved here: the run's records say what ran
+            cfg.engine.mlp_chunk_tokens = memory.choose_mlp_chunk(
+                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping,
+                device_free) if arch.mlp_chunkable() else None
+        if cfg.engine.mlp_chunk_tokens:
+            arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
+        self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
+                                       cfg.data.grad_accum, clipping)
         memory.admit(self.memory_plan, memory.host_available_bytes(cfg.engine.host_memory_gb), device_free)
         # the data source is validated before the store is allocated: a bad dataset costs nothing
         self.data = make_source(cfg.data, arch.vocab, cfg.model.pretrained)

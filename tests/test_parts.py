@@ -250,3 +250,21 @@ def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
     with pytest.raises(ValueError, match=r"device memory: needs about 1\d\d\.\d GiB, 80.0 GiB free.*mlp_chunk_tokens"):
         admit(whole, host_available=2**50, device_available=80 * 2**30)
     admit(chunked, host_available=2**50, device_available=80 * 2**30)
+
+
+def test_auto_mlp_chunk_only_when_the_plan_needs_it():
+    """auto keeps the whole MLP while the plan fits the device; past it, the largest chunk that fits."""
+    from megatrain.memory import MLP_CHUNKS, choose_mlp_chunk
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b", overrides={"max_position_embeddings": 524288})))
+    cfg = EngineConfig(checkpoint_every=1, offload_checkpoints=True)
+    def choose(tokens, free):
+        return choose_mlp_chunk(arch, cfg, torch.float32, torch.bfloat16, tokens, 1, False, free)
+    assert choose(32768, 80 * 2**30) is None and choose(524288, None) is None
+    chunk = choose(524288, 80 * 2**30)
+    assert chunk in MLP_CHUNKS
+    fits = [plan(arch, EngineConfig(checkpoint_every=1, offload_checkpoints=True, mlp_chunk_tokens=c), torch.float32,
+                 torch.bfloat16, tokens=524288, microbatches=1, clipping=False).device_bytes <= 80 * 2**30
+            for c in MLP_CHUNKS]
+    assert fits[MLP_CHUNKS.index(chunk)] and not any(fits[: MLP_CHUNKS.index(chunk)])
+    with pytest.raises(ValueError, match="positive integer, auto or null"):
+        EngineConfig(mlp_chunk_tokens="big")
