@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from workflows.paper import rows as paper_rows
+from workflows.scripts.aggregate import md_table
 
 PAPER = "table3_accuracy"
 
@@ -41,26 +42,16 @@ def measured(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def _md(df: pd.DataFrame) -> str:
-    def cell(v):
-        if v is None or (not isinstance(v, str) and pd.isna(v)):
-            return ""
-        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "/")
-    cols = [c for c in df.columns if df[c].notna().any()]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in df[cols].itertuples(index=False)])
-
-
 def markdown(ours: pd.DataFrame, paper: pd.DataFrame, hardware: str, summary: dict) -> str:
     largest = summary["largest_loss_gap"]
     head = [f"# Table 3: accuracy ({hardware})", "",
             f"Same initial weights, data order and hyper-parameters for every system; exact match of the "
             f"final answer, greedy decoding, {summary['evaluated']} held-out problems. Largest per-step loss "
             f"gap to native: {largest.get('max_abs')} ({largest.get('system')}).", "",
-            f"## Measured ({hardware})", "", _md(ours.drop(columns=["source"]))]
+            f"## Measured ({hardware})", "", md_table(ours.drop(columns=["source"]))]
     cols = [c for c in paper.columns if c not in ("source", "artefact")]
     return "\n".join(head + ["", "## Paper (Table 3; Qwen2.5 on MetaMathQA, its hardware, not ours)", "",
-                             _md(paper[cols])]) + "\n"
+                             md_table(paper[cols])]) + "\n"
 
 
 def figure(summary: dict, hardware: str):

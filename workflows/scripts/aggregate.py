@@ -182,7 +182,7 @@ def _cell(v) -> str:
     return str(v).replace("|", "/")
 
 
-def _md(df: pd.DataFrame) -> str:
+def md_table(df: pd.DataFrame) -> str:
     cols = [c for c in df.columns if df[c].notna().any()]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
@@ -193,11 +193,11 @@ def markdown(df: pd.DataFrame, experiment: str, hardware: str) -> str:
     """The measured rows, then each paper artefact's rows, as separate Markdown tables (a paper table
     shows only its artefact's own columns)."""
     out = [f"# {experiment} ({hardware})", "", f"## Measured ({hardware})", "",
-           _md(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
+           md_table(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
     paper = df[df["source"] == "paper"]
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
-        out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", _md(ref[cols])]
+        out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols])]
     return "\n".join(out) + "\n"
 
 

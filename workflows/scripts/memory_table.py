@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from workflows.scripts.aggregate import _md
+from workflows.scripts.aggregate import md_table
 
 ARTEFACT = "table1_memory_hierarchy"
 MEASURED_COLUMNS = ["source", "hardware", "tier", "direction", "status", "measured_GB_per_s", "paper_tier",
@@ -52,13 +52,13 @@ def markdown(df: pd.DataFrame, hardware: str, quick: bool) -> str:
     mode = " (--quick: small buffers, few repetitions)" if quick else ""
     out = ["# Table 1: memory hierarchy", "", f"## Measured on {hardware}{mode}", "",
            "GB/s = 1e9 bytes/s of `bytes`, which `counts` describes; median of `repeats` timed repetitions.", "",
-           _md(ours)]
+           md_table(ours)]
     ref = df[df["source"] == "paper"]
     if len(ref):
         own = [c for c in ref.columns if c not in MEASURED_COLUMNS + ["artefact"]]
         cols = [c for c in own[:1] + ["tier"] + own[1:] if ref[c].notna().any()]  # platform, tier, ...
         out += ["", f"## Paper ({ref['artefact'].iloc[0]}; vendor specifications of H200 SXM and GH200, "
-                f"not {hardware})", "", _md(ref[cols])]
+                f"not {hardware})", "", md_table(ref[cols])]
     return "\n".join(out) + "\n"
 
 

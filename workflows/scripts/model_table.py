@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from workflows.scripts.aggregate import _md
+from workflows.scripts.aggregate import md_table
 
 ARTEFACT = "table2_models"
 COMPUTED_COLUMNS = ["source", "model", "preset", "status", "reason", "model_type", "layers", "hidden_size",
@@ -72,8 +72,8 @@ def markdown(df: pd.DataFrame) -> str:
     ref_cols = [c for c in ref.columns if c not in ("source", "artefact") and ref[c].notna().any()]
     return "\n".join([
         "# Table 2: model configurations", "",
-        "## Computed (megatrain.presets -> megatrain.arch.Architecture)", "", _md(ours), "",
-        f"## Paper ({ref['artefact'].iloc[0]}, as printed)", "", _md(ref[ref_cols]),
+        "## Computed (megatrain.presets -> megatrain.arch.Architecture)", "", md_table(ours), "",
+        f"## Paper ({ref['artefact'].iloc[0]}, as printed)", "", md_table(ref[ref_cols]),
     ]) + "\n"
 
 
