@@ -102,7 +102,6 @@ class Engine:
         self.max_tokens = max_tokens
         self.worker = OptimizerWorker([t for t in store.tiles if not t.on_device], optim, total_steps,
                                       self.timeline)
-        self.optim, self.total_steps = optim, total_steps
         self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, cfg.offload_checkpoints)
@@ -292,7 +291,7 @@ class Engine:
             grad = acc[offset: offset + tile.layout.numel]
             self.sq[self.tile_index[tile]] += torch.linalg.vector_norm(grad).double().square()
             if tile.on_device:
-                if self.optim.max_grad_norm is None:
+                if self.worker.cfg.max_grad_norm is None:
                     self._update_device_tile(tile, grad)
                 else:
                     self._clip_later.append((tile, grad))
@@ -308,14 +307,15 @@ class Engine:
     def _update_device_tile(self, tile: Tile, grad: torch.Tensor) -> None:
         t = self.worker.steps_begun - 1  # this step's update number
         with self.timeline.stream(COMPUTE, self.dev.compute, f"adamw {tile.name}"):
-            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, self.optim, self.total_steps), self.optim, 1.0)
+            w = self.worker  # the same settings and schedule as the host tiles' updates
+            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, w.cfg, w.total_steps), w.cfg, 1.0)
         tile.version += 1
         tile.updated = self.dev.record(self.dev.compute)
 
     def _clip_and_update_device_tiles(self) -> None:
         """The global norm on the device, as torch's clip_grad_norm_; no host sync."""
         norm = self.sq.sum().sqrt()
-        scale = (self.optim.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        scale = (self.worker.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
         for tile, grad in self._clip_later:
             grad.mul_(scale)
             self._update_device_tile(tile, grad)

@@ -26,6 +26,20 @@ def gpu_trainer(tmp_path, **engine):
     return cfg, Trainer(cfg)
 
 
+def base_and(tmp_path, engine: dict) -> list[tuple[list[float], dict]]:
+    """The default engine and `engine` trained from one saved init on the same 3 steps of batches:
+    each run's losses and final weights."""
+    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
+    runs = []
+    for settings in ({}, engine):
+        _, trainer = gpu_trainer(tmp_path, **settings)
+        try:
+            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
+        finally:
+            trainer.close()
+    return runs
+
+
 def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
     model = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -55,14 +69,7 @@ def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
                                     {"offload_checkpoints": True, "checkpoint_every": 2}])
 def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
-    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
-    runs = []
-    for settings in ({}, engine):
-        _, trainer = gpu_trainer(tmp_path, **settings)
-        try:
-            runs.append([trainer.train_step(mbs)["loss"] for mbs in batches] + [store_params(trainer)])
-        finally:
-            trainer.close()
+    runs = base_and(tmp_path, engine)
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
@@ -71,14 +78,7 @@ def test_device_tiles_track_host_tiles(tmp_path, cuda_only):
     there) instead of by the host's: the same gradients, so only AdamW's rounding differs (a real
     error moves weights by lr = 1e-3)."""
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
-    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
-    runs = []
-    for settings in ({}, {"device_tiles": 2}):
-        _, trainer = gpu_trainer(tmp_path, **settings)
-        try:
-            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
-        finally:
-            trainer.close()
+    runs = base_and(tmp_path, {"device_tiles": 2})
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=0)
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
 
@@ -87,14 +87,7 @@ def test_chunked_mlp_tracks_the_whole_mlp(tmp_path, cuda_only):
     """The MLP over 40-token chunks (forward, and backward with the chunk recomputed) against the
     whole MLP, in bf16 on the device: matmuls of other shapes round differently, nothing more."""
     start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
-    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
-    runs = []
-    for settings in ({}, {"mlp_chunk_tokens": 40}):
-        _, trainer = gpu_trainer(tmp_path, **settings)
-        try:
-            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
-        finally:
-            trainer.close()
+    runs = base_and(tmp_path, {"mlp_chunk_tokens": 40})
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=2e-3, atol=0)
     # Adam turns rounding noise in near-zero gradients into lr-sized steps: compare the updates' direction
     moved = [torch.cat([(params[k] - start[k]).flatten() for k in params if k in start]) for _, params in runs]
