@@ -45,6 +45,9 @@ class EngineConfig:
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
     # memory plan fits the device, else the largest chunk that makes it fit (memory.choose_mlp_chunk)
     mlp_chunk_tokens: int | str | None = "auto"
+    # the last N layers keep their forward graph for the backward instead of recomputing it (their
+    # activations stay on the device); auto: as many as the memory plan leaves device room for
+    no_recompute_layers: int | str = 0
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
@@ -62,6 +65,9 @@ class EngineConfig:
         chunk = self.mlp_chunk_tokens
         if chunk not in (None, "auto") and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {chunk!r}")
+        n = self.no_recompute_layers
+        if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"engine.no_recompute_layers must be an integer >= 0 or auto, not {n!r}")
 
 
 @dataclass

@@ -20,6 +20,11 @@ however many micro-batches the step has, and the host keeps no accumulator for i
 squared gradient norm is taken there too, on the device, and reaches the optimizer with the step's
 end. With K = 1 a layer's recompute and backward of all micro-batches share one weight load.
 
+The last `no_recompute_layers` layers are blocks of their own that the forward already runs with a
+graph (the same per-layer graph the recompute builds, kept for every micro-batch until its
+backward): no checkpoint and no second forward for them, at the cost of their activations staying
+on the device; the memory plan says how many fit (memory.choose_no_recompute).
+
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
 on the device).
@@ -88,7 +93,9 @@ class Engine:
         self.tile_index = {tile: k for k, tile in enumerate(store.tiles)}
         self.sq_host = torch.zeros(len(store.tiles), dtype=torch.float64, pin_memory=device.is_cuda)
         L, K = arch.num_layers, cfg.checkpoint_every
-        self.blocks = [(s, min(s + K, L)) for s in range(0, L, K)]
+        # layers from `kept` on keep their forward graph: each is a block of its own, not recomputed
+        self.kept = L - cfg.no_recompute_layers
+        self.blocks = [(s, min(s + K, self.kept)) for s in range(0, self.kept, K)] + [(i, i + 1) for i in range(self.kept, L)]
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
         self.timeline = Timeline(device, cfg.timeline)
         self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype, self.timeline)
@@ -124,7 +131,8 @@ class Engine:
         self.worker.begin_step(self._contributions())
         plan = self.layer_units + [self.head_unit]
         for s, e in reversed(self.blocks):
-            plan += (self.layer_units[s:e] + self.layer_units[s:e][::-1]) * M
+            recompute = self.layer_units[s:e] if s < self.kept else []
+            plan += (recompute + self.layer_units[s:e][::-1]) * M
         self.streamer.start(plan)
         h2d0 = self.streamer.bytes_h2d + self.checkpoints.bytes_h2d
         d2h0 = self.bytes_d2h + self.checkpoints.bytes_d2h
@@ -158,15 +166,21 @@ class Engine:
         dev, stream, tl, K = self.dev, self.streamer, self.timeline, self.cfg.checkpoint_every
         hs = [self._embed(mb.input_ids) for mb in mbs]
         ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(hs, mbs)]
-        # forward: no graph; keep the inputs of every block
+        # forward: no graph, keeping the inputs of every recomputed block; the layers not
+        # recomputed keep their graphs instead, every micro-batch's
         checkpoints = self.checkpoints
+        kept: dict[int, list] = {}
         with torch.no_grad():
             for i in range(self.arch.num_layers):
-                if i % K == 0:
+                if i < self.kept and i % K == 0:
                     checkpoints.put(i, hs)
                 w = stream.acquire()
                 with tl.stream(COMPUTE, dev.compute, f"forward L{i}"):
-                    hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                    if i < self.kept:
+                        hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                    else:
+                        kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                        hs = [out.detach() for _, _, out in kept[i]]
                 stream.release()
         # head: loss, its gradient, and the gradient flowing into the last layer
         w = stream.acquire()
@@ -191,25 +205,26 @@ class Engine:
             embed_acc = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=dev.torch)
         del acc, grads
         stream.release()
-        # blocks in reverse; per micro-batch: recompute with small graphs, backward layer by layer
+        # blocks in reverse; per micro-batch: recompute with small graphs (or take the kept one),
+        # backward layer by layer
         for b in reversed(range(len(self.blocks))):
             s, e = self.blocks[b]
-            inputs = checkpoints.take(s)
-            if b > 0:
+            recompute = s < self.kept
+            inputs = checkpoints.take(s) if recompute else [None] * len(mbs)
+            if b > 0 and self.blocks[b - 1][0] < self.kept:
                 checkpoints.prefetch(self.blocks[b - 1][0])  # overlaps this block's compute
             accs = {}
             for m, (x, ctx) in enumerate(zip(inputs, ctxs)):
-                graphs = []
-                for i in range(s, e):
-                    leaves = [v.detach().requires_grad_() for v in stream.acquire()]
-                    x = x.detach().requires_grad_()
-                    self._packing = self.layer_units[i]
-                    with (tl.stream(COMPUTE, dev.compute, f"recompute L{i}"), torch.enable_grad(),
-                          torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)):
-                        out = self._layer(i, leaves, x, ctx)
-                    graphs.append((x, leaves, out))
-                    x = out
-                    stream.release()
+                if recompute:
+                    graphs = []
+                    for i in range(s, e):
+                        w = stream.acquire()
+                        with tl.stream(COMPUTE, dev.compute, f"recompute L{i}"):
+                            graphs.append(self._graph(i, w, x, ctx))
+                        x = graphs[-1][2]
+                        stream.release()
+                else:
+                    graphs, kept[s][m] = [kept[s][m]], None
                 dh = dhs[m]
                 for i in reversed(range(s, e)):
                     stream.acquire()  # the weights the unpack hook will read
@@ -236,6 +251,16 @@ class Engine:
         return loss
 
     # ------------------------------------------------------------------ pieces
+    def _graph(self, index: int, weights: list[torch.Tensor], x: torch.Tensor, ctx: _Context):
+        """A layer's autograd graph on its own: a fresh leaf as input and fresh leaves as weights,
+        whose saved views of the weight buffer the hooks turn into references."""
+        leaves = [w.detach().requires_grad_() for w in weights]
+        x = x.detach().requires_grad_()
+        self._packing = self.layer_units[index]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self._layer(index, leaves, x, ctx)
+        return x, leaves, out
+
     def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor, ctx: _Context) -> torch.Tensor:
         module = self.arch.template(index).bind(weights)
         return module(h, attention_mask=ctx.masks[self.arch.layer_type(index)],

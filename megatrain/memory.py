@@ -19,6 +19,7 @@ from megatrain.store import HostStore, Layout, check_device_tiles
 GiB = 1 << 30
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
 DEVICE_WORKSPACE = 2 * GiB  # cuBLAS/SDPA workspaces and allocator slack
+ATTN_KEPT = 11  # a decoder layer's saved activations outside the MLP, in hidden-size tensors of the compute dtype
 
 
 @dataclass
@@ -34,6 +35,16 @@ def _chunk(cfg: EngineConfig) -> int | None:
     return cfg.mlp_chunk_tokens if isinstance(cfg.mlp_chunk_tokens, int) else None
 
 
+def _kept(cfg: EngineConfig) -> int:
+    """The layers a plan counts as not recomputed (`auto` not yet resolved counts as none)."""
+    return cfg.no_recompute_layers if isinstance(cfg.no_recompute_layers, int) else 0
+
+
+def check_no_recompute(arch: Architecture, n: int | str) -> None:
+    if n != "auto" and n > arch.num_layers:
+        raise ValueError(f"engine.no_recompute_layers must be at most the model's {arch.num_layers} layers, not {n}")
+
+
 def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
          tokens: int, microbatches: int, clipping: bool) -> MemoryPlan:
     """Bytes needed to train `arch` on steps of `microbatches` micro-batches of `tokens` tokens."""
@@ -44,12 +55,15 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     unit = max(layer, head)
     ffn = getattr(arch.config, "intermediate_size", 4 * h)
     check_device_tiles(arch, cfg.device_tiles)
+    check_no_recompute(arch, cfg.no_recompute_layers)
+    N, chunk_mlp = _kept(cfg), _chunk(cfg)
+    blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
     store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, cfg.device_tiles)
     host = {
         "store": store_host,
         "grad_slabs": max(1, cfg.grad_slabs) * layer * 4,
         "embedding_staging": tokens * h * c,
-        "checkpoint_offload": (-(-L // K) * M * tokens * h * c) if cfg.offload_checkpoints else 0,
+        "checkpoint_offload": (blocks * M * tokens * h * c) if cfg.offload_checkpoints else 0,
         "runtime": HOST_OVERHEAD,
     }
     chunk = min(cfg.loss_chunk_tokens, tokens)
@@ -62,10 +76,14 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
         # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states
         # and their gradients in flight
-        "checkpoints": ((2 if cfg.offload_checkpoints else -(-L // K)) + 2) * M * tokens * h * c,
-        # what one layer's graph keeps, per token: norms, q/k/v/o and residuals, the MLP's 4 of width ffn
+        "checkpoints": ((min(2, blocks) if cfg.offload_checkpoints else blocks) + 2) * M * tokens * h * c,
+        # what one layer's graph keeps, per token: ATTN_KEPT h (norms with their float32 inputs,
+        # q before and after rotary, attention out and its copy, ...) and the MLP's 4 of width ffn
         # (chunked: the MLP's only for one chunk, in its backward)
-        "block_activations": K * (tokens * 10 * h + min(tokens, _chunk(cfg) or tokens) * 4 * ffn) * c,
+        "block_activations": K * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * 4 * ffn) * c,
+        # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
+        # backward (a chunked MLP keeps only its input, counted within ATTN_KEPT h)
+        "kept_graphs": N * M * tokens * (ATTN_KEPT * h + (0 if chunk_mlp else 4 * ffn)) * c,
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm
@@ -92,6 +110,20 @@ def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype,
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
 
 
+def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
+                        tokens: int, microbatches: int, clipping: bool, device_available: int | None) -> int:
+    """`engine.no_recompute_layers: auto`: the most layers (from the last) whose graphs the device
+    holds beside everything else the plan counts, keeping DEVICE_WORKSPACE spare once more (the
+    graphs are an estimate, and an over-estimate costs only speed); none when nothing bounds
+    memory (the CPU: the host's memory is the store's)."""
+    if device_available is None:
+        return 0
+    def fits(n: int) -> bool:
+        p = plan(arch, replace(cfg, no_recompute_layers=n), master, compute, tokens, microbatches, clipping)
+        return p.device_bytes + DEVICE_WORKSPACE <= device_available
+    return next((n for n in range(arch.num_layers, 0, -1) if fits(n)), 0)
+
+
 def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:
     """Raise ValueError, with the numbers and what to change, when the plan does not fit."""
     problems = []
@@ -104,12 +136,12 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
             + "or engine.master_dtype=bfloat16, a smaller model, or state engine.host_memory_gb if the OS "
             "under-reports it)")
     if device_available is not None and p.device_bytes > device_available:
-        acts = p.detail["device.block_activations"] + p.detail["device.checkpoints"]
+        acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))
         problems.append(
             f"device memory: needs about {p.device_bytes / GiB:.1f} GiB, {device_available / GiB:.1f} GiB free "
             f"(activations {acts / GiB:.1f} GiB; lower data.batch_size, data.grad_accum or data.seq_len, "
-            f"engine.checkpoint_every, engine.loss_chunk_tokens or engine.mlp_chunk_tokens, or set "
-            f"engine.offload_checkpoints)")
+            f"engine.checkpoint_every, engine.loss_chunk_tokens, engine.mlp_chunk_tokens or "
+            f"engine.no_recompute_layers, or set engine.offload_checkpoints)")
     if problems:
         raise ValueError("the run does not fit: " + "; ".join(problems))
 

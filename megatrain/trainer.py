@@ -51,6 +51,9 @@ class Trainer:
                 device_free) if arch.mlp_chunkable() else None
         if cfg.engine.mlp_chunk_tokens:
             arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
+        if cfg.engine.no_recompute_layers == "auto":  # with the MLP chunk settled: the room left
+            cfg.engine.no_recompute_layers = memory.choose_no_recompute(
+                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free)
         self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
                                        cfg.data.grad_accum, clipping)
         memory.admit(self.memory_plan, memory.host_available_bytes(cfg.engine.host_memory_gb), device_free)
@@ -81,8 +84,9 @@ class Trainer:
         self.step += 1
         a = self.arch
         flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
-        decoder_matmul = a.matmul_params() - a.vocab * a.hidden
-        hw = flops + recompute_flops(decoder_matmul, a.num_layers, a.hidden, r.seq_lengths)
+        recomputed = a.num_layers - self.cfg.engine.no_recompute_layers
+        per_layer = (a.matmul_params() - a.vocab * a.hidden) // a.num_layers
+        hw = flops + recompute_flops(per_layer * recomputed, recomputed, a.hidden, r.seq_lengths)
         self.sampler.sample()
         return {
             "step": self.step,

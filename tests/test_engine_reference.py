@@ -41,6 +41,13 @@ CASES = {
     # the MLP over 5 tokens at a time (not dividing the 32 of a micro-batch), forward and backward
     "qwen2-chunked-mlp-K2-accum": ("tiny-qwen2", {}, 2, 2, 0.5, True, {"mlp_chunk_tokens": 5}),
     "llama-chunked-mlp-device-tiles": ("tiny-llama", {}, 1, 1, None, True, {"mlp_chunk_tokens": 7, "device_tiles": 2}),
+    # the last layers keep their forward graphs (no recompute): after K=2 blocks with offloaded
+    # checkpoints, all layers, and with the chunked MLP and device tiles
+    "llama-last-2-of-5-kept-K2-offload-accum": ("tiny-llama", {"num_hidden_layers": 5}, 2, 2, 0.5, True,
+                                                {"no_recompute_layers": 2, "offload_checkpoints": True}),
+    "qwen2-tied-all-kept-accum-noclip": ("tiny-qwen2", {}, 1, 2, None, True, {"no_recompute_layers": 3}),
+    "mistral-kept-chunked-mlp-device-tiles": ("tiny-mistral", {}, 3, 1, 0.5, True,
+                                              {"no_recompute_layers": 1, "mlp_chunk_tokens": 5, "device_tiles": 2}),
 }
 
 

@@ -1,5 +1,6 @@
 """GPU checks (skipped without CUDA): the bf16 streamed run tracks the float32 CPU reference, and
-the streaming switches (buffers, slabs, K) change the schedule but not one bit of the numerics."""
+the streaming switches (buffers, slabs, K, checkpoint offload, layers kept from recompute) change
+the schedule but not one bit of the numerics."""
 from __future__ import annotations
 
 import pytest
@@ -66,7 +67,8 @@ def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
 
 @pytest.mark.parametrize("engine", [{"weight_buffers": 1}, {"grad_slabs": 0}, {"checkpoint_every": 1},
                                     {"checkpoint_every": 3, "weight_buffers": 3, "grad_slabs": 1},
-                                    {"offload_checkpoints": True, "checkpoint_every": 2}])
+                                    {"offload_checkpoints": True, "checkpoint_every": 2},
+                                    {"no_recompute_layers": 3, "offload_checkpoints": True}])
 def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     runs = base_and(tmp_path, engine)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,30 @@ def test_auto_mlp_chunk_only_when_the_plan_needs_it():
     assert fits[MLP_CHUNKS.index(chunk)] and not any(fits[: MLP_CHUNKS.index(chunk)])
     with pytest.raises(ValueError, match="positive integer, auto or null"):
         EngineConfig(mlp_chunk_tokens="big")
+
+
+def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
+    """Each layer kept from recompute holds its graph for every micro-batch of the step; auto keeps as
+    many of the last layers as the device holds with a workspace to spare, none without a bound."""
+    from megatrain.memory import ATTN_KEPT, DEVICE_WORKSPACE, choose_no_recompute
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-3b")))
+    base = EngineConfig(checkpoint_every=1, device_tiles=20, grad_slabs=12)
+    def device(n, tokens=16384, micro=1):
+        return plan(arch, replace(base, no_recompute_layers=n), torch.float32, torch.bfloat16, tokens, micro,
+                    False).device_bytes
+    h, ffn = arch.hidden, arch.config.intermediate_size
+    per_layer = 16384 * (ATTN_KEPT * h + 4 * ffn) * 2
+    # a kept layer holds its graph and no longer needs a checkpoint
+    assert device(4) - device(0) == 4 * per_layer - 4 * 16384 * h * 2
+    assert device(4, micro=2) - device(0, micro=2) == 2 * (4 * per_layer - 4 * 16384 * h * 2)
+    def choose(free):
+        return choose_no_recompute(arch, base, torch.float32, torch.bfloat16, 16384, 1, False, free)
+    assert choose(None) == 0
+    n = choose(80 * 2**30)
+    assert 0 < n < arch.num_layers
+    assert device(n) + DEVICE_WORKSPACE <= 80 * 2**30 < device(n + 1) + DEVICE_WORKSPACE
+    assert choose(10**15) == arch.num_layers and choose(device(0)) == 0
+    with pytest.raises(ValueError, match="at most the model's 36 layers"):
+        device(37)
+    with pytest.raises(ValueError, match="integer >= 0 or auto"):
+        EngineConfig(no_recompute_layers=-1)
