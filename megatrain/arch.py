@@ -20,6 +20,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from megatrain.chunked_mlp import chunk_tokens, chunkable
 from megatrain.config import ModelConfig
+from megatrain.lean_norm import make_lean
 from megatrain.presets import preset
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
@@ -158,6 +159,9 @@ class Architecture:
             with torch.device("meta"):
                 module = self._layer_cls(self.config, index)
             module.train()
+            for sub in module.modules():
+                if isinstance(sub, self._norm_cls):
+                    make_lean(sub)
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, self.config.hidden_act)
             self._templates[kind] = Template(module)

@@ -296,3 +296,27 @@ def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
         device(37)
     with pytest.raises(ValueError, match="integer >= 0 or auto"):
         EngineConfig(no_recompute_layers=-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_is_the_library_norm_bit_for_bit(family, dtype):
+    """The decoder layers' RMSNorm keeping only its input: the same output and gradients as the
+    library's module, to the bit (the same ops, run again in the backward)."""
+    import importlib
+    from megatrain.arch import FAMILIES
+    from megatrain.lean_norm import make_lean
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
+    library, lean = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        library.weight.normal_()
+        lean.weight.copy_(library.weight)
+    make_lean(lean)
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [library(xs[0]), lean(xs[1])]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+    assert torch.equal(library.weight.grad, lean.weight.grad)
