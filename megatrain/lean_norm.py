@@ -1,4 +1,4 @@
-"""The decoder layers' RMSNorms, keeping only their input for the backward.
+"""The decoder layers' RMSNorms, keeping only their input for the backward, over token chunks.
 
 The library's RMSNorm (Llama, Qwen2, Qwen3, Mistral) upcasts its input to float32 and autograd
 keeps that copy, and the normalised input in the compute dtype, for the backward: three
@@ -7,11 +7,18 @@ graph holds anyway (the layer's input, or the residual sum). Here the forward is
 arithmetic, op for op, and the backward runs it again from the saved input before
 differentiating it: the same ops, so the same gradients, for a norm's worth of elementwise work.
 Six hidden-size tensors less per layer and token: 21 GiB per layer at 512K tokens of the 7B shape.
+
+Over CHUNK tokens both run a chunk of tokens at a time: the float32 temporaries of a norm (and of
+its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
+a layer's backward) are then a chunk's. Rows are independent, so the output and the input
+gradient are unchanged; the weight's gradient sums the chunks in float32.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+CHUNK = 65536  # tokens
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,21 +28,39 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
+def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor):
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.enable_grad():
+        y = _rms_norm(x, weight, eps)
+    return torch.autograd.grad(y, (x, weight), dy)
+
+
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         ctx.save_for_backward(x, weight)  # the engine's hooks turn the weight into a reference
         ctx.eps = eps
-        return _rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= CHUNK:
+            return _rms_norm(x, weight, eps)
+        out = torch.empty_like(rows)
+        for lo in range(0, rows.shape[0], CHUNK):
+            out[lo: lo + CHUNK] = _rms_norm(rows[lo: lo + CHUNK], weight, eps)
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-        with torch.enable_grad():
-            y = _rms_norm(x, weight, ctx.eps)
-        dx, dw = torch.autograd.grad(y, (x, weight), dy)
-        return dx, dw, None
+        rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        if rows.shape[0] <= CHUNK:
+            dx, dw = _grads(x, weight, ctx.eps, dy)
+            return dx, dw, None
+        dx = torch.empty_like(rows)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for lo in range(0, rows.shape[0], CHUNK):
+            dx[lo: lo + CHUNK], dw_chunk = _grads(rows[lo: lo + CHUNK], weight, ctx.eps, drows[lo: lo + CHUNK])
+            dw += dw_chunk
+        return dx.view(x.shape), dw.to(weight.dtype), None
 
 
 def make_lean(norm: nn.Module) -> None:

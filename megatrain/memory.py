@@ -86,6 +86,9 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
         # backward (a chunked MLP keeps only its input, counted within ATTN_KEPT h)
         "kept_graphs": N * M * tokens * (ATTN_KEPT * h + (0 if chunk_mlp else 4 * ffn)) * c,
+        # a layer's backward beyond its graph: gradients through the rotary embedding and attention,
+        # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py)
+        "backward_temporaries": 4 * tokens * h * c,
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm

@@ -320,3 +320,26 @@ def test_lean_norm_is_the_library_norm_bit_for_bit(family, dtype):
         y.backward(dy)
     assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
     assert torch.equal(library.weight.grad, lean.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_over_token_chunks(monkeypatch, dtype):
+    """Past CHUNK tokens the norm runs a chunk at a time: rows are independent, so the output and
+    the input gradient are the library's to the bit; the weight gradient sums chunks in float32."""
+    import megatrain.lean_norm as lean_norm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    library, lean = Qwen2RMSNorm(64, eps=1e-6).to(dtype), Qwen2RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        library.weight.normal_()
+        lean.weight.copy_(library.weight)
+    lean_norm.make_lean(lean)
+    monkeypatch.setattr(lean_norm, "CHUNK", 7)  # 30 tokens: chunks of 7, 7, 7, 7, 2
+    x = torch.randn(3, 10, 64, dtype=dtype)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [library(xs[0]), lean(xs[1])]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # one bf16 rounding of a 30-term sum
+    torch.testing.assert_close(lean.weight.grad, library.weight.grad, rtol=tol, atol=tol)
