@@ -115,11 +115,12 @@ def test_experiment_end_to_end_and_the_metamath_route(tmp_path):
     assert len(rows["megatrain"]["losses"]) == 4 and rows["native"]["losses"][-1] < rows["native"]["losses"][0]
     assert first["loss_gap_to_native"]["megatrain"]["max_rel"] < 1e-5
     assert (tmp_path / "work" / "checkpoints" / "megatrain" / "config.json").is_file()
-    # resumable: a finished system with its evaluation is not trained again
+    # resumable: a finished system with its evaluation is not trained again, also when the run is
+    # resumed with other systems (native first, so the list's order changes) or another time limit
     (tmp_path / "out" / "megatrain.json").touch()
     stamp = (tmp_path / "out" / "megatrain.json").stat().st_mtime_ns
-    again = run(Settings(out=str(tmp_path / "out"), work=str(tmp_path / "work"), systems=["megatrain", "native"],
-                         problems=60, steps=4, batch=4, seq=96, eval_limit=6, eval_batch=6))
+    again = run(Settings(out=str(tmp_path / "out"), work=str(tmp_path / "work"), systems=["native", "megatrain"],
+                         problems=60, steps=4, batch=4, seq=96, eval_limit=6, eval_batch=6, timeout_s=999))
     assert again["systems"] == rows and (tmp_path / "out" / "megatrain.json").stat().st_mtime_ns == stamp
     md, png = tmp_path / "t3.md", tmp_path / "t3.png"
     accuracy_report.main(["--summary", str(tmp_path / "out" / "summary.json"), "--hardware", "cpu", "--csv",

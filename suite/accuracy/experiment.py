@@ -37,6 +37,9 @@ MODELS = {
 }
 
 
+UNKEYED = ("out", "work", "systems", "timeout_s")
+
+
 @dataclass
 class Settings:
     out: str
@@ -155,7 +158,10 @@ def run(s: Settings) -> dict:
     test = [json.loads(line) for line in (work / "data" / "test.jsonl").read_text().splitlines()]
     test = test[: s.eval_limit] if s.eval_limit else test
     tok_dir = prepared["init"]
-    key = {"init": prepared, "evaluated": len(test), "settings": asdict(s)}
+    # what an evaluation depends on: not where files go, which other systems run, or time limits,
+    # so that a run resumed with other systems or limits keeps what is done
+    key = {"init": prepared, "evaluated": len(test),
+           "settings": {k: v for k, v in asdict(s).items() if k not in UNKEYED}}
 
     def cached(name: str) -> dict | None:
         file = out / f"{name}.eval.json"
@@ -178,7 +184,8 @@ def run(s: Settings) -> dict:
                              "prompt_field": "prompt", "response_field": "response", "tokenizer": tok_dir})
         file = out / f"{system}.json"
         result = json.loads(file.read_text()) if file.is_file() else {}
-        if not (result.get("status") == "ok" and result.get("spec") == spec.to_dict() and cached(system)):
+        done = result.get("status") == "ok" and _unlimited(result.get("spec", {})) == _unlimited(spec.to_dict())
+        if not (done and cached(system)):
             (out / f"{system}.eval.json").unlink(missing_ok=True)
             shutil.rmtree(saved, ignore_errors=True)
             result = run_point(spec, file)
@@ -191,6 +198,11 @@ def run(s: Settings) -> dict:
                **loss_gaps(rows)}
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _unlimited(spec: dict) -> dict:
+    """A run's spec without its time limit (a result stands whatever limit it finished within)."""
+    return {k: v for k, v in spec.items() if k != "timeout_s"}
 
 
 def loss_gaps(rows: dict) -> dict:

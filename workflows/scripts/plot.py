@@ -31,6 +31,13 @@ YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak 
 TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
 
 
+def _tick(value: float, _) -> str:
+    """Tick labels: sequence lengths as 1K..512K (powers of two), other values to three digits."""
+    if value >= 1024 and value % 1024 == 0:
+        return f"{value / 1024:g}K"
+    return f"{value:.3g}"
+
+
 def _split(df: pd.DataFrame):
     return df[df["source"] == "measured"], df[df["source"] == "paper"]
 
@@ -95,7 +102,7 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
             # ticks at the measured x values (a log axis over 3-33 would label only 10)
             ticks = sorted(set(ours["x"].dropna()))
             ax.set_xticks(ticks if len(ticks) <= 12 else ticks[:: -(-len(ticks) // 12)])
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tick))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     return fig, axes
 
