@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Named benchmark points on this machine's GPU, one process per point (python -m suite run); table last.
 #   OUT=results/h100/speed experiments/points.sh GROUP|POINT ...
-# Groups: targets, device_tiles, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
+# Groups: targets, device_tiles, kept, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
 # Each point writes $OUT/<point>.json and $OUT/<point>.log; POINT_TIMEOUT (seconds, default 600) bounds each.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -19,6 +19,10 @@ declare -A POINTS=(
   [3b_4seq_K1_dt1]="megatrain $B3 --batch 4 $K1 engine.device_tiles=1 ceiling=true"
   [3b_4seq_K1_dt12]="megatrain $B3 --batch 4 $K1 engine.device_tiles=12 ceiling=true"
   [3b_4seq_K1_dt20]="megatrain $B3 --batch 4 $K1 engine.device_tiles=20 ceiling=true trace=$OUT/3b_4seq_K1_dt20.trace.json"
+  # layers kept from recompute (engine.no_recompute_layers: auto, as many as the memory plan fits)
+  [7b_16seq_mb8_K1_dt3_kept]="megatrain $W7 --batch 8 --accum 2 $K1 engine.device_tiles=3 engine.no_recompute_layers=auto ceiling=true"
+  [7b_16seq_mb4_K1_dt3_kept]="megatrain $W7 --batch 4 --accum 4 $K1 engine.device_tiles=3 engine.no_recompute_layers=auto ceiling=true"
+  [3b_4seq_K1_dt20_kept]="megatrain $B3 --batch 4 $K1 engine.device_tiles=20 engine.grad_slabs=12 engine.no_recompute_layers=auto ceiling=true trace=$OUT/3b_4seq_K1_dt20_kept.trace.json"
   # depth: the 7B width at 7, 14, 28 layers, checkpoints offloaded (device memory flat in depth)
   [depth_7b_L7]="megatrain $W7 --layers 7 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
   [depth_7b_L14]="megatrain $W7 --layers 14 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
@@ -57,6 +61,7 @@ declare -A POINTS=(
 declare -A SETS=(
   [targets]="7b_16seq_mb4_K1 7b_16seq_mb8_K1 3b_4seq_K1"
   [device_tiles]="3b_4seq_K1_dt1 3b_4seq_K1_dt12 3b_4seq_K1_dt20 7b_16seq_mb8_K1_dt3"
+  [kept]="7b_16seq_mb8_K1_dt3_kept 7b_16seq_mb4_K1_dt3_kept 3b_4seq_K1_dt20_kept"
   [depth]="depth_7b_L7 depth_7b_L14 depth_7b_L28"
   [ablations]="abl_base_K1 abl_K2 abl_K4 abl_K8 abl_one_buffer abl_sync_grads"
   [baselines3b]="3b_native_b4 3b_native_b8 3b_megatrain_b4 3b_megatrain_b8 3b_megatrain_b4x4 3b_megatrain_b16 3b_fsdp2_b4 3b_fsdp2_b8 3b_fsdp2_b16 3b_zero3_b4 3b_zero3_b8 3b_zero3_b16 3b_zero_infinity_b4 3b_gemini_b4 3b_gemini_b8 3b_ratel_b4"
