@@ -64,7 +64,18 @@ def make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, lr=1e-3, s
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_training_matches_reference(tmp_path, case):
-    preset, overrides, K, accum, clip, pad, engine = CASES[case]
+    train_and_compare(tmp_path, *CASES[case])
+
+
+def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
+    """The decoder layers' norms over 5-token chunks (lean_norm.CHUNK, 64K tokens in real runs), with
+    layers kept from recompute and the chunked MLP: still the reference's training."""
+    import megatrain.lean_norm
+    monkeypatch.setattr(megatrain.lean_norm, "CHUNK", 5)
+    train_and_compare(tmp_path, "tiny-qwen2", {}, 1, 2, 0.5, True, {"no_recompute_layers": 1, "mlp_chunk_tokens": 7})
+
+
+def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
     model = tiny_checkpoint(tmp_path / "init", preset, overrides)
     cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine)
     reference = Reference(model, cfg.optim, cfg.steps)

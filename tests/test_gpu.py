@@ -27,18 +27,25 @@ def gpu_trainer(tmp_path, **engine):
     return cfg, Trainer(cfg)
 
 
+def train(tmp_path, engine: dict) -> tuple[list[float], dict]:
+    """`engine` trained from the saved init on 3 fixed steps of batches: the losses and final weights."""
+    _, trainer = gpu_trainer(tmp_path, **engine)
+    try:
+        return [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, 2, BATCH, SEQ, 256, pad=True)], \
+            store_params(trainer)
+    finally:
+        trainer.close()
+
+
 def base_and(tmp_path, engine: dict) -> list[tuple[list[float], dict]]:
-    """The default engine and `engine` trained from one saved init on the same 3 steps of batches:
-    each run's losses and final weights."""
-    batches = random_batches(3, 2, BATCH, SEQ, 256, pad=True)
-    runs = []
-    for settings in ({}, engine):
-        _, trainer = gpu_trainer(tmp_path, **settings)
-        try:
-            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
-        finally:
-            trainer.close()
-    return runs
+    """The default engine and `engine`, each trained as `train` does."""
+    return [train(tmp_path, {}), train(tmp_path, engine)]
+
+
+def assert_same_direction(start: dict, runs) -> None:
+    """Adam turns rounding noise in near-zero gradients into lr-sized steps: compare the updates' direction."""
+    moved = [torch.cat([(params[k] - start[k]).flatten() for k in params if k in start]) for _, params in runs]
+    assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.99
 
 
 def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
@@ -91,6 +98,17 @@ def test_chunked_mlp_tracks_the_whole_mlp(tmp_path, cuda_only):
     start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
     runs = base_and(tmp_path, {"mlp_chunk_tokens": 40})
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=2e-3, atol=0)
-    # Adam turns rounding noise in near-zero gradients into lr-sized steps: compare the updates' direction
-    moved = [torch.cat([(params[k] - start[k]).flatten() for k in params if k in start]) for _, params in runs]
-    assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.99
+    assert_same_direction(start, runs)
+
+
+def test_chunked_norms_track_whole_norms(tmp_path, cuda_only, monkeypatch):
+    """The decoder layers' norms over 40-token chunks (64K in real runs) against whole norms, in bf16
+    on the device: outputs and input gradients are row-wise (unchanged), the weights' gradients sum
+    chunks in float32, so only rounding differs."""
+    import megatrain.lean_norm
+    start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
+    whole = train(tmp_path, {})
+    monkeypatch.setattr(megatrain.lean_norm, "CHUNK", 40)
+    runs = [whole, train(tmp_path, {})]
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=2e-3, atol=0)
+    assert_same_direction(start, runs)
