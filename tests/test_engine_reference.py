@@ -45,7 +45,8 @@ CASES = {
     # checkpoints, all layers, and with the chunked MLP and device tiles
     "llama-last-2-of-5-kept-K2-offload-accum": ("tiny-llama", {"num_hidden_layers": 5}, 2, 2, 0.5, True,
                                                 {"no_recompute_layers": 2, "offload_checkpoints": True}),
-    "qwen2-tied-all-kept-accum-noclip": ("tiny-qwen2", {}, 1, 2, None, True, {"no_recompute_layers": 3}),
+    "qwen2-tied-all-kept-device-tiles-accum-noclip": ("tiny-qwen2", {}, 1, 2, None, True,
+                                                      {"no_recompute_layers": 3, "device_tiles": 2}),
     "mistral-kept-chunked-mlp-device-tiles": ("tiny-mistral", {}, 3, 1, 0.5, True,
                                               {"no_recompute_layers": 1, "mlp_chunk_tokens": 5, "device_tiles": 2}),
 }
