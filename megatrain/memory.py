@@ -1,7 +1,7 @@
 """Memory admission: the host and device bytes a run needs, computed before anything is allocated.
 
-The host side is exact for the store (the same arithmetic as the allocation) plus the slabs and
-staging; the device side is an estimate of the streaming buffers, the head's chunk, the
+The host side is exact for the store (the same arithmetic as the allocation, pinned buffers at the
+power-of-two size torch's pinned allocator gives them) plus the slabs and staging; the device side is an estimate of the streaming buffers, the head's chunk, the
 checkpoints and one block's activations, with a fixed workspace margin. A run that does not fit
 stops with both numbers and what to change.
 """
@@ -14,7 +14,7 @@ import torch
 
 from megatrain.arch import Architecture
 from megatrain.config import EngineConfig
-from megatrain.store import HostStore, Layout, check_device_tiles
+from megatrain.store import HostStore, Layout, check_device_tiles, pinned_bytes
 
 GiB = 1 << 30
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -48,8 +48,9 @@ def check_no_recompute(arch: Architecture, n: int | str) -> None:
 
 
 def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
-         tokens: int, microbatches: int, clipping: bool) -> MemoryPlan:
-    """Bytes needed to train `arch` on steps of `microbatches` micro-batches of `tokens` tokens."""
+         tokens: int, microbatches: int, clipping: bool, pinned: bool = False) -> MemoryPlan:
+    """Bytes needed to train `arch` on steps of `microbatches` micro-batches of `tokens` tokens
+    (`pinned`: the host buffers the device copies from are pinned, as with a GPU)."""
     c, M = compute.itemsize, microbatches
     h, v, L, K = arch.hidden, arch.vocab, arch.num_layers, cfg.checkpoint_every
     layer = Layout.of(arch.layer_specs).numel
@@ -60,12 +61,12 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     check_no_recompute(arch, cfg.no_recompute_layers)
     N, chunk_mlp = _kept(cfg), _chunk(cfg)
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
-    store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, cfg.device_tiles)
+    store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, cfg.device_tiles, pinned)
     host = {
         "store": store_host,
-        "grad_slabs": max(1, cfg.grad_slabs) * layer * 4,
-        "embedding_staging": tokens * h * c,
-        "checkpoint_offload": (blocks * M * tokens * h * c) if cfg.offload_checkpoints else 0,
+        "grad_slabs": max(1, cfg.grad_slabs) * pinned_bytes(layer * 4, pinned),
+        "embedding_staging": pinned_bytes(tokens * h * c, pinned),
+        "checkpoint_offload": (blocks * M * pinned_bytes(tokens * h * c, pinned)) if cfg.offload_checkpoints else 0,
         "runtime": HOST_OVERHEAD,
     }
     chunk = min(cfg.loss_chunk_tokens, tokens)
@@ -102,12 +103,13 @@ MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
 
 
 def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
-                     tokens: int, microbatches: int, clipping: bool, device_available: int | None) -> int | None:
+                     tokens: int, microbatches: int, clipping: bool, device_available: int | None,
+                     pinned: bool = False) -> int | None:
     """`engine.mlp_chunk_tokens: auto`: the whole MLP when the plan fits the device (or nothing bounds
     it), else the largest chunk of MLP_CHUNKS that makes it fit, else the smallest (admission then
     refuses with the numbers). Chunking recomputes part of the MLP: it is chosen only when needed."""
     def fits(chunk: int | None) -> bool:
-        p = plan(arch, replace(cfg, mlp_chunk_tokens=chunk), master, compute, tokens, microbatches, clipping)
+        p = plan(arch, replace(cfg, mlp_chunk_tokens=chunk), master, compute, tokens, microbatches, clipping, pinned)
         return device_available is None or p.device_bytes <= device_available
     if fits(None):
         return None
@@ -116,7 +118,8 @@ def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype,
 
 
 def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
-                        tokens: int, microbatches: int, clipping: bool, device_available: int | None) -> int:
+                        tokens: int, microbatches: int, clipping: bool, device_available: int | None,
+                        pinned: bool = False) -> int:
     """`engine.no_recompute_layers: auto`: the most layers (from the last) whose graphs the device
     holds beside everything else the plan counts, keeping DEVICE_WORKSPACE spare once more (the
     graphs are an estimate, and an over-estimate costs only speed); none when nothing bounds
@@ -124,7 +127,7 @@ def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dty
     if device_available is None:
         return 0
     def fits(n: int) -> bool:
-        p = plan(arch, replace(cfg, no_recompute_layers=n), master, compute, tokens, microbatches, clipping)
+        p = plan(arch, replace(cfg, no_recompute_layers=n), master, compute, tokens, microbatches, clipping, pinned)
         return p.device_bytes + DEVICE_WORKSPACE <= device_available
     return next((n for n in range(arch.num_layers, 0, -1) if fits(n)), 0)
 

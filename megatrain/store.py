@@ -79,13 +79,19 @@ def _carve(block: torch.Tensor, numel: int, dtypes: list[torch.dtype]) -> list[t
     return out
 
 
-def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool) -> int:
+def pinned_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes an allocation of `nbytes` takes: torch's pinned (CUDA host) allocator rounds each
+    up to a power of two (a 7B layer's 466 MB shadow takes 512 MiB)."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False) -> int:
     """Host bytes of one tile (the admission check uses the same arithmetic as the allocation)."""
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
-    separate_shadow = master != compute
-    return (seg(master) + (2 + grad) * seg(torch.float32)
-            + (seg(compute) if separate_shadow else 0))
+    if master == compute:  # the master is its own shadow, in pinned memory
+        return pinned_bytes(seg(master), pinned) + (2 + grad) * seg(torch.float32)
+    return seg(master) + (2 + grad) * seg(torch.float32) + pinned_bytes(seg(compute), pinned)
 
 
 class Tile:
@@ -158,15 +164,15 @@ class HostStore:
 
     @staticmethod
     def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool,
-               device_tiles: int = 0) -> tuple[int, int]:
-        """(host bytes, device bytes) of the store."""
+               device_tiles: int = 0, pinned: bool = False) -> tuple[int, int]:
+        """(host bytes, device bytes) of the store (`pinned`: its shadows are, as on a GPU)."""
         host = device = 0
         for k, specs in enumerate([arch.embed_specs, *[arch.layer_specs] * arch.num_layers, arch.head_specs]):
             numel = Layout.of(specs).numel
             if k < device_tiles:
                 device += numel * (master.itemsize + 8)
             else:
-                host += tile_bytes(numel, master, compute, clipping)
+                host += tile_bytes(numel, master, compute, clipping, pinned)
         return host, device
 
     # ---- filling the store ----

@@ -42,20 +42,22 @@ class Trainer:
         master = _DTYPES[cfg.engine.master_dtype]
         tokens = cfg.data.batch_size * cfg.data.seq_len
         clipping = cfg.optim.max_grad_norm is not None
+        pinned = self.device.is_cuda  # the host buffers the device copies from are pinned
         device_free = self.device.free_bytes()
         if cfg.engine.device_memory_gb is not None:
             device_free = int(cfg.engine.device_memory_gb * memory.GiB)
         if cfg.engine.mlp_chunk_tokens == "auto":  # resolved here: the run's records say what ran
             cfg.engine.mlp_chunk_tokens = memory.choose_mlp_chunk(
                 arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping,
-                device_free) if arch.mlp_chunkable() else None
+                device_free, pinned) if arch.mlp_chunkable() else None
         if cfg.engine.mlp_chunk_tokens:
             arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
         if cfg.engine.no_recompute_layers == "auto":  # with the MLP chunk settled: the room left
             cfg.engine.no_recompute_layers = memory.choose_no_recompute(
-                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free)
+                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free,
+                pinned)
         self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
-                                       cfg.data.grad_accum, clipping)
+                                       cfg.data.grad_accum, clipping, pinned)
         memory.admit(self.memory_plan, memory.host_available_bytes(cfg.engine.host_memory_gb), device_free)
         # the data source is validated before the store is allocated: a bad dataset costs nothing
         self.data = make_source(cfg.data, arch.vocab, cfg.model.pretrained)
