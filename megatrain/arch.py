@@ -194,10 +194,13 @@ class Architecture:
         return out
 
     # ---- sizes ----
+    def layer_matmul_params(self) -> int:
+        """Matmul weights of one decoder layer."""
+        return sum(s.numel for s in self.layer_specs if s.decay)
+
     def matmul_params(self) -> int:
         """Matmul weights of the decoder layers plus the LM head (the FLOPs formula's N)."""
-        per_layer = sum(s.numel for s in self.layer_specs if s.decay)
-        return per_layer * self.num_layers + self.vocab * self.hidden
+        return self.layer_matmul_params() * self.num_layers + self.vocab * self.hidden
 
     def total_params(self) -> int:
         per_layer = sum(s.numel for s in self.layer_specs)

@@ -87,8 +87,7 @@ class Trainer:
         a = self.arch
         flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
         recomputed = a.num_layers - self.cfg.engine.no_recompute_layers
-        per_layer = (a.matmul_params() - a.vocab * a.hidden) // a.num_layers
-        hw = flops + recompute_flops(per_layer * recomputed, recomputed, a.hidden, r.seq_lengths)
+        hw = flops + recompute_flops(a.layer_matmul_params() * recomputed, recomputed, a.hidden, r.seq_lengths)
         self.sampler.sample()
         return {
             "step": self.step,

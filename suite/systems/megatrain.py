@@ -95,6 +95,5 @@ def layer_ceiling(trainer, reps: int = 5) -> dict:
             dev.synchronize()
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times[1:])
-    per_layer = (arch.matmul_params() - arch.vocab * arch.hidden) // arch.num_layers
-    flops = model_flops(per_layer, 1, arch.hidden, [cfg.seq_len] * cfg.batch_size)
+    flops = model_flops(arch.layer_matmul_params(), 1, arch.hidden, [cfg.seq_len] * cfg.batch_size)
     return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": cfg.seq_len * cfg.batch_size}
