@@ -6,6 +6,7 @@ calls are no-ops (work is synchronous), so the engine runs one code path everywh
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -32,6 +33,8 @@ class Device:
             if self.torch.index is None:
                 self.torch = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.torch)
+            if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the user's own allocator settings win
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             self.compute = torch.cuda.Stream(self.torch)
             self.h2d = torch.cuda.Stream(self.torch)
             self.d2h = torch.cuda.Stream(self.torch)

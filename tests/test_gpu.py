@@ -112,3 +112,15 @@ def test_chunked_norms_track_whole_norms(tmp_path, cuda_only, monkeypatch):
     runs = [whole, train(tmp_path, {})]
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=2e-3, atol=0)
     assert_same_direction(start, runs)
+
+
+def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
+    """Without the user's PYTORCH_CUDA_ALLOC_CONF the engine's device grows expandable segments (the
+    fixed ones fragmented by 10 GiB at 128K tokens)."""
+    from megatrain.device import Device
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    Device("cuda")
+    torch.cuda.empty_cache()  # a new segment, not one an earlier test left cached
+    x = torch.empty(64 << 20, device="cuda")
+    segments = [s for s in torch.cuda.memory_snapshot() if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+    assert segments and segments[0]["is_expandable"]
