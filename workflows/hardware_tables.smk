@@ -29,7 +29,7 @@ rule bandwidth:
     # All the cores: the probe runs alone, so no grid point competes for memory, PCIe or disk.
     threads: workflow.cores
     shell:
-        "python3 experiments/probes/bandwidth.py {params.args} --out {output} > {log} 2>&1"
+        "python -m experiments.probes.bandwidth {params.args} --out {output} > {log} 2>&1"
 
 
 rule table1_memory_hierarchy:

@@ -7,7 +7,7 @@ after untimed warm-ups (reported apart, never averaged in), in GB/s = 1e9 bytes/
 Tiers this machine lacks are rows with status "absent" and the reason; a tier that fails is a row
 with status "error" and the reason.
 
-    python3 experiments/probes/bandwidth.py --out results/<machine>/probes/bandwidth.json \
+    python -m experiments.probes.bandwidth --out results/<machine>/probes/bandwidth.json \
         [--quick] [--size-gib N] [--disk-gib N] [--disk-dir D]
 """
 from __future__ import annotations
