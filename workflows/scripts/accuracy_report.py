@@ -42,12 +42,16 @@ def measured(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _gap(largest: dict) -> str:
+    return f"{largest['max_abs']:.3f} nats/token ({largest['system']})" if largest.get("system") else "none (no system beside native)"
+
+
 def markdown(ours: pd.DataFrame, paper: pd.DataFrame, hardware: str, summary: dict) -> str:
     largest = summary["largest_loss_gap"]
     head = [f"# Table 3: accuracy ({hardware})", "",
             f"Same initial weights, data order and hyper-parameters for every system; exact match of the "
             f"final answer, greedy decoding, {summary['evaluated']} held-out problems. Largest per-step loss "
-            f"gap to native: {largest.get('max_abs')} ({largest.get('system')}).", "",
+            f"gap to native: {_gap(largest)}.", "",
             f"## Measured ({hardware})", "", md_table(ours.drop(columns=["source"]))]
     cols = [c for c in paper.columns if c not in ("source", "artefact")]
     return "\n".join(head + ["", "## Paper (Table 3; Qwen2.5 on MetaMathQA, its hardware, not ours)", "",
@@ -57,14 +61,16 @@ def markdown(ours: pd.DataFrame, paper: pd.DataFrame, hardware: str, summary: di
 def figure(summary: dict, hardware: str):
     systems = {k: v["losses"] for k, v in summary["systems"].items() if v.get("losses")}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    color = {system: f"C{i}" for i, system in enumerate(systems)}  # one colour per system in both panels
     for system, losses in systems.items():
-        top.plot(range(1, len(losses) + 1), losses, label=system, linewidth=1)
+        top.plot(range(1, len(losses) + 1), losses, label=system, linewidth=1, color=color[system])
     ref = systems.get("native")
     if ref:
         for system, losses in systems.items():
             if system != "native":
                 n = min(len(ref), len(losses))
-                bottom.plot(range(1, n + 1), [losses[i] - ref[i] for i in range(n)], label=system, linewidth=1)
+                bottom.plot(range(1, n + 1), [losses[i] - ref[i] for i in range(n)], label=system, linewidth=1,
+                            color=color[system])
     top.set(ylabel="training loss (cross-entropy, nats/token)",
             title=f"Loss curves, measured on {hardware} (same init, data order, hyper-parameters)")
     bottom.set(xlabel="optimizer step", ylabel="loss - native's loss")
