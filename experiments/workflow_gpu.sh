@@ -13,6 +13,9 @@
 #   experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET ...   start it, wait up to SECONDS, pack
 #   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait up to SECONDS more, pack
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
+# Keep every pack: each call first copies this working tree to the machine, which removes the files
+# the run wrote that this tree lacks (session 6: FSDP2's accuracy result, written before --attach,
+# was only in the first pack; the summary, computed in memory, still had it).
 set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac

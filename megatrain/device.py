@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 
@@ -34,7 +35,9 @@ class Device:
                 self.torch = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.torch)
             if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the user's own allocator settings win
-                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                with warnings.catch_warnings():  # torch 2.11 names a newer private twin of this call
+                    warnings.simplefilter("ignore", FutureWarning)
+                    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             self.compute = torch.cuda.Stream(self.torch)
             self.h2d = torch.cuda.Stream(self.torch)
             self.d2h = torch.cuda.Stream(self.torch)

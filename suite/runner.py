@@ -28,6 +28,14 @@ STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error")
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
+def _timeout_reason(spec: RunSpec, steps: list[dict], wall: float) -> str:
+    """How far a point got before its time limit: steps done and where the time went."""
+    done = len(steps)
+    spent = sum(step.get("step_time_s", 0) for step in steps)
+    return (f"no result within the timeout of {spec.timeout_s:.0f} s: {done} of {spec.warmup + spec.steps} steps "
+            f"done ({spent:.0f} s in steps, {wall - spent:.0f} s before and between them)")
+
+
 def classify(returncode: int | None, timed_out: bool, worker_status: str | None, log_tail: str,
              peak_host: int, host_total: int) -> tuple[str, str | None]:
     """The final status of a point, and the reason when the worker could not give one itself."""
@@ -85,7 +93,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                               sampler.peak_host_bytes, psutil.virtual_memory().total)
     if status != result.get("status"):
         result["status"] = status
-        result["reason"] = reason if reason else f"no result within the timeout of {spec.timeout_s:.0f} s"
+        result["reason"] = reason or _timeout_reason(spec, result["steps"], wall)
     if status != "ok":
         result["log_tail"] = tail
     measured = result["steps"][spec.warmup:]
