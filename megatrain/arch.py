@@ -23,7 +23,8 @@ from megatrain.config import ModelConfig
 from megatrain.lean_norm import make_lean
 from megatrain.presets import preset
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
+# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
+# layer's MLP output feeds only its residual sum (chunked_mlp.output_unused relies on it)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
@@ -197,6 +198,10 @@ class Architecture:
     def layer_matmul_params(self) -> int:
         """Matmul weights of one decoder layer."""
         return sum(s.numel for s in self.layer_specs if s.decay)
+
+    def mlp_matmul_params(self) -> int:
+        """Matmul weights of one decoder layer's gated MLP (gate, up and down projections)."""
+        return 3 * self.hidden * getattr(self.config, "intermediate_size", 4 * self.hidden)
 
     def matmul_params(self) -> int:
         """Matmul weights of the decoder layers plus the LM head (the FLOPs formula's N)."""

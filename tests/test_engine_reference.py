@@ -9,6 +9,8 @@ lr-sized steps, 1e-3).
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -117,3 +119,35 @@ def test_gradients_match_reference(tmp_path):
                 torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
     finally:
         trainer.close()
+
+
+def test_recompute_skips_the_mlp_output_nothing_reads(tmp_path, monkeypatch):
+    """With the chunked MLP, a recomputed block's last layer computes no MLP output (only its
+    backward's root): per step, 4 layers' MLPs in the forward, 2 of 4 in the recompute (K=2),
+    gate and up in 4 backwards; and training is bit-identical to computing the output."""
+    import types
+
+    import megatrain.chunked_mlp
+    import megatrain.engine
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", {"num_hidden_layers": 4})
+    calls = []
+    counting = types.SimpleNamespace(silu=torch.nn.functional.silu,
+                                     linear=lambda *a: calls.append(1) or torch.nn.functional.linear(*a))
+    monkeypatch.setattr(megatrain.chunked_mlp, "F", counting)
+
+    def run():
+        _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 2, 1, 0.5, {"mlp_chunk_tokens": 5})
+        try:
+            losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, 1, BATCH, SEQ, trainer.arch.vocab, True)]
+            return losses, store_params(trainer)
+        finally:
+            trainer.close()
+
+    skipped = run()
+    chunks = -(-BATCH * SEQ // 5)
+    assert len(calls) == 3 * chunks * (3 * 4 + 3 * 2 + 2 * 4)
+    monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
+    calls.clear()
+    computed = run()
+    assert len(calls) == 3 * chunks * (3 * 4 + 3 * 4 + 2 * 4)
+    torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
