@@ -11,8 +11,8 @@ references), so no weight is copied.
 
 Since the backward needs only the input, an MLP whose output nothing reads computes none of it
 (`output_unused`): the engine's recompute of a block's last layer, whose output is only the root
-its backward starts from. There the whole MLP forward (three projections) is saved, more than the
-two the backward adds, so a chunked MLP costs less than a whole one. This relies on the output
+its backward starts from. There the whole MLP forward (three projections) is left out, more than the
+two projections the backward adds, so a chunked MLP then costs less than a whole one. This relies on the output
 feeding only the layer's residual sum, as in every family of arch.FAMILIES (a post-MLP norm would
 save it).
 """
