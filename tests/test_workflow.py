@@ -137,3 +137,15 @@ def test_grid_points_without_a_result_keep_a_not_run_row(tmp_path):
     assert list(df["id"]) == ["L2", "L4"] and set(df["status"]) == {"not_run"}
     assert list(df["x"]) == [2, 4] and list(df["system"]) == ["megatrain", "zero3"]
     assert df["model_tflops"].isna().all() and (df["params"] > 0).all()
+
+
+def test_an_included_grid_runs_on_this_host():
+    # h200 runs gh200's experiments too: each point on gh200's defaults, `expect` sized for h200's
+    # 1397 GiB (L180 needs 561 GiB: over gh200's 447, not over h200's), the paper artefacts kept.
+    h200, gh200 = grid.load(ROOT / "workflows/grids/h200.yaml"), grid.load(ROOT / "workflows/grids/gh200.yaml")
+    mine, theirs = grid.points(h200), grid.points(gh200)
+    assert set(theirs) < set(mine) and ("scale", "72b_megatrain") in mine
+    assert theirs[("depth", "L180_megatrain")]["expect"] == "oom_host"
+    assert "expect" not in mine[("depth", "L180_megatrain")]
+    assert {k: v for k, v in mine[("context", "ctx1k")].items() if k != "expect"} == theirs[("context", "ctx1k")]
+    assert all(h200["experiments"][e].get("paper") == x.get("paper") for e, x in gh200["experiments"].items())

@@ -16,8 +16,30 @@ SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "grid.schema.yaml"
 
 
 def load(path: str | Path) -> dict:
+    """A grid file, with the experiments of the grids it names under `include` merged in."""
+    path = Path(path)
     with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+        grid = yaml.safe_load(f)
+    for name in grid.get("include", []):
+        _merge(grid, load(path.parent / f"{name}.yaml"))
+    return grid
+
+
+def _merge(grid: dict, other: dict) -> None:
+    """Add `other`'s experiments to `grid`: each point resolved against `other`'s defaults, its
+    `expect` sized again for this grid's host; the paper artefact and not-runnable entries kept."""
+    for name, exp in other["experiments"].items():
+        mine = grid["experiments"].setdefault(name, {"points": []})
+        if "paper" in exp:
+            mine.setdefault("paper", exp["paper"])
+        for p in exp["points"]:
+            point = {**other["defaults"], **{k: v for k, v in p.items() if k != "expect"}}
+            if point["system"] == "megatrain" and "host_gib" in grid and host_need_gib(point) > grid["host_gib"]:
+                point["expect"] = "oom_host"
+            mine["points"].append(point)
+    grid.setdefault("not_runnable", []).extend(other.get("not_runnable", []))
+    if not grid["not_runnable"]:
+        del grid["not_runnable"]
 
 
 def check(grid: dict) -> dict:
