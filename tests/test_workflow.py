@@ -26,7 +26,7 @@ def test_grid_is_valid_and_ids_unique(path):
     validate(g, str(grid.SCHEMA))
     grid.check(g)
     assert g["hardware"] == path.stem  # results/<hardware>/ matches the profile's grid
-    assert set(g["experiments"]) <= {"scale", "depth", "width", "context", "ablations", "devices"}
+    assert set(g["experiments"]) <= {"scale", "ratel", "depth", "width", "context", "ablations", "devices"}
     # A not-runnable point is data with a reason, never a job of its experiment.
     for n in g.get("not_runnable", []):
         assert n["experiment"] in g["experiments"] and len(n["reason"]) >= 10

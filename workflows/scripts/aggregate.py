@@ -68,6 +68,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                             paper_x=lambda r: r["configuration"],
                             paper_y={"model_tflops": "tflops", "peak_device_GiB": "device_mem_GB"},
                             paper_hardware="GH200 (not stated; inferred)"),
+    # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
+    "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
+                        panels=("model_tflops",), paper_x=lambda r: r["model"].map(_size_b),
+                        paper_y={"model_tflops": "tflops"}),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
     "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
                           paper_x=lambda r: _label(r, ["gpu", "model", "method"]),

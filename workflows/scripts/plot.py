@@ -147,12 +147,13 @@ def figure(df: pd.DataFrame, name: str, hardware: str):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{name}: measured on {hardware}; the paper's points are the paper's, not measured here",
-                 fontsize=10)
+    width = fig.get_figwidth()  # inches; wrap the texts to it (about 13 characters an inch at size 10)
+    fig.suptitle(textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
+                               "measured here", int(13 * width)), fontsize=10)
     note = _failed_note(df[df["source"] == "measured"], spec.label) if spec.kind != "bars" else ""
     fig.tight_layout(rect=(0, 0.06 if note else 0, 1, 1))
     if note:
-        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, 220)), fontsize=7, color="red", va="bottom")
+        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, int(19 * width))), fontsize=7, color="red", va="bottom")
     return fig
 
 
