@@ -149,3 +149,12 @@ def test_an_included_grid_runs_on_this_host():
     assert "expect" not in mine[("depth", "L180_megatrain")]
     assert {k: v for k, v in mine[("context", "ctx1k")].items() if k != "expect"} == theirs[("context", "ctx1k")]
     assert all(h200["experiments"][e].get("paper") == x.get("paper") for e, x in gh200["experiments"].items())
+
+
+def test_an_include_cycle_is_refused(tmp_path):
+    for name, other in (("a", "b"), ("b", "a")):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"hardware": name, "include": [other], "defaults": {"seq": 8, "batch": 1, "steps": 1, "warmup": 0, "timeout": 1},
+             "experiments": {"scale": {"points": [{"id": name, "system": "megatrain", "preset": "tiny-llama"}]}}}))
+    with pytest.raises(ValueError, match="includes itself: a -> b -> a"):
+        grid.load(tmp_path / "a.yaml")

@@ -15,13 +15,15 @@ import yaml
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "grid.schema.yaml"
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, _including: tuple[str, ...] = ()) -> dict:
     """A grid file, with the experiments of the grids it names under `include` merged in."""
     path = Path(path)
+    if path.stem in _including:
+        raise ValueError(f"grid {path.stem!r} includes itself: {' -> '.join((*_including, path.stem))}")
     with open(path, encoding="utf-8") as f:
         grid = yaml.safe_load(f)
     for name in grid.get("include", []):
-        _merge(grid, load(path.parent / f"{name}.yaml"))
+        _merge(grid, load(path.parent / f"{name}.yaml", (*_including, path.stem)))
     return grid
 
 
