@@ -23,7 +23,8 @@ from megatrain.config import ModelConfig
 from megatrain.lean_norm import make_lean
 from megatrain.presets import preset
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
+# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
+# layer's MLP output feeds only its residual sum (chunked_mlp.output_unused relies on it)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 

@@ -34,6 +34,7 @@ offset they came from, and the backward reads them from wherever that unit is re
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +44,7 @@ import torch
 from megatrain.activations import Checkpoints
 from megatrain.arch import Architecture
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
+from megatrain.chunked_mlp import output_unused
 from megatrain.config import EngineConfig, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
@@ -220,7 +222,7 @@ class Engine:
                     for i in range(s, e):
                         w = stream.acquire()
                         with tl.stream(COMPUTE, dev.compute, f"recompute L{i}"):
-                            graphs.append(self._graph(i, w, x, ctx))
+                            graphs.append(self._graph(i, w, x, ctx, root_only=i == e - 1))
                         x = graphs[-1][2]
                         stream.release()
                 else:
@@ -251,13 +253,17 @@ class Engine:
         return loss
 
     # ------------------------------------------------------------------ pieces
-    def _graph(self, index: int, weights: list[torch.Tensor], x: torch.Tensor, ctx: _Context):
+    def _graph(self, index: int, weights: list[torch.Tensor], x: torch.Tensor, ctx: _Context,
+               root_only: bool = False):
         """A layer's autograd graph on its own: a fresh leaf as input and fresh leaves as weights,
-        whose saved views of the weight buffer the hooks turn into references."""
+        whose saved views of the weight buffer the hooks turn into references. `root_only`: the
+        output is read by nothing but the backward started from it (a recomputed block's last
+        layer), so a chunked MLP need not compute it (chunked_mlp.output_unused)."""
         leaves = [w.detach().requires_grad_() for w in weights]
         x = x.detach().requires_grad_()
         self._packing = self.layer_units[index]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                (output_unused() if root_only else contextlib.nullcontext()):
             out = self._layer(index, leaves, x, ctx)
         return x, leaves, out
 

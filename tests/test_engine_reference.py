@@ -9,6 +9,8 @@ lr-sized steps, 1e-3).
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -119,17 +121,53 @@ def test_gradients_match_reference(tmp_path):
         trainer.close()
 
 
-def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path):
+def test_recompute_skips_the_mlp_output_nothing_reads(tmp_path, monkeypatch):
+    """With the chunked MLP, a recomputed block's last layer computes no MLP output (only its
+    backward's root): per step, 4 layers' MLPs in the forward, 2 of 4 in the recompute (K=2),
+    gate and up in 4 backwards; and training is bit-identical to computing the output."""
+    import types
+
+    import megatrain.chunked_mlp
+    import megatrain.engine
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", {"num_hidden_layers": 4})
+    calls = []
+    counting = types.SimpleNamespace(silu=torch.nn.functional.silu,
+                                     linear=lambda *a: calls.append(1) or torch.nn.functional.linear(*a))
+    monkeypatch.setattr(megatrain.chunked_mlp, "F", counting)
+
+    def run():
+        _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 2, 1, 0.5, {"mlp_chunk_tokens": 5})
+        try:
+            losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, 1, BATCH, SEQ, trainer.arch.vocab, True)]
+            return losses, store_params(trainer)
+        finally:
+            trainer.close()
+
+    skipped = run()
+    chunks = -(-BATCH * SEQ // 5)
+    assert len(calls) == 3 * chunks * (3 * 4 + 3 * 2 + 2 * 4)
+    monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
+    calls.clear()
+    computed = run()
+    assert len(calls) == 3 * chunks * (3 * 4 + 3 * 4 + 2 * 4)
+    torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K):
     """Hardware FLOPs over model FLOPs: the recomputed layers' forward again (not the kept layer's)
-    and, with the MLP chunked, every layer's gate and up projections again in its backward."""
-    tiny_checkpoint(tmp_path / "init", "tiny-llama", {"num_hidden_layers": 3})
-    _, trainer = make_trainer(tmp_path, "tiny-llama", {}, 1, 1, None, {"mlp_chunk_tokens": 5, "no_recompute_layers": 1})
+    and, with the MLP chunked, every layer's gate and up projections again in its backward, less
+    the MLP of each recomputed block's last layer, which the recompute leaves out."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama", {"num_hidden_layers": 4})
+    _, trainer = make_trainer(tmp_path, "tiny-llama", {}, K, 1, None, {"mlp_chunk_tokens": 5, "no_recompute_layers": 1})
     try:
         m = trainer.train_step(random_batches(1, 1, BATCH, SEQ, trainer.arch.vocab, False)[0])
     finally:
         trainer.close()
-    h, f, v, L, n = 64, 128, 256, 3, SEQ  # tiny-llama: hidden, FFN, vocab; 3 layers; unpadded sequences
+    h, f, v, L, n = 64, 128, 256, 4, SEQ  # tiny-llama: hidden, FFN, vocab; 4 layers; unpadded sequences
+    recomputed, blocks = 3, {1: 3, 2: 2}[K]  # layers 0-2 (layer 3 kept): blocks [0], [1], [2] or [0, 1], [2]
     layer = 2 * h * h + h * h + 3 * h * f  # q and o; k and v at half the heads; the MLP
     model = BATCH * n * (6 * (layer * L + v * h) + 12 * L * h * n)
-    extra = BATCH * n * (2 * layer * 2 + 4 * 2 * h * n + 2 * 2 * h * f * L)
-    assert m["hardware_tflops"] / m["model_tflops"] == pytest.approx((model + extra) / model, rel=1e-9)
+    again = 2 * layer * recomputed + 4 * recomputed * h * n
+    chunks = 2 * (2 * h * f * L - 3 * h * f * blocks)
+    assert m["hardware_tflops"] / m["model_tflops"] == pytest.approx((model + BATCH * n * (again + chunks)) / model, rel=1e-9)
