@@ -19,6 +19,7 @@ import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only; no display on the workflow's machines
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from workflows.scripts.aggregate import Experiment, experiment
@@ -99,8 +100,11 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
         if spec.log_x and (ax.has_data() and (ours["x"].dropna() > 0).all()):
             ax.set_xscale("log")
-            # ticks at the measured x values (a log axis over 3-33 would label only 10)
-            ticks = sorted(set(ours["x"].dropna()))
+            # ticks at the measured x values (a log axis over 3-33 would label only 10), and at the
+            # paper's where none of ours is near (its 7B beside our 7.62 would overprint)
+            ticks = set(ours["x"].dropna())
+            theirs = paper["x"].dropna() if "x" in paper else ()
+            ticks = sorted(ticks | {x for x in theirs if all(abs(np.log(x / t)) > 0.15 for t in ticks)})
             ax.set_xticks(ticks if len(ticks) <= 12 else ticks[:: -(-len(ticks) // 12)])
             ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tick))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
