@@ -89,7 +89,7 @@ class Trainer:
         recomputed = self.engine.kept  # the layers before the kept ones run their forward twice
         hw = flops + recompute_flops(a.layer_matmul_params() * recomputed, recomputed, a.hidden, r.seq_lengths)
         if a.mlp_chunk:  # every backward's gate and up again; no MLP in a recomputed block's last layer
-            blocks = -(-recomputed // self.cfg.engine.checkpoint_every)
+            blocks = sum(s < recomputed for s, _ in self.engine.blocks)  # the schedule's recomputed blocks
             mlp = a.mlp_matmul_params()
             hw += sum(2 * n * (2 * mlp // 3 * a.num_layers - mlp * blocks) for n in r.seq_lengths)
         self.sampler.sample()

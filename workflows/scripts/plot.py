@@ -148,10 +148,9 @@ def figure(df: pd.DataFrame, name: str, hardware: str):
         df = df.assign(x=df[spec.x] if spec.x in df else df["id"])
     fig, axes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
     for ax in axes:
-        if ax.get_legend_handles_labels()[0] and spec.kind == "bars":  # below: bars fill the panel's width
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
-        elif ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # bars fill the panel's width: their legend goes below
+            below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.1), "ncol": 2, "frameon": False}
+            ax.legend(fontsize=7, **(below if spec.kind == "bars" else {}))
         ax.grid(alpha=0.3)
     width = fig.get_figwidth()  # inches; wrap the texts to it (about 13 characters an inch at size 10)
     fig.suptitle(textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
