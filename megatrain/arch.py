@@ -22,9 +22,10 @@ from megatrain.chunked_mlp import chunk_tokens, chunkable
 from megatrain.config import ModelConfig
 from megatrain.lean_norm import make_lean
 from megatrain.presets import preset
+from megatrain.unread_mlp import skip_unread_down
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
-# layer's MLP output feeds only its residual sum (chunked_mlp.output_unused relies on it)
+# layer's MLP output feeds only its residual sum (unread_mlp.output_unused relies on it)
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
@@ -122,6 +123,7 @@ class Architecture:
         self._templates: dict[str, Template] = {}
         self._norm_template: Template | None = None
         self.mlp_chunk: int | None = None  # set by chunk_mlp before the first template is made
+        self._gated: bool | None = None  # mlp_chunkable(), once asked
 
     def mlp_chunkable(self) -> bool:
         with torch.device("meta"):
@@ -165,6 +167,8 @@ class Architecture:
                     make_lean(sub)
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, self.config.hidden_act)
+            elif chunkable(module.mlp, self.config.hidden_act):
+                skip_unread_down(module.mlp)
             self._templates[kind] = Template(module)
         template = self._templates[kind]
         template.module.self_attn.layer_idx = index
@@ -202,6 +206,15 @@ class Architecture:
     def mlp_matmul_params(self) -> int:
         """Matmul weights of one decoder layer's gated MLP (gate, up and down projections)."""
         return 3 * self.hidden * getattr(self.config, "intermediate_size", 4 * self.hidden)
+
+    def unread_mlp_params(self) -> int:
+        """Matmul weights whose forward a layer's MLP leaves out when its output is unread
+        (unread_mlp.py): chunked, all three projections; otherwise, if gated, the down projection."""
+        if self.mlp_chunk:
+            return self.mlp_matmul_params()
+        if self._gated is None:
+            self._gated = self.mlp_chunkable()
+        return self.mlp_matmul_params() // 3 if self._gated else 0
 
     def matmul_params(self) -> int:
         """Matmul weights of the decoder layers plus the LM head (the FLOPs formula's N)."""

@@ -10,35 +10,18 @@ saved as they are (the engine's saved-tensor hook turns views of the weight buff
 references), so no weight is copied.
 
 Since the backward needs only the input, an MLP whose output nothing reads computes none of it
-(`output_unused`): the engine's recompute of a block's last layer, whose output is only the root
-its backward starts from. There the whole MLP forward (three projections) is left out, more than the
-two projections the backward adds, so a chunked MLP then costs less than a whole one. This relies on the output
-feeding only the layer's residual sum, as in every family of arch.FAMILIES (a post-MLP norm would
-save it).
+(unread_mlp.output_unused): there the whole MLP forward (three projections) is left out, more than
+the two projections the backward adds, so a chunked MLP then costs less than a whole one.
 """
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-_OUTPUT_UNUSED = ContextVar("chunked_mlp_output_unused", default=False)
-
-
-@contextlib.contextmanager
-def output_unused():
-    """Within it, chunked MLPs leave their output uncomputed (its values unspecified): for a layer
-    whose output is only where a backward starts."""
-    token = _OUTPUT_UNUSED.set(True)
-    try:
-        yield
-    finally:
-        _OUTPUT_UNUSED.reset(token)
+from megatrain.unread_mlp import unread
 
 
 class _ChunkedGatedMLP(torch.autograd.Function):
@@ -46,7 +29,7 @@ class _ChunkedGatedMLP(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, chunk: int):
         flat = x.reshape(-1, x.shape[-1])
         out = torch.empty(flat.shape[0], w_down.shape[0], dtype=x.dtype, device=x.device)
-        for lo in range(0, 0 if _OUTPUT_UNUSED.get() else flat.shape[0], chunk):
+        for lo in range(0, 0 if unread() else flat.shape[0], chunk):
             xc = flat[lo: lo + chunk]
             out[lo: lo + chunk] = F.linear(F.silu(F.linear(xc, w_gate)) * F.linear(xc, w_up), w_down)
         ctx.save_for_backward(x, w_gate, w_up, w_down)

@@ -44,13 +44,13 @@ import torch
 from megatrain.activations import Checkpoints
 from megatrain.arch import Architecture
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
-from megatrain.chunked_mlp import output_unused
 from megatrain.config import EngineConfig, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
 from megatrain.optim import OptimizerWorker, adamw, lr_at
 from megatrain.store import HostStore, Layout, Tile
 from megatrain.timeline import COMPUTE, D2H, HOST, Timeline
+from megatrain.unread_mlp import output_unused
 
 
 @dataclass
@@ -258,7 +258,7 @@ class Engine:
         """A layer's autograd graph on its own: a fresh leaf as input and fresh leaves as weights,
         whose saved views of the weight buffer the hooks turn into references. `root_only`: the
         output is read by nothing but the backward started from it (a recomputed block's last
-        layer), so a chunked MLP need not compute it (chunked_mlp.output_unused)."""
+        layer), so its MLP need not compute it (unread_mlp.output_unused)."""
         leaves = [w.detach().requires_grad_() for w in weights]
         x = x.detach().requires_grad_()
         self._packing = self.layer_units[index]

@@ -88,10 +88,11 @@ class Trainer:
         flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
         recomputed = self.engine.kept  # the layers before the kept ones run their forward twice
         hw = flops + recompute_flops(a.layer_matmul_params() * recomputed, recomputed, a.hidden, r.seq_lengths)
-        if a.mlp_chunk:  # every backward's gate and up again; no MLP in a recomputed block's last layer
-            blocks = sum(s < recomputed for s, _ in self.engine.blocks)  # the schedule's recomputed blocks
-            mlp = a.mlp_matmul_params()
-            hw += sum(2 * n * (2 * mlp // 3 * a.num_layers - mlp * blocks) for n in r.seq_lengths)
+        # a recomputed block's last layer leaves out the MLP projections that make its unread output
+        blocks = sum(s < recomputed for s, _ in self.engine.blocks)  # the schedule's recomputed blocks
+        hw -= sum(2 * n * a.unread_mlp_params() * blocks for n in r.seq_lengths)
+        if a.mlp_chunk:  # every backward runs the chunks' gate and up projections again
+            hw += sum(2 * n * 2 * a.mlp_matmul_params() // 3 * a.num_layers for n in r.seq_lengths)
         self.sampler.sample()
         return {
             "step": self.step,

@@ -121,6 +121,16 @@ def test_gradients_match_reference(tmp_path):
         trainer.close()
 
 
+def three_steps(tmp_path, accum: int, engine: dict):
+    """Tiny Qwen2 (K=2, clipping, padding) trained 3 steps from the saved init: losses and weights."""
+    _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 2, accum, 0.5, engine)
+    try:
+        losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, accum, BATCH, SEQ, trainer.arch.vocab, True)]
+        return losses, store_params(trainer)
+    finally:
+        trainer.close()
+
+
 def test_recompute_skips_the_mlp_output_nothing_reads(tmp_path, monkeypatch):
     """With the chunked MLP, a recomputed block's last layer computes no MLP output (only its
     backward's root): per step, 4 layers' MLPs in the forward, 2 of 4 in the recompute (K=2),
@@ -135,31 +145,47 @@ def test_recompute_skips_the_mlp_output_nothing_reads(tmp_path, monkeypatch):
                                      linear=lambda *a: calls.append(1) or torch.nn.functional.linear(*a))
     monkeypatch.setattr(megatrain.chunked_mlp, "F", counting)
 
-    def run():
-        _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 2, 1, 0.5, {"mlp_chunk_tokens": 5})
-        try:
-            losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, 1, BATCH, SEQ, trainer.arch.vocab, True)]
-            return losses, store_params(trainer)
-        finally:
-            trainer.close()
-
-    skipped = run()
+    skipped = three_steps(tmp_path, 1, {"mlp_chunk_tokens": 5})
     chunks = -(-BATCH * SEQ // 5)
     assert len(calls) == 3 * chunks * (3 * 4 + 3 * 2 + 2 * 4)
     monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
     calls.clear()
-    computed = run()
+    computed = three_steps(tmp_path, 1, {"mlp_chunk_tokens": 5})
     assert len(calls) == 3 * chunks * (3 * 4 + 3 * 4 + 2 * 4)
     torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
 
 
+def test_recompute_skips_the_down_projection_nothing_reads(tmp_path, monkeypatch):
+    """Unchunked, a recomputed block's last layer leaves out its MLP's down projection (its
+    output is only its backward's root): 2 blocks of 2 layers, 2 micro-batches, 3 steps: 12 left
+    out; and training is bit-identical to computing it (float32 on the CPU)."""
+    import megatrain.engine
+    import megatrain.unread_mlp
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", {"num_hidden_layers": 4})
+    left_out = []
+    forward = megatrain.unread_mlp._UnreadLinear.forward
+    monkeypatch.setattr(megatrain.unread_mlp._UnreadLinear, "forward",
+                        staticmethod(lambda ctx, x, w: left_out.append(1) or forward(ctx, x, w)))
+
+    skipped = three_steps(tmp_path, 2, {})
+    assert len(left_out) == 3 * 2 * 2
+    monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
+    left_out.clear()
+    computed = three_steps(tmp_path, 2, {})
+    assert not left_out
+    torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("K", [1, 2])
-def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K, chunked):
     """Hardware FLOPs over model FLOPs: the recomputed layers' forward again (not the kept layer's)
-    and, with the MLP chunked, every layer's gate and up projections again in its backward, less
-    the MLP of each recomputed block's last layer, which the recompute leaves out."""
+    and, with the MLP chunked, every layer's gate and up projections again in its backward; less
+    what the recompute of each block's last layer leaves out: its MLP (chunked) or the MLP's down
+    projection."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama", {"num_hidden_layers": 4})
-    _, trainer = make_trainer(tmp_path, "tiny-llama", {}, K, 1, None, {"mlp_chunk_tokens": 5, "no_recompute_layers": 1})
+    _, trainer = make_trainer(tmp_path, "tiny-llama", {}, K, 1, None,
+                              {"mlp_chunk_tokens": 5 if chunked else None, "no_recompute_layers": 1})
     try:
         m = trainer.train_step(random_batches(1, 1, BATCH, SEQ, trainer.arch.vocab, False)[0])
     finally:
@@ -169,5 +195,5 @@ def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K):
     layer = 2 * h * h + h * h + 3 * h * f  # q and o; k and v at half the heads; the MLP
     model = BATCH * n * (6 * (layer * L + v * h) + 12 * L * h * n)
     again = 2 * layer * recomputed + 4 * recomputed * h * n
-    chunks = 2 * (2 * h * f * L - 3 * h * f * blocks)
+    chunks = 2 * (2 * h * f * L - 3 * h * f * blocks) if chunked else -2 * h * f * blocks
     assert m["hardware_tflops"] / m["model_tflops"] == pytest.approx((model + BATCH * n * (again + chunks)) / model, rel=1e-9)

@@ -114,6 +114,18 @@ def test_chunked_norms_track_whole_norms(tmp_path, cuda_only, monkeypatch):
     assert_same_direction(start, runs)
 
 
+def test_unread_down_projection_keeps_numerics(tmp_path, cuda_only, monkeypatch):
+    """The recompute of a block's last layer leaving its MLP's down projection out (unread_mlp.py)
+    against computing it, in bf16 on the device: the same gradient matmuls, not one bit apart."""
+    import contextlib
+
+    import megatrain.engine
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    skipped = train(tmp_path, {})
+    monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
+    torch.testing.assert_close(skipped, train(tmp_path, {}), rtol=0, atol=0)
+
+
 def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
     """Without the user's PYTORCH_CUDA_ALLOC_CONF the engine's device grows expandable segments (the
     fixed ones fragmented by 10 GiB at 128K tokens)."""

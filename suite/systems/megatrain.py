@@ -7,6 +7,7 @@ ceiling of layer streaming) and `trace` (write the last step's timeline as a Per
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -14,6 +15,7 @@ import torch
 
 from megatrain.config import load_config
 from megatrain.metrics import model_flops
+from megatrain.unread_mlp import output_unused
 from suite.systems import DoesNotFit
 
 _OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
@@ -68,8 +70,10 @@ class System:
 
 
 def layer_ceiling(trainer, reps: int = 5) -> dict:
-    """One decoder layer, weights resident, on one micro-batch: forward, recompute, backward."""
+    """One decoder layer, weights resident, on one micro-batch: forward, recompute, backward;
+    with K = 1 every recompute is a block's last layer's, which leaves its unread MLP output out."""
     engine, arch, cfg = trainer.engine, trainer.arch, trainer.cfg.data
+    root_only = trainer.cfg.engine.checkpoint_every == 1
     dev = engine.dev
     unit = engine.layer_units[0]
     flat = engine.streamer.flat[0]
@@ -89,7 +93,7 @@ def layer_ceiling(trainer, reps: int = 5) -> dict:
                 engine._layer(0, weights, x0, ctx)
             leaves = [w.detach().requires_grad_() for w in weights]
             x = x0.detach().requires_grad_()
-            with torch.enable_grad():
+            with torch.enable_grad(), (output_unused() if root_only else contextlib.nullcontext()):
                 out = engine._layer(0, leaves, x, ctx)
             torch.autograd.grad(out, [x, *leaves], dy)
             dev.synchronize()
