@@ -49,9 +49,11 @@ declare -A POINTS=(
   [3b_zero3_b16]="zero3 $B3 --batch 16"
   [3b_zero_infinity_b4]="zero_infinity $B3 --batch 4"
   [3b_zero_infinity_b8]="zero_infinity $B3 --batch 8 --steps 1 --warmup 1"
+  [3b_zero_infinity_b16]="zero_infinity $B3 --batch 16 --steps 1 --warmup 1"
   [3b_gemini_b4]="gemini $B3 --batch 4"
   [3b_gemini_b8]="gemini $B3 --batch 8"
   [3b_gemini_b6]="gemini $B3 --batch 6 --steps 3 --warmup 1"
+  [3b_gemini_b7]="gemini $B3 --batch 7 --steps 3 --warmup 1"
   [3b_ratel_b4]="ratel $B3 --batch 4"
   # and on the 7B shape (host memory refuses some: that is a result)
   [7b_megatrain_b8x2]="megatrain $W7 --batch 8 --accum 2 $K1"
