@@ -138,11 +138,11 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
     if p.host_bytes > host_available:
         problems.append(
             f"host memory: needs {p.host_bytes / GiB:.1f} GiB, {host_available / GiB:.1f} GiB available "
-            f"(store {p.detail['store'] / GiB:.1f} GiB; "
+            f"(store {p.detail['store'] / GiB:.1f} GiB, gradient slabs {p.detail['grad_slabs'] / GiB:.1f} GiB; "
             + ("clipping keeps a float32 gradient per parameter, optim.max_grad_norm=null saves 4 bytes per "
                "parameter; " if p.clipping else "")
-            + "or engine.master_dtype=bfloat16, a smaller model, or state engine.host_memory_gb if the OS "
-            "under-reports it)")
+            + "fewer engine.grad_slabs (each holds one layer's float32 gradient), engine.master_dtype=bfloat16, "
+            "a smaller model, or state engine.host_memory_gb if the OS under-reports it)")
     if device_available is not None and p.device_bytes > device_available:
         acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))
         problems.append(

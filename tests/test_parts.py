@@ -237,8 +237,8 @@ def test_chunked_mlp_equals_the_whole_mlp():
 
 def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
     """At 512K tokens of the 7B shape the whole MLP's activations (four tokens x FFN tensors per
-    layer) are most of a layer's graph; chunked, only one chunk's count. A plan over the device is
-    refused with its numbers and the settings to change."""
+    layer) are most of a layer's graph; chunked, only one chunk's count. A plan over the device or the
+    host is refused with its numbers and the settings to change."""
     from megatrain.memory import admit
     arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b", overrides={"max_position_embeddings": 524288})))
     def acts(chunk):
@@ -251,6 +251,10 @@ def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
     with pytest.raises(ValueError, match=r"device memory: needs about 1\d\d\.\d GiB, 80.0 GiB free.*mlp_chunk_tokens"):
         admit(whole, host_available=2**50, device_available=80 * 2**30)
     admit(chunked, host_available=2**50, device_available=80 * 2**30)
+    # over the host: the store and the gradient slabs named, each slab one layer's float32 gradient
+    layer_gib = Layout.of(arch.layer_specs).numel * 4 / 2**30
+    with pytest.raises(ValueError, match=rf"host memory: .*gradient slabs {4 * layer_gib:.1f} GiB; fewer engine.grad_slabs"):
+        admit(chunked, host_available=chunked.detail["store"], device_available=None)
 
 
 def test_auto_mlp_chunk_only_when_the_plan_needs_it():
