@@ -87,7 +87,7 @@ def test_aggregate_and_plot_each_kind(kind, tmp_path):
 def test_x_coordinates(tmp_path):
     width = aggregate.table(_write(tmp_path, "width"), "width")
     assert sorted(width[width["source"] == "measured"]["x"]) == [1.0, 2.0, 3.0]  # hidden 64k / tiny-llama's 64
-    assert sorted(width[width["source"] == "paper"]["x"])[:2] == [1.0, 1.5]
+    assert sorted(set(width[width["source"] == "paper"]["x"]))[:2] == [1.0, 1.5]
     explicit = _result("megatrain", hidden=96) | {"width": 2.5}
     assert aggregate.flatten(explicit, "w", "width")["width"] == 2.5
     ctx = aggregate.table(_write(tmp_path, "context"), "context")
@@ -110,3 +110,18 @@ def test_points_on_fewer_layers_get_lines_of_their_own(tmp_path):
     assert list(series) == ["megatrain (all layers)", "megatrain (all layers)", "megatrain (1 layer)"]
     depth = aggregate.table(paths[:2], "context", paper=[])
     assert list(plot._series(depth, aggregate.experiment("context"))) == ["megatrain", "megatrain"]
+
+
+def test_the_paper_gets_a_line_per_system(tmp_path):
+    """Figure 6's text gives throughput and host memory per system: one dashed line each (OOM and
+    ratio rows not drawn); Table 6's device memory, which names no system, one line."""
+    df = aggregate.table(_write(tmp_path, "width"), "width")
+    fig = plot.figure(df, "width", "cpu")
+    lines = {ax.get_title(): {ln.get_label(): ln.get_xydata().tolist() for ln in ax.get_lines()} for ax in fig.axes}
+    tflops, host, device = (lines[t] for t in ("Throughput by width multiplier", "Host memory by width multiplier",
+                                               "Device memory by width multiplier"))
+    assert tflops["paper (GH200): ZeRO-3 Offload"] == [[1.0, 455], [3.0, 262], [3.5, 160], [4.0, 136]]
+    assert tflops["paper (GH200): MegaTrain"] == [[1.0, 406], [3.0, 264], [3.5, 193]]
+    assert tflops["paper (GH200): FSDP Offload"] == [[1.0, 501], [3.0, 281]]
+    assert [y for _, y in host["paper (GH200): MegaTrain"]] == pytest.approx([v / plot.GB_PER_GiB for v in (174, 263, 308)])
+    assert "paper (GH200)" in device and not any(k.startswith("paper (GH200):") for k in device)

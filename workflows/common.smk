@@ -38,8 +38,8 @@ def experiment_results(wildcards):
 
 
 def paper_option(wildcards):
-    paper = GRID["experiments"][wildcards.experiment].get("paper")
-    return f"--paper {paper}" if paper else ""
+    paper = GRID["experiments"][wildcards.experiment].get("paper") or []
+    return " ".join(f"--paper {name}" for name in ([paper] if isinstance(paper, str) else paper))
 
 
 def all_tables():

@@ -56,10 +56,16 @@ class Experiment:
 EXPERIMENTS: dict[str, Experiment] = {
     "scale": Experiment(("figure1_scale",), "params_B", "model size (billion parameters)", log_x=True,
                         paper_x=lambda r: r["model"].map(_size_b), paper_y={"model_tflops": "tflops"}),
-    "depth": Experiment(("table5_depth",), "layers", "decoder layers",
-                        paper_x=lambda r: r["layers"], paper_y={"peak_device_GiB": "device_alloc_GB"}),
-    "width": Experiment(("table6_width",), "width", "width multiplier (x the preset's hidden size)",
-                        paper_x=lambda r: r["width_scale"], paper_y={"peak_device_GiB": "device_alloc_GB"}),
+    # Tables 5 and 6 print MegaTrain's device memory; Figures 5 and 6 each system's throughput and host
+    # memory where the text states them
+    "depth": Experiment(("table5_depth", "figure5_depth"), "layers", "decoder layers",
+                        paper_x=lambda r: r["layers"],
+                        paper_y={"model_tflops": "tflops", "peak_host_GiB": "host_memory_GB",
+                                 "peak_device_GiB": "device_alloc_GB"}),
+    "width": Experiment(("table6_width", "figure6_width"), "width", "width multiplier (x the preset's hidden size)",
+                        paper_x=lambda r: r["width_scale"],
+                        paper_y={"model_tflops": "tflops", "peak_host_GiB": "host_memory_GB",
+                                 "peak_device_GiB": "device_alloc_GB"}),
     "context": Experiment(("table7_context",), "seq", "sequence length (tokens)", log_x=True,
                           paper_x=lambda r: pd.to_numeric(r["context_K"], errors="coerce") * 1024,
                           paper_y={"model_tflops": "tflops", "peak_device_GiB": "mem_GB"}),

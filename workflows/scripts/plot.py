@@ -5,7 +5,8 @@
 How an experiment is drawn comes from aggregate.EXPERIMENTS (x axis, its label, line or bars, the
 panels and the paper's matching columns); an unknown experiment gets bars of TFLOP/s per point id.
 Measured points are filled markers with solid lines, labelled "measured (<hardware>)"; the paper's
-are open black squares with dashed lines (or hatched open bars), labelled "paper (<its hardware>)".
+are open black markers with dashed lines, a marker shape per system (or hatched open bars), labelled
+"paper (<its hardware>)[: <system>]".
 Points that did not run (out of memory, timeout, unsupported) are red crosses on the axis floor
 with their status. The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
 """
@@ -27,6 +28,8 @@ from workflows.scripts.aggregate import Experiment, experiment
 GB_PER_GiB = 2 ** 30 / 1e9
 MEASURED = dict(marker="o", linestyle="-")
 PAPER = dict(marker="s", linestyle="--", markerfacecolor="none", color="black")
+PAPER_MARKERS = ("s", "^", "D", "v", "P", "X")  # one per system the paper prints in a panel
+LEGEND_COLUMNS = 3
 YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak host memory (GiB)",
            "peak_device_GiB": "peak device memory (GiB)"}
 TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
@@ -87,6 +90,8 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     paper = paper.assign(x=pd.to_numeric(paper["x"], errors="coerce")) if "x" in paper else paper
     fig, axes = plt.subplots(1, len(spec.panels), figsize=(4.7 * len(spec.panels), 4.2), squeeze=False)
     axes = list(axes[0])
+    named = paper["system"].dropna().unique() if "system" in paper else ()
+    markers = {"": PAPER_MARKERS[0]} | {s: PAPER_MARKERS[i % len(PAPER_MARKERS)] for i, s in enumerate(named)}
     for ax, y in zip(axes, spec.panels):
         ok = ours[(ours["status"] == "ok") & ours[y].notna() & ours["x"].notna()].sort_values("x")
         for system, g in ok.groupby(_series(ok, spec)):
@@ -95,8 +100,10 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         ref_y = _paper_y(paper, spec, y)
         if ref_y is not None:
             ref = paper.assign(y=ref_y).dropna(subset=["x", "y"]).sort_values("x")
-            if len(ref):
-                ax.plot(ref["x"], ref["y"], label=f"paper ({spec.paper_hardware})", **PAPER)
+            systems = ref["system"].fillna("") if "system" in ref else pd.Series("", index=ref.index)
+            for system, g in ref.groupby(systems, sort=False):
+                label = f"paper ({spec.paper_hardware})" + (f": {system}" if system else "")
+                ax.plot(g["x"], g["y"], label=label, **{**PAPER, "marker": markers[system]})
         ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
         if spec.log_x and (ax.has_data() and (ours["x"].dropna() > 0).all()):
             ax.set_xscale("log")
@@ -147,18 +154,27 @@ def figure(df: pd.DataFrame, name: str, hardware: str):
     if "x" not in df:  # a table from before aggregate wrote `x`
         df = df.assign(x=df[spec.x] if spec.x in df else df["id"])
     fig, axes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
+    entries: dict = {}  # one legend for the figure, below the panels (inside one, it covered data)
     for ax in axes:
-        if ax.get_legend_handles_labels()[0]:  # bars fill the panel's width: their legend goes below
-            below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.1), "ncol": 2, "frameon": False}
-            ax.legend(fontsize=7, **(below if spec.kind == "bars" else {}))
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
         ax.grid(alpha=0.3)
-    width = fig.get_figwidth()  # inches; wrap the texts to it (about 13 characters an inch at size 10)
+    width, height = fig.get_figwidth(), fig.get_figheight()  # inches
+    # the texts wrapped to the width (about 13 characters an inch at size 10, 19 at size 7)
     fig.suptitle(textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
                                "measured here", int(13 * width)), fontsize=10)
     note = _failed_note(df[df["source"] == "measured"], spec.label) if spec.kind != "bars" else ""
-    fig.tight_layout(rect=(0, 0.06 if note else 0, 1, 1))
-    if note:
-        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, int(19 * width))), fontsize=7, color="red", va="bottom")
+    note_lines = textwrap.wrap(note, int(19 * width))
+    note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
+    legend_in = 0.17 * -(-len(entries) // LEGEND_COLUMNS) + 0.1
+    fig.set_figheight(height + note_in + legend_in)
+    total = fig.get_figheight()
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="lower center", bbox_to_anchor=(0.5, note_in / total),
+                   ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, (note_in + legend_in) / total, 1, 1))
+    if note_lines:
+        fig.text(0.01, 0.01, "\n".join(note_lines), fontsize=7, color="red", va="bottom")
     return fig
 
 
