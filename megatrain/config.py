@@ -39,8 +39,9 @@ class EngineConfig:
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
     grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
-    # memory and update there: the updates that stay exposed on the CPU (see store.py)
-    device_tiles: int = 0
+    # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
+    # many as the memory plan leaves device room for (memory.choose_device_tiles)
+    device_tiles: int | str = 0
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
     # memory plan fits the device, else the largest chunk that makes it fit (memory.choose_mlp_chunk)
@@ -58,16 +59,16 @@ class EngineConfig:
             raise ValueError(f"engine.compute_dtype must be auto, float32 or bfloat16, not {self.compute_dtype!r}")
         if self.master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"engine.master_dtype must be float32 or bfloat16, not {self.master_dtype!r}")
-        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1),
-                          ("device_tiles", 0)):
+        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
         chunk = self.mlp_chunk_tokens
         if chunk not in (None, "auto") and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {chunk!r}")
-        n = self.no_recompute_layers
-        if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-            raise ValueError(f"engine.no_recompute_layers must be an integer >= 0 or auto, not {n!r}")
+        for name in ("device_tiles", "no_recompute_layers"):
+            n = getattr(self, name)
+            if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n!r}")
 
 
 @dataclass

@@ -42,6 +42,11 @@ def _kept(cfg: EngineConfig) -> int:
     return cfg.no_recompute_layers if isinstance(cfg.no_recompute_layers, int) else 0
 
 
+def _tiles(cfg: EngineConfig) -> int:
+    """The device tiles a plan counts (`auto` not yet resolved counts as none)."""
+    return cfg.device_tiles if isinstance(cfg.device_tiles, int) else 0
+
+
 def check_no_recompute(arch: Architecture, n: int | str) -> None:
     if n != "auto" and n > arch.num_layers:
         raise ValueError(f"engine.no_recompute_layers must be at most the model's {arch.num_layers} layers, not {n}")
@@ -57,11 +62,12 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
     head = Layout.of(arch.head_specs).numel + (v * h if arch.tied else 0)
     unit = max(layer, head)
     ffn = getattr(arch.config, "intermediate_size", 4 * h)
-    check_device_tiles(arch, cfg.device_tiles)
+    T = _tiles(cfg)
+    check_device_tiles(arch, T)
     check_no_recompute(arch, cfg.no_recompute_layers)
     N, chunk_mlp = _kept(cfg), _chunk(cfg)
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
-    store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, cfg.device_tiles, pinned)
+    store_host, store_device = HostStore.nbytes(arch, master, compute, clipping, T, pinned)
     host = {
         "store": store_host,
         "grad_slabs": max(1, cfg.grad_slabs) * pinned_bytes(layer * 4, pinned),
@@ -93,7 +99,7 @@ def plan(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: to
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm
-        "device_tiles": store_device + (max(0, cfg.device_tiles - 1) * layer * 4 if clipping else 0),
+        "device_tiles": store_device + (max(0, T - 1) * layer * 4 if clipping else 0),
     }
     return MemoryPlan(sum(host.values()), sum(device.values()),
                       {**host, **{"device." + k: b for k, b in device.items()}}, clipping)
@@ -117,6 +123,27 @@ def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype,
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
 
 
+def _most(count: int, fits) -> int:
+    """The largest n in 1..count with fits(n), else 0."""
+    return next((n for n in range(count, 0, -1) if fits(n)), 0)
+
+
+def choose_device_tiles(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
+                        tokens: int, microbatches: int, clipping: bool, device_available: int | None,
+                        pinned: bool = False) -> int:
+    """`engine.device_tiles: auto`: the most tiles, in forward order, whose master and moments (and,
+    with clipping, step gradients) the device holds beside everything else the plan counts, keeping
+    DEVICE_WORKSPACE spare once more; none when nothing bounds memory (the CPU). Chosen before the
+    layers kept from recompute: where the GPU's step is shorter than the CPU's AdamW (small models,
+    few tokens per step) the updates left on the host are exposed time, which recompute is not."""
+    if device_available is None:
+        return 0
+    def fits(n: int) -> bool:
+        p = plan(arch, replace(cfg, device_tiles=n), master, compute, tokens, microbatches, clipping, pinned)
+        return p.device_bytes + DEVICE_WORKSPACE <= device_available
+    return _most(arch.num_layers + 1, fits)
+
+
 def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
                         tokens: int, microbatches: int, clipping: bool, device_available: int | None,
                         pinned: bool = False) -> int:
@@ -129,7 +156,7 @@ def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dty
     def fits(n: int) -> bool:
         p = plan(arch, replace(cfg, no_recompute_layers=n), master, compute, tokens, microbatches, clipping, pinned)
         return p.device_bytes + DEVICE_WORKSPACE <= device_available
-    return next((n for n in range(arch.num_layers, 0, -1) if fits(n)), 0)
+    return _most(arch.num_layers, fits)
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:

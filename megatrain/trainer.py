@@ -52,7 +52,11 @@ class Trainer:
                 device_free, pinned) if arch.mlp_chunkable() else None
         if cfg.engine.mlp_chunk_tokens:
             arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
-        if cfg.engine.no_recompute_layers == "auto":  # with the MLP chunk settled: the room left
+        if cfg.engine.device_tiles == "auto":  # with the MLP chunk settled: the room left
+            cfg.engine.device_tiles = memory.choose_device_tiles(
+                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free,
+                pinned)
+        if cfg.engine.no_recompute_layers == "auto":  # with the tiles settled: the room left
             cfg.engine.no_recompute_layers = memory.choose_no_recompute(
                 arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free,
                 pinned)

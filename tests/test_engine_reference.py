@@ -51,6 +51,10 @@ CASES = {
                                                       {"no_recompute_layers": 3, "device_tiles": 2}),
     "mistral-kept-chunked-mlp-device-tiles": ("tiny-mistral", {}, 3, 1, 0.5, True,
                                               {"no_recompute_layers": 1, "mlp_chunk_tokens": 5, "device_tiles": 2}),
+    # both chosen by the plan against a stated device: every tile on the device, every layer kept
+    "llama-auto-tiles-auto-kept-clip-accum": ("tiny-llama", {}, 1, 2, 0.5, True,
+                                              {"device_tiles": "auto", "no_recompute_layers": "auto",
+                                               "device_memory_gb": 1000}),
 }
 
 
@@ -99,6 +103,18 @@ def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
             torch.testing.assert_close(params[name], ref, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
     finally:
         trainer.close()
+
+
+def test_auto_settings_record_what_runs(tmp_path):
+    """device_tiles and no_recompute_layers `auto` resolve before the store is built and the config
+    keeps the numbers: all of them against a large stated device, none on the CPU without one."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    auto = {"device_tiles": "auto", "no_recompute_layers": "auto"}
+    for stated, tiles, kept in ((1000, 4, 3), (None, 0, 0)):
+        cfg, trainer = make_trainer(tmp_path, "tiny-llama", {}, 1, 1, None, {**auto, "device_memory_gb": stated})
+        trainer.close()
+        assert (cfg.engine.device_tiles, cfg.engine.no_recompute_layers) == (tiles, kept)
+        assert (trainer.memory_plan.detail["device.device_tiles"] > 0) == (tiles > 0)
 
 
 def test_gradients_match_reference(tmp_path):

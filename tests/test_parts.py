@@ -275,6 +275,30 @@ def test_auto_mlp_chunk_only_when_the_plan_needs_it():
         EngineConfig(mlp_chunk_tokens="big")
 
 
+def test_device_tiles_auto_takes_the_room_the_plan_leaves():
+    """auto: the most tiles (in forward order) the device holds beside the rest of the plan with a
+    workspace to spare; none without a bound; the layers kept from recompute get what is left."""
+    from megatrain.memory import DEVICE_WORKSPACE, choose_device_tiles, choose_no_recompute
+    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-3b")))
+    base = EngineConfig(checkpoint_every=1, device_tiles="auto", no_recompute_layers="auto")
+    def device(n):
+        return plan(arch, replace(base, device_tiles=n, no_recompute_layers=0), torch.float32, torch.bfloat16,
+                    16384, 1, False).device_bytes
+    def choose(free):
+        return choose_device_tiles(arch, base, torch.float32, torch.bfloat16, 16384, 1, False, free)
+    assert device("auto") == device(0)  # unresolved, auto counts no tiles
+    assert choose(None) == 0 and choose(device(0)) == 0 and choose(10**15) == arch.num_layers + 1
+    n = choose(40 * 2**30)
+    assert 0 < n < arch.num_layers + 1
+    assert device(n) + DEVICE_WORKSPACE <= 40 * 2**30 < device(n + 1) + DEVICE_WORKSPACE
+    kept = choose_no_recompute(arch, replace(base, device_tiles=n), torch.float32, torch.bfloat16, 16384, 1, False,
+                               40 * 2**30)
+    assert kept < choose_no_recompute(arch, replace(base, device_tiles=0), torch.float32, torch.bfloat16, 16384, 1,
+                                      False, 40 * 2**30)
+    with pytest.raises(ValueError, match="engine.device_tiles must be an integer >= 0 or auto"):
+        EngineConfig(device_tiles="many")
+
+
 def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
     """Each layer kept from recompute holds its graph for every micro-batch of the step; auto keeps as
     many of the last layers as the device holds with a workspace to spare, none without a bound."""
