@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Named benchmark points on this machine's GPU, one process per point (python -m suite run); table last.
 #   OUT=results/h100/speed experiments/points.sh GROUP|POINT ...
-# Groups: targets, device_tiles, kept, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
+# Groups: targets, device_tiles, kept, auto, depth, ablations (the speed issue), baselines3b, baselines7b (the harness issue).
 # Each point writes $OUT/<point>.json and $OUT/<point>.log; POINT_TIMEOUT (seconds, default 600) bounds each.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -23,6 +23,12 @@ declare -A POINTS=(
   [7b_16seq_mb8_K1_dt3_kept]="megatrain $W7 --batch 8 --accum 2 $K1 engine.device_tiles=3 engine.no_recompute_layers=auto ceiling=true"
   [7b_16seq_mb4_K1_dt3_kept]="megatrain $W7 --batch 4 --accum 4 $K1 engine.device_tiles=3 engine.no_recompute_layers=auto ceiling=true"
   [3b_4seq_K1_dt20_kept]="megatrain $B3 --batch 4 $K1 engine.device_tiles=20 engine.grad_slabs=12 engine.no_recompute_layers=auto ceiling=true trace=$OUT/3b_4seq_K1_dt20_kept.trace.json"
+  # device tiles and kept layers chosen by the plan (auto), beside the hand-picked settings above and
+  # the width grid's 1.0x and 2.0x points at their defaults (results/h100/points/width)
+  [3b_4seq_K1_auto]="megatrain $B3 --batch 4 $K1 engine.device_tiles=auto engine.grad_slabs=12 engine.no_recompute_layers=auto"
+  [7b_16seq_mb8_K1_auto]="megatrain $W7 --batch 8 --accum 2 $K1 engine.device_tiles=auto engine.no_recompute_layers=auto"
+  [w1.0_auto]="megatrain $W7 --layers 2 --batch 4 engine.device_tiles=auto engine.no_recompute_layers=auto"
+  [w2.0_auto]="megatrain $W7 --layers 2 --override=hidden_size=7168 --override=intermediate_size=37888 --override=num_attention_heads=56 --override=num_key_value_heads=8 --batch 4 engine.device_tiles=auto engine.no_recompute_layers=auto"
   # depth: the 7B width at 7, 14, 28 layers, checkpoints offloaded (device memory flat in depth)
   [depth_7b_L7]="megatrain $W7 --layers 7 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
   [depth_7b_L14]="megatrain $W7 --layers 14 --batch 8 --accum 2 $K1 engine.offload_checkpoints=true"
@@ -66,6 +72,7 @@ declare -A SETS=(
   [targets]="7b_16seq_mb4_K1 7b_16seq_mb8_K1 3b_4seq_K1"
   [device_tiles]="3b_4seq_K1_dt1 3b_4seq_K1_dt12 3b_4seq_K1_dt20 7b_16seq_mb8_K1_dt3"
   [kept]="7b_16seq_mb8_K1_dt3_kept 7b_16seq_mb4_K1_dt3_kept 3b_4seq_K1_dt20_kept"
+  [auto]="w1.0_auto w2.0_auto 3b_4seq_K1_auto 7b_16seq_mb8_K1_auto"
   [depth]="depth_7b_L7 depth_7b_L14 depth_7b_L28"
   [ablations]="abl_base_K1 abl_K2 abl_K4 abl_K8 abl_one_buffer abl_sync_grads"
   [baselines3b]="3b_native_b4 3b_native_b8 3b_megatrain_b4 3b_megatrain_b8 3b_megatrain_b4x4 3b_megatrain_b16 3b_fsdp2_b4 3b_fsdp2_b8 3b_fsdp2_b16 3b_zero3_b4 3b_zero3_b8 3b_zero3_b16 3b_zero_infinity_b4 3b_gemini_b4 3b_gemini_b8 3b_ratel_b4"
