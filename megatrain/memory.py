@@ -123,8 +123,16 @@ def choose_mlp_chunk(arch: Architecture, cfg: EngineConfig, master: torch.dtype,
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
 
 
-def _most(count: int, fits) -> int:
-    """The largest n in 1..count with fits(n), else 0."""
+def _most_that_fit(field: str, count: int, arch: Architecture, cfg: EngineConfig, master: torch.dtype,
+                   compute: torch.dtype, tokens: int, microbatches: int, clipping: bool,
+                   device_available: int | None, pinned: bool) -> int:
+    """The largest n in 1..count for which the plan with engine.<field> = n fits the device with
+    DEVICE_WORKSPACE spare once more, else 0; 0 when nothing bounds memory (the CPU)."""
+    if device_available is None:
+        return 0
+    def fits(n: int) -> bool:
+        p = plan(arch, replace(cfg, **{field: n}), master, compute, tokens, microbatches, clipping, pinned)
+        return p.device_bytes + DEVICE_WORKSPACE <= device_available
     return next((n for n in range(count, 0, -1) if fits(n)), 0)
 
 
@@ -132,31 +140,22 @@ def choose_device_tiles(arch: Architecture, cfg: EngineConfig, master: torch.dty
                         tokens: int, microbatches: int, clipping: bool, device_available: int | None,
                         pinned: bool = False) -> int:
     """`engine.device_tiles: auto`: the most tiles, in forward order, whose master and moments (and,
-    with clipping, step gradients) the device holds beside everything else the plan counts, keeping
-    DEVICE_WORKSPACE spare once more; none when nothing bounds memory (the CPU). Chosen before the
-    layers kept from recompute: where the GPU's step is shorter than the CPU's AdamW (small models,
-    few tokens per step) the updates left on the host are exposed time, which recompute is not."""
-    if device_available is None:
-        return 0
-    def fits(n: int) -> bool:
-        p = plan(arch, replace(cfg, device_tiles=n), master, compute, tokens, microbatches, clipping, pinned)
-        return p.device_bytes + DEVICE_WORKSPACE <= device_available
-    return _most(arch.num_layers + 1, fits)
+    with clipping, step gradients) the device holds beside everything else the plan counts.
+    Chosen before the layers kept from recompute: where the GPU's step is shorter than the CPU's
+    AdamW (small models, few tokens per step) the updates left on the host are exposed time, which
+    recompute is not."""
+    return _most_that_fit("device_tiles", arch.num_layers + 1, arch, cfg, master, compute, tokens, microbatches,
+                          clipping, device_available, pinned)
 
 
 def choose_no_recompute(arch: Architecture, cfg: EngineConfig, master: torch.dtype, compute: torch.dtype,
                         tokens: int, microbatches: int, clipping: bool, device_available: int | None,
                         pinned: bool = False) -> int:
     """`engine.no_recompute_layers: auto`: the most layers (from the last) whose graphs the device
-    holds beside everything else the plan counts, keeping DEVICE_WORKSPACE spare once more (the
-    graphs are an estimate, and an over-estimate costs only speed); none when nothing bounds
-    memory (the CPU: the host's memory is the store's)."""
-    if device_available is None:
-        return 0
-    def fits(n: int) -> bool:
-        p = plan(arch, replace(cfg, no_recompute_layers=n), master, compute, tokens, microbatches, clipping, pinned)
-        return p.device_bytes + DEVICE_WORKSPACE <= device_available
-    return _most(arch.num_layers, fits)
+    holds beside everything else the plan counts (the graphs are an estimate, and an over-estimate
+    costs only speed)."""
+    return _most_that_fit("no_recompute_layers", arch.num_layers, arch, cfg, master, compute, tokens,
+                          microbatches, clipping, device_available, pinned)
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:
