@@ -1,6 +1,6 @@
 """MegaTrain: host-authoritative, layer-streaming training of Hugging Face causal LMs on one GPU."""
 from megatrain.config import TrainConfig, load_config
-from megatrain.engine import Batch
+from megatrain.batch import Batch
 
 __all__ = ["Batch", "TrainConfig", "Trainer", "load_config"]
 

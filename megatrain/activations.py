@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatrain.device import Device
-from megatrain.timeline import D2H, H2D, Timeline
+from megatrain.timeline import Kind, Timeline, Track
 
 
 class Checkpoints:
@@ -33,7 +33,7 @@ class Checkpoints:
         done = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.d2h):
             self.dev.wait(self.dev.d2h, done)
-            with self.timeline.stream(D2H, self.dev.d2h, f"checkpoint L{start}"):
+            with self.timeline.stream(Track.D2H, self.dev.d2h, Kind.CHECKPOINT, f"L{start}"):
                 for h, dst in zip(hs, host):
                     dst.copy_(h, non_blocking=True)
                     if self.dev.is_cuda:
@@ -49,7 +49,7 @@ class Checkpoints:
         allocated = self.dev.record(self.dev.compute)  # the memory's previous user has run
         with self.dev.on(self.dev.h2d):
             self.dev.wait(self.dev.h2d, allocated)
-            with self.timeline.stream(H2D, self.dev.h2d, f"checkpoint L{start}"):
+            with self.timeline.stream(Track.H2D, self.dev.h2d, Kind.CHECKPOINT, f"L{start}"):
                 for h, d in zip(host, dst):
                     d.copy_(h, non_blocking=True)
             self.ready[start] = self.dev.record(self.dev.h2d)

@@ -16,7 +16,7 @@ import torch
 
 from megatrain.device import Device
 from megatrain.store import Tile
-from megatrain.timeline import COMPUTE, H2D, HOST, WAIT_WEIGHTS, Timeline
+from megatrain.timeline import Kind, Timeline, Track
 
 
 @dataclass(eq=False)
@@ -80,7 +80,7 @@ class WeightStreamer:
         k = self.load_of[self.op]
         self._issue_through(k)
         self.current = slot = k % self.nbuf
-        with self.timeline.stream(COMPUTE, self.dev.compute, WAIT_WEIGHTS):
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.WAIT_WEIGHTS):
             self.dev.wait(self.dev.compute, self.ready[slot])
         return self.loads[k].views(self.flat[slot])
 
@@ -104,7 +104,7 @@ class WeightStreamer:
         for tile in tiles:
             if not tile.ready.is_set():
                 start = time.perf_counter()
-                with self.timeline.host(HOST, f"wait optimizer: {tile.name}"):
+                with self.timeline.host(Track.HOST, Kind.WAIT_OPTIMIZER, tile.name):
                     tile.ready.wait()
                 self.wait_s += time.perf_counter() - start
 
@@ -123,7 +123,7 @@ class WeightStreamer:
         with self.dev.on(stream):
             if self.free[slot] is not None:
                 self.dev.wait(stream, self.free[slot])
-            with self.timeline.stream(H2D, stream, f"load {unit.name}"):
+            with self.timeline.stream(Track.H2D, stream, Kind.LOAD, unit.name):
                 for tile, offset in unit.segments:
                     n = tile.layout.numel
                     if tile.on_device:  # cast on the device, once its update has run
@@ -156,7 +156,7 @@ class SlabPool:
         except queue.Empty:
             pass
         start = time.perf_counter()
-        with self.timeline.host(HOST, "wait optimizer: slab"):
+        with self.timeline.host(Track.HOST, Kind.WAIT_OPTIMIZER, "slab"):
             slab = self._free.get()
         self.wait_s += time.perf_counter() - start
         return slab

@@ -7,63 +7,27 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.arch import Architecture
+from megatrain.io import atomic_dir
+from megatrain.shapes import ModelShape
 from megatrain.store import HostStore
 
 SHARD_BYTES = 4 << 30
 
 
-@contextmanager
-def atomic_dir(target: str | Path):
-    """Yield a temporary directory that replaces `target` only if the block completes."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
-def write_json(path: str | Path, data) -> None:
-    """Write JSON to a temporary file beside `path` and rename it into place (no half file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def save_pretrained(store: HostStore, arch: Architecture, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
     """Write config.json and safetensors shards that `AutoModelForCausalLM.from_pretrained` loads.
 
     Shards are written as they fill, so at most one shard is held in host memory besides the store.
     """
     with atomic_dir(path) as tmp:
-        arch.config.torch_dtype = dtype
-        arch.config.save_pretrained(tmp)
+        shape.config.torch_dtype = dtype
+        shape.config.save_pretrained(tmp)
         files: list[tuple[Path, list[str]]] = []
         shard: dict[str, torch.Tensor] = {}
         size = total = 0
@@ -75,7 +39,7 @@ def save_pretrained(store: HostStore, arch: Architecture, path: str | Path, dtyp
             shard.clear()
 
         for tile in store.tiles:
-            for name, view in zip(arch.hf_names(tile.name), tile.master_views()):
+            for name, view in zip(shape.hf_names(tile.name), tile.master_views()):
                 nbytes = view.numel() * dtype.itemsize
                 if shard and size + nbytes > SHARD_BYTES:
                     flush()

@@ -8,9 +8,96 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """`value` as the declared type `hint`, converted where that is unambiguous (a YAML string that
+    spells a number); raises TypeError where it is not of that type."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (Union, UnionType):
+        for member in args:
+            try:
+                return _convert(value, member)
+            except TypeError:
+                pass
+        raise TypeError
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        raise TypeError
+    if hint is type(None):
+        if value is None:
+            return None
+        raise TypeError
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        raise TypeError
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    if origin is tuple:
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(_convert(v, a) for v, a in zip(value, args))
+        raise TypeError
+    if origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise TypeError
+    raise AssertionError(f"no conversion for the declared type {hint}")
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    if hint is type(None):
+        return "null"
+    if origin is tuple:
+        return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def check_types(settings: Any, section: str) -> None:
+    """Convert or refuse every field of a settings dataclass by its declared type, naming the
+    setting, the value and the type it needs."""
+    hints = get_type_hints(type(settings))
+    for f in dataclasses.fields(settings):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue
+        value = getattr(settings, f.name)
+        try:
+            converted = _convert(value, hints[f.name])
+        except TypeError:
+            name = f"{section}.{f.name}" if section else f.name
+            raise ValueError(f"{name} must be {_type_name(hints[f.name])}, not {value!r}") from None
+        object.__setattr__(settings, f.name, converted)
 
 
 @dataclass
@@ -19,56 +106,87 @@ class ModelConfig:
     config: str | None = None  # a local config.json (or a directory holding one)
     pretrained: str | None = None  # a local directory with config.json and safetensors
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
     def __post_init__(self):
+        check_types(self, "model")
         given = [k for k in ("preset", "config", "pretrained") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"model: give exactly one of preset, config, pretrained (got {given or 'none'})")
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"model.attn_implementation must be 'sdpa' or 'eager', not {self.attn_implementation!r}")
 
 
 @dataclass
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compute_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    master_dtype: str = "float32"  # float32 (true full precision) or bfloat16 (the paper's 12 B/param)
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    master_dtype: Literal["float32", "bfloat16"] = "float32"  # float32: true full precision; bfloat16: the paper's 12 B/param
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
     grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
-    # many as the memory plan leaves device room for (memory.choose_device_tiles)
-    device_tiles: int | str = 0
+    # many as the memory plan leaves device room for (resolve.py)
+    device_tiles: int | Literal["auto"] = 0
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
-    # memory plan fits the device, else the largest chunk that makes it fit (memory.choose_mlp_chunk)
-    mlp_chunk_tokens: int | str | None = "auto"
+    # memory plan fits the device, else the largest chunk that makes it fit (resolve.py)
+    mlp_chunk_tokens: int | Literal["auto"] | None = "auto"
     # the last N layers keep their forward graph for the backward instead of recomputing it (their
     # activations stay on the device); auto: as many as the memory plan leaves device room for
-    no_recompute_layers: int | str = 0
+    no_recompute_layers: int | Literal["auto"] = 0
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
 
     def __post_init__(self):
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"engine.compute_dtype must be auto, float32 or bfloat16, not {self.compute_dtype!r}")
-        if self.master_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"engine.master_dtype must be float32 or bfloat16, not {self.master_dtype!r}")
+        check_types(self, "engine")
         for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
-        chunk = self.mlp_chunk_tokens
-        if chunk not in (None, "auto") and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-            raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {chunk!r}")
+        if isinstance(self.mlp_chunk_tokens, int) and self.mlp_chunk_tokens < 1:
+            raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {self.mlp_chunk_tokens}")
         for name in ("device_tiles", "no_recompute_layers"):
             n = getattr(self, name)
-            if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-                raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n!r}")
+            if isinstance(n, int) and n < 0:
+                raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's settings as a run uses them: every `auto` decided (resolve.py), dtypes named.
+
+    Built once per run from EngineConfig, the model's shape and the machine; the memory plan, the
+    store and the engine read these, and a run's records say what ran."""
+    device: str
+    compute_dtype: Literal["float32", "bfloat16"]
+    master_dtype: Literal["float32", "bfloat16"]
+    checkpoint_every: int
+    weight_buffers: int
+    offload_checkpoints: bool
+    grad_slabs: int
+    device_tiles: int
+    loss_chunk_tokens: int
+    mlp_chunk_tokens: int | None
+    no_recompute_layers: int
+    optimizer_threads: int | None
+    timeline: bool
+    tokens: int  # per micro-batch (batch_size x seq_len)
+    microbatches: int  # per step
+    clipping: bool  # optim.max_grad_norm is set: the store keeps a float32 gradient per parameter
+    pinned: bool  # the host buffers the device copies from are pinned (a GPU run)
+
+    @property
+    def compute(self):
+        """The compute dtype as a torch dtype (torch is imported only here, not to read a config)."""
+        import torch
+        return getattr(torch, self.compute_dtype)
+
+    @property
+    def master(self):
+        import torch
+        return getattr(torch, self.master_dtype)
 
 
 @dataclass
@@ -79,17 +197,15 @@ class OptimConfig:
     weight_decay: float = 0.0  # decoupled (AdamW); applied to matrices, not to norms and biases
     max_grad_norm: float | None = 1.0  # None disables clipping
     warmup_steps: int = 0
-    schedule: str = "cosine"  # cosine | constant
+    schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
 
     def __post_init__(self):
-        self.betas = tuple(self.betas)
-        if self.lr <= 0:
+        check_types(self, "optim")
+        if not self.lr > 0:
             raise ValueError(f"optim.lr must be positive, not {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), not {self.betas}")
-        if self.schedule not in ("cosine", "constant"):
-            raise ValueError(f"optim.schedule must be cosine or constant, not {self.schedule!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("optim.max_grad_norm must be positive, or null to disable clipping")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -98,9 +214,9 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | file
+    source: Literal["synthetic", "file"] = "synthetic"
     path: str | None = None  # json, jsonl, parquet or txt file for source=file
-    format: str = "text"  # text | instruction | chat
+    format: Literal["text", "instruction", "chat"] = "text"
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -113,10 +229,7 @@ class DataConfig:
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
 
     def __post_init__(self):
-        if self.source not in ("synthetic", "file"):
-            raise ValueError(f"data.source must be synthetic or file, not {self.source!r}")
-        if self.format not in ("text", "instruction", "chat"):
-            raise ValueError(f"data.format must be text, instruction or chat, not {self.format!r}")
+        check_types(self, "data")
         if self.source == "file":
             if not self.path:
                 raise ValueError("data.path is required when data.source is file")
@@ -142,6 +255,7 @@ class TrainConfig:
     resume: bool = False  # continue from output_dir/state if it exists
 
     def __post_init__(self):
+        check_types(self, "")
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
         if self.save_every is not None and self.save_every < 1:

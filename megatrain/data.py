@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import DataConfig
-from megatrain.engine import Batch
+from megatrain.batch import Batch
 from megatrain.loss import IGNORE
 
 _LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -62,7 +62,8 @@ class FileSource:
                              f"it has {rows.column_names}")
         if len(rows) == 0:
             raise ValueError(f"data: {cfg.path} holds no examples")
-        examples = getattr(self, "_" + cfg.format)(rows, needed)
+        formats = {"text": self._text, "instruction": self._instruction, "chat": self._chat}
+        examples = formats[cfg.format](rows, needed)
         if not examples:
             raise ValueError(f"data: {cfg.path} yields no sequence of {cfg.seq_len} tokens")
         too_big = max(int(i.max()) for i, _, _ in examples)

@@ -1,6 +1,7 @@
-"""The schedule: the one forward/backward body of a training step, over three streams and events.
+"""The engine: the one forward/backward body of a training step, over three streams and events.
 
-A step's micro-batches go through the model together, layer by layer (units in brackets):
+The step's ops, in order, come from schedule.py; the engine runs each with one handler per op
+kind. A step's micro-batches go through the model together, layer by layer (units in brackets):
   embed      host gathers each micro-batch's embedding rows from the pinned shadow -> H2D
              (a device tile: gathered on the device)
   forward    [layer i] for i = 0..L-1 under no_grad, every micro-batch in turn while the layer's
@@ -23,7 +24,7 @@ end. With K = 1 a layer's recompute and backward of all micro-batches share one 
 The last `no_recompute_layers` layers are blocks of their own that the forward already runs with a
 graph (the same per-layer graph the recompute builds, kept for every micro-batch until its
 backward): no checkpoint and no second forward for them, at the cost of their activations staying
-on the device; the memory plan says how many fit (memory.choose_no_recompute).
+on the device; `auto` takes as many as the memory plan fits (resolve.py).
 
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
@@ -35,30 +36,27 @@ offset they came from, and the backward reads them from wherever that unit is re
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from megatrain.activations import Checkpoints
-from megatrain.arch import Architecture
+from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
-from megatrain.config import EngineConfig, OptimConfig
+from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import head_loss_and_grads, shift_labels
+from megatrain.metrics import model_flops
 from megatrain.optim import OptimizerWorker, adamw, lr_at
+from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head,
+                                PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint)
 from megatrain.store import HostStore, Layout, Tile
-from megatrain.timeline import COMPUTE, D2H, HOST, Timeline
+from megatrain.templates import Architecture
+from megatrain.timeline import Kind, Timeline, Track
 from megatrain.unread_mlp import output_unused
-
-
-@dataclass
-class Batch:
-    """One micro-batch on the host: token ids and labels [B, S] (-100: no loss), optional mask [B, S]."""
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    attention_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,41 +79,69 @@ class _Context:
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass
+class _Step:
+    """What one step's ops hand each other, per micro-batch m where it is a list."""
+    mbs: list[Batch]
+    targets: list[torch.Tensor]
+    scale: float  # 1 / the step's target tokens
+    hs: list[torch.Tensor] = field(default_factory=list)  # hidden states through the forward
+    ctxs: list[_Context] = field(default_factory=list)
+    kept: dict[int, list] = field(default_factory=dict)  # layer -> graphs of a layer kept from recompute
+    loss: torch.Tensor | None = None  # summed over target tokens
+    dhs: list[torch.Tensor] = field(default_factory=list)  # gradients flowing back
+    embed_acc: torch.Tensor | None = None  # the embedding's float32 step gradient
+    xs: list[torch.Tensor | None] = field(default_factory=list)  # each recompute's input
+    graphs: list[list] = field(default_factory=list)  # recomputed graphs awaiting their backward
+    accs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> float32 step gradient
+
+
 class Engine:
-    def __init__(self, arch: Architecture, store: HostStore, device: Device, cfg: EngineConfig,
-                 optim: OptimConfig, total_steps: int, compute_dtype: torch.dtype, max_tokens: int):
-        self.arch, self.store, self.dev, self.cfg = arch, store, device, cfg
-        self.dtype = compute_dtype
+    def __init__(self, arch: Architecture, store: HostStore, device: Device, settings: EngineSettings,
+                 optim: OptimConfig, total_steps: int):
+        self.arch, self.shape, self.store, self.dev, self.s = arch, arch.shape, store, device, settings
+        self.dtype = settings.compute
         self.layer_units = [Unit.of(t.name, [t]) for t in store.layers]
-        head_tiles = [store.head, store.embed] if arch.tied else [store.head]
-        self.head_unit = Unit.of("head", head_tiles)
+        head_tiles = [store.head, store.embed] if self.shape.tied else [store.head]
+        self.head_unit = Unit.of(HEAD, head_tiles)
         # the unit whose gradient buffer takes the embedding's rows: the head's when tied
-        self.embed_unit = self.head_unit if arch.tied else Unit.of("embed", [store.embed])
-        self.grad_units = [*self.layer_units, self.head_unit] + ([] if arch.tied else [self.embed_unit])
+        self.embed_unit = self.head_unit if self.shape.tied else Unit.of("embed", [store.embed])
+        self.grad_units = [*self.layer_units, self.head_unit] + ([] if self.shape.tied else [self.embed_unit])
         self.tile_index = {tile: k for k, tile in enumerate(store.tiles)}
         self.sq_host = torch.zeros(len(store.tiles), dtype=torch.float64, pin_memory=device.is_cuda)
-        L, K = arch.num_layers, cfg.checkpoint_every
-        # layers from `kept` on keep their forward graph: each is a block of its own, not recomputed
-        self.kept = L - cfg.no_recompute_layers
-        self.blocks = [(s, min(s + K, self.kept)) for s in range(0, self.kept, K)] + [(i, i + 1) for i in range(self.kept, L)]
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
-        self.timeline = Timeline(device, cfg.timeline)
-        self.streamer = WeightStreamer(device, cfg.weight_buffers, numel, compute_dtype, self.timeline)
+        self.timeline = Timeline(device, settings.timeline)
+        self.streamer = WeightStreamer(device, settings.weight_buffers, numel, self.dtype, self.timeline)
         pinned = device.is_cuda
         # a slab carries a layer's gradient; bigger tiles (embedding, LM head) return in pieces
-        self.slab_numel = Layout.of(arch.layer_specs).numel
-        self.slabs = SlabPool(max(1, cfg.grad_slabs), self.slab_numel, pinned, self.timeline)
-        self.sync_grads = cfg.grad_slabs == 0
-        self.rows = torch.empty(max_tokens * arch.hidden, dtype=compute_dtype, pin_memory=pinned)
+        self.slab_numel = Layout.of(self.shape.layer_specs).numel
+        self.slabs = SlabPool(max(1, settings.grad_slabs), self.slab_numel, pinned, self.timeline)
+        self.sync_grads = settings.grad_slabs == 0
+        self.max_tokens = settings.tokens
+        self.rows = torch.empty(self.max_tokens * self.shape.hidden, dtype=self.dtype, pin_memory=pinned)
         self.rows_free = device.event()
-        self.max_tokens = max_tokens
         self.worker = OptimizerWorker([t for t in store.tiles if not t.on_device], optim, total_steps,
                                       self.timeline)
         self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
-        self.checkpoints = Checkpoints(device, self.timeline, cfg.offload_checkpoints)
+        self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
         self.bytes_d2h = 0
         self._packing: Unit | None = None
+        self._schedules: dict[int, Schedule] = {}
+        self._handlers = {
+            Embed: self._embed_all, SaveCheckpoint: self._save_checkpoint, Forward: self._forward,
+            Head: self._head, TakeCheckpoint: self._take_checkpoint, PrefetchCheckpoint: self._prefetch_checkpoint,
+            Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
+            EmbeddingGradient: self._embedding_gradient,
+        }
+
+    def schedule(self, microbatches: int) -> Schedule:
+        """The ops of a step of this many micro-batches."""
+        if microbatches not in self._schedules:
+            s = self.s
+            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every,
+                                                     s.no_recompute_layers, microbatches)
+        return self._schedules[microbatches]
 
     # ------------------------------------------------------------------ the step
     def step(self, microbatches: list[Batch]) -> StepResult:
@@ -128,27 +154,31 @@ class Engine:
             if mb.input_ids.numel() > self.max_tokens:
                 raise ValueError(f"a micro-batch has {mb.input_ids.numel()} tokens; the engine was sized "
                                  f"for {self.max_tokens}")
-        M = len(microbatches)
+        schedule = self.schedule(len(microbatches))
         self.timeline.begin_step()
         self.worker.begin_step(self._contributions())
-        plan = self.layer_units + [self.head_unit]
-        for s, e in reversed(self.blocks):
-            recompute = self.layer_units[s:e] if s < self.kept else []
-            plan += (recompute + self.layer_units[s:e][::-1]) * M
-        self.streamer.start(plan)
+        units = {**dict(enumerate(self.layer_units)), HEAD: self.head_unit}
+        self.streamer.start([units[k] for k in schedule.loads])
         h2d0 = self.streamer.bytes_h2d + self.checkpoints.bytes_h2d
         d2h0 = self.bytes_d2h + self.checkpoints.bytes_d2h
         wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
+        step = _Step(microbatches, targets, 1.0 / n_targets)
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
-            loss = self._run(microbatches, targets, 1.0 / n_targets)
+            for op in schedule.ops:  # the one loop of a step
+                if op.loads is None:
+                    self._handlers[type(op)](step, op, None)
+                    continue
+                weights = self.streamer.acquire()
+                self._handlers[type(op)](step, op, weights)
+                self.streamer.release()
             if self._clip_later:
                 self._clip_and_update_device_tiles()
             self.sq_host.copy_(self.sq, non_blocking=True)
             self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
-        loss_value = float(loss) / n_targets
+        loss_value = float(step.loss) / n_targets
         lengths = []
         for mb in microbatches:
             mask = mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)
@@ -164,93 +194,120 @@ class Engine:
         return {tile: -(-tile.layout.numel // self.slab_numel)
                 for unit in self.grad_units for tile in unit.tiles if not tile.on_device}
 
-    def _run(self, mbs: list[Batch], targets: list[torch.Tensor], scale: float) -> torch.Tensor:
-        dev, stream, tl, K = self.dev, self.streamer, self.timeline, self.cfg.checkpoint_every
-        hs = [self._embed(mb.input_ids) for mb in mbs]
-        ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(hs, mbs)]
-        # forward: no graph, keeping the inputs of every recomputed block; the layers not
-        # recomputed keep their graphs instead, every micro-batch's
-        checkpoints = self.checkpoints
-        kept: dict[int, list] = {}
-        with torch.no_grad():
-            for i in range(self.arch.num_layers):
-                if i < self.kept and i % K == 0:
-                    checkpoints.put(i, hs)
-                w = stream.acquire()
-                with tl.stream(COMPUTE, dev.compute, f"forward L{i}"):
-                    if i < self.kept:
-                        hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
-                    else:
-                        kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
-                        hs = [out.detach() for _, _, out in kept[i]]
-                stream.release()
-        # head: loss, its gradient, and the gradient flowing into the last layer
-        w = stream.acquire()
-        chunk = self.cfg.loss_chunk_tokens
-        dhs = []
-        with tl.stream(COMPUTE, dev.compute, "head"):
+    # ------------------------------------------------------------------ the ops (schedule.py)
+    def _embed_all(self, st: _Step, op: Embed, _) -> None:
+        st.hs = [self._embed(mb.input_ids) for mb in st.mbs]
+        st.ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(st.hs, st.mbs)]
+
+    def _save_checkpoint(self, st: _Step, op: SaveCheckpoint, _) -> None:
+        self.checkpoints.put(op.layer, st.hs)
+
+    def _forward(self, st: _Step, op: Forward, w: list[torch.Tensor]) -> None:
+        """No graph, except for a layer kept from recompute, whose graph every micro-batch keeps."""
+        i = op.layer
+        with torch.no_grad(), self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.FORWARD, f"L{i}"):
+            if op.keep_graph:
+                st.kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
+                st.hs = [out.detach() for _, _, out in st.kept[i]]
+            else:
+                st.hs = [self._layer(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
+
+    def _head(self, st: _Step, op: Head, w: list[torch.Tensor]) -> None:
+        """The loss, its gradient, and the gradient flowing into the last layer."""
+        dev, chunk = self.dev, self.s.loss_chunk_tokens
+        with self.timeline.stream(Track.COMPUTE, dev.compute, Kind.HEAD):
             acc = torch.zeros(self.head_unit.numel, dtype=torch.float32, device=dev.torch)
             grads = self.head_unit.views(acc)
-            loss = torch.zeros((), dtype=torch.float32, device=dev.torch)
-            for h, tgt in zip(hs, targets):
+            st.loss = torch.zeros((), dtype=torch.float32, device=dev.torch)
+            for h, tgt in zip(st.hs, st.targets):
                 active = [bool((tgt[lo: lo + chunk] != -100).any()) for lo in range(0, tgt.numel(), chunk)]
                 part, dh = head_loss_and_grads(
                     h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
-                    self.arch.norm_template(), w[0], w[-1], chunk, scale, grads[0], grads[-1])
-                loss += part
-                dhs.append(dh.view(h.shape))
-        del hs
-        if self.arch.tied:
-            embed_acc = acc  # the embedding's rows join the head's gradient at the end
+                    self.arch.norm_template(), w[0], w[-1], chunk, st.scale, grads[0], grads[-1])
+                st.loss += part
+                st.dhs.append(dh.view(h.shape))
+        st.hs = []
+        if self.shape.tied:
+            st.embed_acc = acc  # the embedding's rows join the head's gradient at the end
         else:
             self._offload(self.head_unit, acc)
-            embed_acc = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=dev.torch)
-        del acc, grads
-        stream.release()
-        # blocks in reverse; per micro-batch: recompute with small graphs (or take the kept one),
-        # backward layer by layer
-        for b in reversed(range(len(self.blocks))):
-            s, e = self.blocks[b]
-            recompute = s < self.kept
-            inputs = checkpoints.take(s) if recompute else [None] * len(mbs)
-            if b > 0 and self.blocks[b - 1][0] < self.kept:
-                checkpoints.prefetch(self.blocks[b - 1][0])  # overlaps this block's compute
-            accs = {}
-            for m, (x, ctx) in enumerate(zip(inputs, ctxs)):
-                if recompute:
-                    graphs = []
-                    for i in range(s, e):
-                        w = stream.acquire()
-                        with tl.stream(COMPUTE, dev.compute, f"recompute L{i}"):
-                            graphs.append(self._graph(i, w, x, ctx, root_only=i == e - 1))
-                        x = graphs[-1][2]
-                        stream.release()
-                else:
-                    graphs, kept[s][m] = [kept[s][m]], None
-                dh = dhs[m]
-                for i in reversed(range(s, e)):
-                    stream.acquire()  # the weights the unpack hook will read
-                    x, leaves, out = graphs.pop()
-                    unit = self.layer_units[i]
-                    with tl.stream(COMPUTE, dev.compute, f"backward L{i}"):
-                        grads = torch.autograd.grad(out, [x, *leaves], dh)
-                        dh = grads[0]
-                        del x, leaves, out
-                        if m == 0:
-                            accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=dev.torch)
-                        for view, grad in zip(unit.views(accs[i]), grads[1:], strict=True):
-                            view.add_(grad)
-                        del grads
-                    if m == len(mbs) - 1:
-                        self._offload(unit, accs.pop(i))
-                    stream.release()
-                dhs[m] = dh
-                inputs[m] = None  # this micro-batch's checkpoint is done with
-                if s == 0:
-                    with tl.stream(COMPUTE, dev.compute, "embedding backward"):
-                        self._embed_backward(mbs[m].input_ids, dh, embed_acc)
-        self._offload(self.embed_unit, embed_acc)
-        return loss
+            st.embed_acc = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=dev.torch)
+        st.xs = [None] * len(st.mbs)
+        st.graphs = [[] for _ in st.mbs]
+
+    def _take_checkpoint(self, st: _Step, op: TakeCheckpoint, _) -> None:
+        st.xs = self.checkpoints.take(op.layer)
+
+    def _prefetch_checkpoint(self, st: _Step, op: PrefetchCheckpoint, _) -> None:
+        self.checkpoints.prefetch(op.layer)
+
+    def _recompute(self, st: _Step, op: Recompute, w: list[torch.Tensor]) -> None:
+        """A small graph for one layer of one micro-batch, from the block's checkpoint or the layer before."""
+        m = op.mb
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.RECOMPUTE, f"L{op.layer}"):
+            graph = self._graph(op.layer, w, st.xs[m], st.ctxs[m], root_only=op.root_only)
+        st.graphs[m].append(graph)
+        st.xs[m] = None if op.root_only else graph[2]  # the block's last output is the backward's alone
+
+    def _backward(self, st: _Step, op: Backward, _) -> None:
+        """Run one layer's graph (its weights, acquired, are what the unpack hook reads), add its weight
+        gradients into the layer's float32 step gradient, and return that after the last micro-batch."""
+        i, m = op.layer, op.mb
+        if op.recomputed:
+            x, leaves, out = st.graphs[m].pop()
+        else:
+            (x, leaves, out), st.kept[i][m] = st.kept[i][m], None
+        unit = self.layer_units[i]
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.BACKWARD, f"L{i}"):
+            grads = torch.autograd.grad(out, [x, *leaves], st.dhs[m])
+            st.dhs[m] = grads[0]
+            del x, leaves, out
+            if op.first:
+                st.accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=self.dev.torch)
+            for view, grad in zip(unit.views(st.accs[i]), grads[1:], strict=True):
+                view.add_(grad)
+            del grads
+        if op.last:
+            self._offload(unit, st.accs.pop(i))
+
+    def _embedding_backward(self, st: _Step, op: EmbeddingBackward, _) -> None:
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.EMBEDDING, "backward"):
+            self._embed_backward(st.mbs[op.mb].input_ids, st.dhs[op.mb], st.embed_acc)
+
+    def _embedding_gradient(self, st: _Step, op: EmbeddingGradient, _) -> None:
+        self._offload(self.embed_unit, st.embed_acc)
+
+    # ------------------------------------------------------------------ the compute ceiling
+    def layer_ceiling(self, batch_size: int, seq_len: int, reps: int = 5) -> dict:
+        """One decoder layer's forward, recompute and backward on one micro-batch of random hidden
+        states, its weights resident: the step's own graph (saved-tensor hooks; at K = 1 the recompute
+        is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
+        it. The rate layer streaming can at best reach."""
+        dev, unit = self.dev, self.layer_units[0]
+        self.streamer.start([unit])
+        w = self.streamer.acquire()
+        gen = torch.Generator(device=dev.torch).manual_seed(0)
+        shape = (batch_size, seq_len, self.shape.hidden)
+        x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
+        dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
+        ctx = self._context(x0, None)
+        root_only = self.s.checkpoint_every == 1
+        times = []
+        with dev.on(dev.compute):
+            for _ in range(reps + 1):
+                dev.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    self._layer(0, w, x0, ctx)
+                x, leaves, out = self._graph(0, w, x0, ctx, root_only=root_only)
+                torch.autograd.grad(out, [x, *leaves], dy)
+                del x, leaves, out
+                dev.synchronize()
+                times.append(time.perf_counter() - start)
+        self.streamer.release()
+        seconds = statistics.median(times[1:])
+        flops = model_flops(self.shape.layer_matmul_params(), 1, self.shape.hidden, [seq_len] * batch_size)
+        return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": seq_len * batch_size}
 
     # ------------------------------------------------------------------ pieces
     def _graph(self, index: int, weights: list[torch.Tensor], x: torch.Tensor, ctx: _Context,
@@ -269,7 +326,7 @@ class Engine:
 
     def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor, ctx: _Context) -> torch.Tensor:
         module = self.arch.template(index).bind(weights)
-        return module(h, attention_mask=ctx.masks[self.arch.layer_type(index)],
+        return module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
                       position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
 
     def _context(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> _Context:
@@ -295,10 +352,10 @@ class Engine:
         n = ids.numel()
         table = tile.shadow[: spec.numel].view(spec.shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done
-        rows = self.rows[: n * self.arch.hidden].view(n, self.arch.hidden)
-        with self.timeline.host(HOST, "embedding gather"):
+        rows = self.rows[: n * self.shape.hidden].view(n, self.shape.hidden)
+        with self.timeline.host(Track.HOST, Kind.EMBEDDING, "gather"):
             torch.index_select(table, 0, ids.reshape(-1), out=rows)
-        h = torch.empty(ids.shape + (self.arch.hidden,), dtype=self.dtype, device=self.dev.torch)
+        h = torch.empty(ids.shape + (self.shape.hidden,), dtype=self.dtype, device=self.dev.torch)
         with self.dev.on(self.dev.h2d):
             h.view(n, -1).copy_(rows, non_blocking=True)
             self.rows_free = ready = self.dev.record(self.dev.h2d)
@@ -311,8 +368,8 @@ class Engine:
         table = self.embed_unit.views(acc)[-1]  # the embedding (after the final norm when tied)
         ids = ids.reshape(-1).to(self.dev.torch, non_blocking=True)
         rows = dh.reshape(-1, dh.shape[-1]).float()
-        if self.arch.padding_idx is not None:  # nn.Embedding(padding_idx=...) gives that row no gradient
-            rows.mul_((ids != self.arch.padding_idx).unsqueeze(1))
+        if self.shape.padding_idx is not None:  # nn.Embedding(padding_idx=...) gives that row no gradient
+            rows.mul_((ids != self.shape.padding_idx).unsqueeze(1))
         table.index_add_(0, ids, rows)
 
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
@@ -332,12 +389,12 @@ class Engine:
                 slab = self.slabs.acquire()
                 host = slab[: hi - lo]
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
-                self._to_host(grad[lo:hi], host, f"gradient {tile.name}", lambda event: self.worker.submit_dense(
+                self._to_host(grad[lo:hi], host, tile.name, lambda event: self.worker.submit_dense(
                     tile, lo, hi, host, event, release))
 
     def _update_device_tile(self, tile: Tile, grad: torch.Tensor) -> None:
         t = self.worker.steps_begun - 1  # this step's update number
-        with self.timeline.stream(COMPUTE, self.dev.compute, f"adamw {tile.name}"):
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.UPDATE, tile.name):
             w = self.worker  # the same settings and schedule as the host tiles' updates
             adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, w.cfg, w.total_steps), w.cfg, 1.0)
         tile.version += 1
@@ -352,13 +409,13 @@ class Engine:
             self._update_device_tile(tile, grad)
         self._clip_later.clear()
 
-    def _to_host(self, src: torch.Tensor, dst: torch.Tensor, name: str, submit) -> None:
+    def _to_host(self, src: torch.Tensor, dst: torch.Tensor, tile_name: str, submit) -> None:
         """D2H on the gradient stream after the backward-done event; hand the slab to the optimizer."""
         stream = self.dev.compute if self.sync_grads else self.dev.d2h
         backward_done = self.dev.record(self.dev.compute)
         with self.dev.on(stream):
             self.dev.wait(stream, backward_done)
-            with self.timeline.stream(D2H, stream, name):
+            with self.timeline.stream(Track.D2H, stream, Kind.GRADIENT, tile_name):
                 dst.copy_(src, non_blocking=True)
             if self.dev.is_cuda:
                 src.record_stream(stream)  # the allocator must not reuse src before the copy ran

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatrain.arch import Template
+from megatrain.templates import Template
 
 IGNORE = -100
 

@@ -18,12 +18,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from megatrain.config import OptimConfig
 from megatrain.store import Tile
-from megatrain.timeline import OPTIMIZER, Timeline
+from megatrain.timeline import Kind, Timeline, Track
 
 CHUNK = 1 << 24  # elements per fused AdamW call (measured on the H100 host: 1 << 20 is 25% slower)
 
@@ -64,6 +65,27 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
         tile.refresh_shadow(a0, b0)
 
 
+@dataclass(frozen=True)
+class _Begin:
+    expected: dict[Tile, int]  # gradient pieces each tile gets this step
+
+
+@dataclass(frozen=True)
+class _Dense:
+    landed: object  # device event: the D2H copy into `grad` has completed
+    tile: Tile
+    lo: int
+    hi: int
+    grad: torch.Tensor
+    release: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class _Finish:
+    landed: object  # device event: `sq_norms` is on the host
+    sq_norms: torch.Tensor
+
+
 class OptimizerWorker:
     def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline):
         self.tiles = tiles  # in the order the forward reads them
@@ -86,18 +108,18 @@ class OptimizerWorker:
         self.steps_begun += 1
         self._expected = dict(expected)
         self._submitted = {tile: 0 for tile in expected}
-        self._put(("begin", dict(expected)))
+        self._put(_Begin(dict(expected)))
 
     def submit_dense(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event,
                      release: Callable[[], None]) -> None:
         """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes."""
-        self._put(("dense", event, tile, lo, hi, grad, release))
+        self._put(_Dense(event, tile, lo, hi, grad, release))
         self._count(tile)
 
     def finish_step(self, sq_norms: torch.Tensor, event) -> None:
         """All of the step's gradients are submitted; `sq_norms` (each tile's squared gradient
         norm, on the host once `event` completes) gives the global norm: clip and update."""
-        self._put(("finish", event, sq_norms))
+        self._put(_Finish(event, sq_norms))
 
     def flush(self) -> None:
         """Wait until every submitted task is done."""
@@ -123,15 +145,17 @@ class OptimizerWorker:
 
     # ---- worker thread ----
     def _run(self) -> None:
+        handlers = {_Begin: self._do_begin, _Dense: self._do_dense, _Finish: self._do_finish}
         while (task := self._tasks.get()) is not None:
             try:
                 if self._error is None:
-                    kind, *args = task
-                    if kind in ("dense", "finish"):
-                        args.pop(0).synchronize()  # the D2H copy has landed
+                    if not isinstance(task, _Begin):
+                        task.landed.synchronize()  # the D2H copy has landed
                     start = time.perf_counter()
-                    with self.timeline.host(OPTIMIZER, _describe(kind, args)):
-                        getattr(self, "_do_" + kind)(*args)
+                    kind, label = ((Kind.UPDATE, f"{task.tile.name} [{task.lo}:{task.hi}]") if isinstance(task, _Dense)
+                                   else (Kind.OPTIMIZER_STEP, type(task).__name__[1:].lower()))
+                    with self.timeline.host(Track.OPTIMIZER, kind, label):
+                        handlers[type(task)](task)
                     self.busy_s += time.perf_counter() - start
             except BaseException as e:  # surfaced on the main thread's next call
                 self._error = e
@@ -139,23 +163,24 @@ class OptimizerWorker:
                 self._tasks.task_done()
         self._tasks.task_done()
 
-    def _do_begin(self, expected: dict[Tile, int]) -> None:
-        self._left = expected
-        self._received = {tile: 0 for tile in expected}
+    def _do_begin(self, task: _Begin) -> None:
+        self._left = task.expected
+        self._received = {tile: 0 for tile in task.expected}
         self.busy_s = 0.0
 
-    def _do_dense(self, tile, lo, hi, grad, release) -> None:
+    def _do_dense(self, task: _Dense) -> None:
+        tile = task.tile
         if self.cfg.max_grad_norm is None:  # update this range now, from the slab
-            self._update(tile, lo, hi, grad, 1.0)
+            self._update(tile, task.lo, task.hi, task.grad, 1.0)
         else:  # each element's one contribution of the step (a unit returns once per step)
-            tile.grad[lo:hi].copy_(grad)
-        release()
+            tile.grad[task.lo:task.hi].copy_(task.grad)
+        task.release()
         self._received[tile] += 1
         if self._received[tile] == self._left[tile] and self.cfg.max_grad_norm is None:
             self._publish(tile)
 
-    def _do_finish(self, sq_norms: torch.Tensor) -> None:
-        norm = self.grad_norms[self.updates_done] = math.sqrt(float(sq_norms.sum()))
+    def _do_finish(self, task: _Finish) -> None:
+        norm = self.grad_norms[self.updates_done] = math.sqrt(float(task.sq_norms.sum()))
         if self.cfg.max_grad_norm is not None:
             scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             for tile in self.tiles:
@@ -174,9 +199,3 @@ class OptimizerWorker:
         tile.version += 1
         tile.ready.set()
 
-
-def _describe(kind: str, args: list) -> str:
-    if kind == "dense":
-        tile, lo, hi = args[:3]
-        return f"{tile.name} [{lo}:{hi}]"
-    return kind

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from megatrain.arch import Architecture, ParamSpec
+from megatrain.config import EngineSettings
+from megatrain.shapes import ModelShape, ParamSpec
 
 PAGE = 4096
 ALIGN = 64  # elements: every parameter view starts on a 128-byte (bf16) boundary
@@ -145,17 +146,16 @@ class Tile:
 
 
 class HostStore:
-    def __init__(self, arch: Architecture, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 clipping: bool, device_tiles: int = 0, device: torch.device | None = None):
-        """`clipping`: every host tile keeps a gradient buffer (updates wait for the global norm).
-        `device_tiles`: how many tiles, in forward order, live on `device` (see the module note)."""
-        self.arch = arch
-        check_device_tiles(arch, device_tiles)
-        where = [device if k < device_tiles else None for k in range(arch.num_layers + 1)]
-        self.embed = Tile("embed", Layout.of(arch.embed_specs), master, compute, pinned, clipping, where[0])
-        self.layers = [Tile(f"layer.{i}", Layout.of(arch.layer_specs), master, compute, pinned, clipping,
-                            where[i + 1]) for i in range(arch.num_layers)]
-        self.head = Tile("head", Layout.of(arch.head_specs), master, compute, pinned, clipping)
+    def __init__(self, shape: ModelShape, s: EngineSettings, device: torch.device | None = None):
+        """With clipping every host tile keeps a gradient buffer (updates wait for the global norm);
+        the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note)."""
+        self.shape = shape
+        master, compute, pinned, clipping = s.master, s.compute, s.pinned, s.clipping
+        where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
+        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0])
+        self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
+                            where[i + 1]) for i in range(shape.num_layers)]
+        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping)
 
     @property
     def tiles(self) -> list[Tile]:
@@ -163,16 +163,15 @@ class HostStore:
         return [self.embed, *self.layers, self.head]
 
     @staticmethod
-    def nbytes(arch: Architecture, master: torch.dtype, compute: torch.dtype, clipping: bool,
-               device_tiles: int = 0, pinned: bool = False) -> tuple[int, int]:
-        """(host bytes, device bytes) of the store (`pinned`: its shadows are, as on a GPU)."""
+    def nbytes(shape: ModelShape, s: EngineSettings) -> tuple[int, int]:
+        """(host bytes, device bytes) of the store, by the same arithmetic as its allocation."""
         host = device = 0
-        for k, specs in enumerate([arch.embed_specs, *[arch.layer_specs] * arch.num_layers, arch.head_specs]):
+        for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
             numel = Layout.of(specs).numel
-            if k < device_tiles:
-                device += numel * (master.itemsize + 8)
+            if k < s.device_tiles:
+                device += numel * (s.master.itemsize + 8)
             else:
-                host += tile_bytes(numel, master, compute, clipping, pinned)
+                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned)
         return host, device
 
     # ---- filling the store ----
@@ -181,7 +180,7 @@ class HostStore:
 
         Each tile draws from its own generator, so the result does not depend on tile order.
         """
-        std = getattr(self.arch.config, "initializer_range", 0.02)
+        std = getattr(self.shape.config, "initializer_range", 0.02)
         for index, tile in enumerate(self.tiles):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
             tile.master.zero_()
@@ -204,7 +203,7 @@ class HostStore:
             raise ValueError(f"model.pretrained: no safetensors files in {directory}")
         where = {}
         for tile in self.tiles:
-            for name, view in zip(self.arch.hf_names(tile.name), tile.master_views()):
+            for name, view in zip(self.shape.hf_names(tile.name), tile.master_views()):
                 where[name] = view
         for tile in self.tiles:
             tile.master.zero_()
@@ -214,7 +213,7 @@ class HostStore:
             with safe_open(str(directory / file), framework="pt") as f:
                 for name in f.keys():
                     if name not in where:
-                        if not (self.arch.tied and name == "lm_head.weight") and "rotary_emb" not in name:
+                        if not (self.shape.tied and name == "lm_head.weight") and "rotary_emb" not in name:
                             unexpected.append(name)
                         continue
                     tensor = f.get_tensor(name)
@@ -237,9 +236,3 @@ class HostStore:
             tile.grad.zero_()
         tile.refresh_shadow()
         tile.ready.set()
-
-
-def check_device_tiles(arch: Architecture, device_tiles: int) -> None:
-    if not 0 <= device_tiles <= arch.num_layers + 1:
-        raise ValueError(f"engine.device_tiles must be between 0 and {arch.num_layers + 1} (the embedding "
-                         f"and the {arch.num_layers} layers), not {device_tiles}")

@@ -3,8 +3,9 @@ streams, the host's blocking waits and the CPU optimizer's tasks.
 
 Stream spans are timed by CUDA events; on the CPU, where every op runs synchronously on the host,
 by the host clock. Host spans use the host clock; the two clocks are aligned at the start of the
-step, when the device is idle. After the step boundary `spans()` gives (track, name, start,
-end) in seconds from the step's start, and `summary()` the exposed-time breakdown:
+step, when the device is idle. Every span has a Track (where it ran) and a Kind (what it was), so
+nothing downstream reads meaning out of a label. After the step boundary `spans()` gives them in
+seconds from the step's start, and `summary()` the exposed-time breakdown:
 
   gpu_busy_frac      compute-stream time in ops / step time
   wait_weights_s     compute stream stalled on its weights-ready event
@@ -16,11 +17,45 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 
-COMPUTE, H2D, D2H, HOST, OPTIMIZER = "compute", "h2d", "d2h", "host", "optimizer"
-WAIT_WEIGHTS = "wait weights"
+
+class Track(StrEnum):
+    COMPUTE = "compute"  # the compute stream
+    H2D = "h2d"  # the weight stream (and checkpoints coming back)
+    D2H = "d2h"  # the gradient stream (and checkpoints going out)
+    HOST = "host"  # the main thread's host work and blocking waits
+    OPTIMIZER = "optimizer"  # the CPU optimizer's thread
+
+
+class Kind(StrEnum):
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    HEAD = "head"
+    EMBEDDING = "embedding"  # the embedding's gather and its backward
+    LOAD = "load"  # a unit's weights to the device
+    CHECKPOINT = "checkpoint"  # a block's checkpoints leaving or coming back
+    GRADIENT = "gradient"  # a step gradient to a host slab
+    UPDATE = "update"  # an AdamW update (host tiles on the optimizer thread, device tiles on compute)
+    WAIT_WEIGHTS = "wait weights"  # compute stalled until its weights arrived
+    WAIT_OPTIMIZER = "wait optimizer"  # the host blocked on the optimizer (a tile's update, a slab)
+    OPTIMIZER_STEP = "optimizer step"  # the optimizer thread's step begin and finish
+
+
+class Span(NamedTuple):
+    track: Track
+    kind: Kind
+    label: str  # which layer, tile or range
+    start_s: float
+    end_s: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.label}".rstrip()
 
 
 class Timeline:
@@ -34,7 +69,7 @@ class Timeline:
     def begin_step(self) -> None:
         if not self.enabled:
             return
-        self._open = []  # (track, name, start, end): events on CUDA, host seconds otherwise
+        self._open = []  # (track, kind, label, start, end): events on CUDA, host seconds otherwise
         self._host0 = time.perf_counter()
         if self.dev.is_cuda:
             self._event0 = self._event(self.dev.compute)
@@ -45,68 +80,69 @@ class Timeline:
             self._step_end = time.perf_counter() - self._host0
 
     @contextlib.contextmanager
-    def stream(self, track: str, stream, name: str):
+    def stream(self, track: Track, stream, kind: Kind, label: str = ""):
         """A span of the work issued on `stream` inside the block."""
         if not self.enabled:
             yield
             return
         if not self.dev.is_cuda:
-            with self.host(track, name):
+            with self.host(track, kind, label):
                 yield
             return
         start = self._event(stream)
         yield
-        self._add(track, name, start, self._event(stream))
+        self._add(track, kind, label, start, self._event(stream))
 
     @contextlib.contextmanager
-    def host(self, track: str, name: str):
+    def host(self, track: Track, kind: Kind, label: str = ""):
         """A span of host time inside the block (any thread)."""
         if not self.enabled:
             yield
             return
         start = time.perf_counter()
         yield
-        self._add(track, name, start - self._host0, time.perf_counter() - self._host0)
+        self._add(track, kind, label, start - self._host0, time.perf_counter() - self._host0)
 
-    def spans(self) -> list[tuple[str, str, float, float]]:
+    def spans(self) -> list[Span]:
         out = []
-        for track, name, start, end in self._open:
+        for track, kind, label, start, end in self._open:
             if not isinstance(start, float):  # CUDA events, complete after the step's synchronize
                 start = self._event0.elapsed_time(start) / 1e3
                 end = self._event0.elapsed_time(end) / 1e3
-            out.append((track, name, start, end))
-        return sorted(out, key=lambda s: s[2])
+            out.append(Span(track, kind, label, start, end))
+        return sorted(out, key=lambda s: s.start_s)
 
     def summary(self) -> dict[str, float]:
         spans = self.spans()
-        step = max([self._step_end] + [e for _, _, _, e in spans])
-        ops = [(s, e) for t, n, s, e in spans if t == COMPUTE and n != WAIT_WEIGHTS]
-        busy = _union(ops)
-        blocked = _union([(s, e) for t, n, s, e in spans if t == HOST and n.startswith("wait optimizer")])
+        step = max([self._step_end] + [s.end_s for s in spans])
+        busy = _union([(s.start_s, s.end_s) for s in spans if s.track == Track.COMPUTE and s.kind != Kind.WAIT_WEIGHTS])
+        blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == Kind.WAIT_OPTIMIZER])
         idle = _complement(busy, 0.0, step)
 
-        def total(track: str, prefix: str = "") -> float:
-            return sum(e - s for t, n, s, e in spans if t == track and n.startswith(prefix))
+        def total(track: Track, kind: Kind | None = None) -> float:
+            return sum(s.end_s - s.start_s for s in spans if s.track == track and kind in (None, s.kind))
         return {
             "step_s": step,
             "gpu_busy_s": _length(busy),
             "gpu_busy_frac": _length(busy) / step if step else 0.0,
-            "wait_weights_s": total(COMPUTE, WAIT_WEIGHTS),
+            "wait_weights_s": total(Track.COMPUTE, Kind.WAIT_WEIGHTS),
             "optimizer_exposed_s": _length(_intersect(idle, blocked)),
             "host_blocked_on_optimizer_s": _length(blocked),
-            "h2d_busy_s": total(H2D),
-            "d2h_busy_s": total(D2H),
-            "optimizer_busy_s": total(OPTIMIZER),
+            "h2d_busy_s": total(Track.H2D),
+            "d2h_busy_s": total(Track.D2H),
+            "optimizer_busy_s": total(Track.OPTIMIZER),
         }
 
     def chrome_trace(self) -> dict:
-        """The step as a Chrome trace (opens in Perfetto / chrome://tracing)."""
-        tracks = [COMPUTE, H2D, D2H, HOST, OPTIMIZER]
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": t}}
+        """The step as a Chrome trace (opens in Perfetto / chrome://tracing): one thread per track,
+        each span's kind as its category."""
+        tracks = list(Track)
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": str(t)}}
                   for i, t in enumerate(tracks)]
-        for track, name, start, end in self.spans():
-            events.append({"name": name, "ph": "X", "pid": 0, "tid": tracks.index(track),
-                           "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6})
+        for span in self.spans():
+            events.append({"name": span.name, "cat": str(span.kind), "ph": "X", "pid": 0,
+                           "tid": tracks.index(span.track), "ts": span.start_s * 1e6,
+                           "dur": max(0.0, span.end_s - span.start_s) * 1e6})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def _event(self, stream):
@@ -114,9 +150,9 @@ class Timeline:
         event.record(stream)
         return event
 
-    def _add(self, track, name, start, end) -> None:
+    def _add(self, track: Track, kind: Kind, label: str, start, end) -> None:
         with self._lock:
-            self._open.append((track, name, start, end))
+            self._open.append((track, kind, label, start, end))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

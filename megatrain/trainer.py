@@ -15,66 +15,43 @@ from pathlib import Path
 import torch
 
 from megatrain import checkpoint, memory
-from megatrain.arch import Architecture, load_hf_config
+from megatrain.batch import Batch
 from megatrain.config import TrainConfig
 from megatrain.data import make_source
 from megatrain.device import Device
-from megatrain.engine import Batch, Engine
-from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops, recompute_flops
+from megatrain.engine import Engine
+from megatrain.io import write_json
+from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
+from megatrain.resolve import Machine, resolve
+from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import HostStore
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from megatrain.templates import Architecture
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         hf = load_hf_config(cfg.model)
-        self.arch = arch = Architecture(hf)
+        self.shape = shape = ModelShape(hf)
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and cfg.data.seq_len > limit:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
         self.device = Device(cfg.engine.device)
-        compute = cfg.engine.compute_dtype
-        if compute == "auto":
-            compute = "bfloat16" if self.device.is_cuda else "float32"
-        self.compute_dtype = _DTYPES[compute]
-        master = _DTYPES[cfg.engine.master_dtype]
-        tokens = cfg.data.batch_size * cfg.data.seq_len
-        clipping = cfg.optim.max_grad_norm is not None
-        pinned = self.device.is_cuda  # the host buffers the device copies from are pinned
-        device_free = self.device.free_bytes()
-        if cfg.engine.device_memory_gb is not None:
-            device_free = int(cfg.engine.device_memory_gb * memory.GiB)
-        if cfg.engine.mlp_chunk_tokens == "auto":  # resolved here: the run's records say what ran
-            cfg.engine.mlp_chunk_tokens = memory.choose_mlp_chunk(
-                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping,
-                device_free, pinned) if arch.mlp_chunkable() else None
-        if cfg.engine.mlp_chunk_tokens:
-            arch.chunk_mlp(cfg.engine.mlp_chunk_tokens)
-        if cfg.engine.device_tiles == "auto":  # with the MLP chunk settled: the room left
-            cfg.engine.device_tiles = memory.choose_device_tiles(
-                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free,
-                pinned)
-        if cfg.engine.no_recompute_layers == "auto":  # with the tiles settled: the room left
-            cfg.engine.no_recompute_layers = memory.choose_no_recompute(
-                arch, cfg.engine, master, self.compute_dtype, tokens, cfg.data.grad_accum, clipping, device_free,
-                pinned)
-        self.memory_plan = memory.plan(arch, cfg.engine, master, self.compute_dtype, tokens,
-                                       cfg.data.grad_accum, clipping, pinned)
-        memory.admit(self.memory_plan, memory.host_available_bytes(cfg.engine.host_memory_gb), device_free)
+        machine = Machine.of(self.device, cfg.engine)
+        self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+        self.memory_plan = memory.plan(shape, s)
+        memory.admit(self.memory_plan, machine.host_available, machine.device_free)
         # the data source is validated before the store is allocated: a bad dataset costs nothing
-        self.data = make_source(cfg.data, arch.vocab, cfg.model.pretrained)
-        if cfg.engine.optimizer_threads:
-            torch.set_num_threads(cfg.engine.optimizer_threads)
-        self.store = HostStore(arch, master, self.compute_dtype, self.device.is_cuda, clipping,
-                               cfg.engine.device_tiles, self.device.torch)
+        self.data = make_source(cfg.data, shape.vocab, cfg.model.pretrained)
+        if s.optimizer_threads:
+            torch.set_num_threads(s.optimizer_threads)
+        self.arch = Architecture(shape, s.mlp_chunk_tokens)
+        self.store = HostStore(shape, s, self.device.torch)
         if cfg.model.pretrained:
             self.store.load_pretrained(cfg.model.pretrained)
         else:
             self.store.init_random(cfg.seed)
-        self.engine = Engine(arch, self.store, self.device, cfg.engine, cfg.optim, cfg.steps,
-                             self.compute_dtype, tokens)
+        self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, cfg.steps)
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
         if cfg.resume and (Path(cfg.output_dir) / "state").exists():
@@ -88,15 +65,9 @@ class Trainer:
         self.sampler.reset()
         r = self.engine.step(microbatches)
         self.step += 1
-        a = self.arch
+        a = self.shape
         flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
-        recomputed = self.engine.kept  # the layers before the kept ones run their forward twice
-        hw = flops + recompute_flops(a.layer_matmul_params() * recomputed, recomputed, a.hidden, r.seq_lengths)
-        # a recomputed block's last layer leaves out the MLP projections that make its unread output
-        blocks = sum(s < recomputed for s, _ in self.engine.blocks)  # the schedule's recomputed blocks
-        hw -= sum(2 * n * a.unread_mlp_params() * blocks for n in r.seq_lengths)
-        if a.mlp_chunk:  # every backward runs the chunks' gate and up projections again
-            hw += sum(2 * n * 2 * a.mlp_matmul_params() // 3 * a.num_layers for n in r.seq_lengths)
+        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, r.seq_lengths)
         self.sampler.sample()
         return {
             "step": self.step,
@@ -116,14 +87,14 @@ class Trainer:
             "optimizer_busy_s": self.engine.worker.busy_s,
             "wait_update_s": r.wait_update_s,
             "wait_slab_s": r.wait_slab_s,
-            **({"exposed": self.engine.timeline.summary()} if self.cfg.engine.timeline else {}),
+            **({"exposed": self.engine.timeline.summary()} if self.settings.timeline else {}),
         }
 
     def write_trace(self, path: str | Path) -> None:
         """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""
-        if not self.cfg.engine.timeline:
+        if not self.settings.timeline:
             raise ValueError("write_trace needs engine.timeline: true")
-        checkpoint.write_json(path, self.engine.timeline.chrome_trace())
+        write_json(path, self.engine.timeline.chrome_trace())
 
     def next_microbatches(self) -> list[Batch]:
         return [self.data.next() for _ in range(self.cfg.data.grad_accum)]
@@ -151,12 +122,13 @@ class Trainer:
     # ---- saving ----
     def save_pretrained(self, path: str | Path) -> None:
         self.engine.worker.flush()  # every update of the last step is written
-        checkpoint.save_pretrained(self.store, self.arch, path)
+        checkpoint.save_pretrained(self.store, self.shape, path)
 
     def save_state(self, path: str | Path) -> None:
         self.engine.worker.flush()
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
-                "data_position": self.data.position, "config": dataclasses.asdict(self.cfg)}
+                "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
+                "settings": dataclasses.asdict(self.settings)}
         checkpoint.save_state(self.store, path, meta)
 
     def load_state(self, path: str | Path) -> None:
@@ -165,6 +137,10 @@ class Trainer:
         self.step = meta["step"]
         self.engine.worker.updates_done = self.engine.worker.steps_begun = meta["updates_done"]
         self.data.position = meta["data_position"]
+
+    def layer_ceiling(self, reps: int = 5) -> dict:
+        """The engine's single-layer compute ceiling on one of this run's micro-batches (engine.py)."""
+        return self.engine.layer_ceiling(self.cfg.data.batch_size, self.cfg.data.seq_len, reps)
 
     def close(self) -> None:
         self.engine.close()

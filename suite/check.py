@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.checkpoint import write_json
+from megatrain.io import write_json
 from suite.runner import run_point
 from suite.spec import RunSpec
 
@@ -19,7 +19,7 @@ from suite.spec import RunSpec
 def initial_weights(directory: Path, preset: str, seed: int) -> Path:
     """One seeded random init saved as a `transformers` checkpoint that every system loads."""
     from transformers import AutoModelForCausalLM
-    from megatrain.arch import load_hf_config
+    from megatrain.shapes import load_hf_config
     from megatrain.config import ModelConfig
     torch.manual_seed(seed)
     hf = load_hf_config(ModelConfig(preset=preset))

@@ -186,6 +186,6 @@ def main(base: str, new: str, threshold: float, metrics: tuple[str, ...], out: s
     report = compare(base, new, threshold, metrics)
     print(render(report))
     if out:
-        from megatrain.checkpoint import write_json
+        from megatrain.io import write_json
         write_json(out, report)
     return 1 if report["regressed"] else 0

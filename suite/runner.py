@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from megatrain.checkpoint import write_json
+from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
 from suite.spec import RunSpec
 from suite.worker import medians

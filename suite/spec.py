@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain.arch import load_hf_config
+from megatrain.shapes import load_hf_config
 from megatrain.config import DataConfig, ModelConfig
 
 SYSTEMS = ("megatrain", "native", "fsdp2", "zero3", "zero_infinity", "gemini", "ratel")

@@ -18,12 +18,13 @@ import traceback
 
 import torch
 
-from megatrain.arch import Architecture
-from megatrain.checkpoint import write_json
+from megatrain.shapes import ModelShape
+from megatrain.io import write_json
 from megatrain.data import make_source
 from megatrain.metrics import environment, model_flops
 from suite.spec import RunSpec
-from suite.systems import DoesNotFit, Unsupported, load
+from megatrain.memory import DoesNotFit
+from suite.systems import Unsupported, load
 
 HARNESS_KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_tflops",
                 "peak_device_allocated_bytes")
@@ -49,23 +50,23 @@ def medians(rows: list[dict]) -> dict:
 
 def run(spec: RunSpec, out: str) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    arch = Architecture(spec.hf_config())
-    flops = model_flops(arch.matmul_params(), arch.num_layers, arch.hidden,
+    shape = ModelShape(spec.hf_config())
+    flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden,
                         [spec.seq_len] * (spec.batch_size * spec.grad_accum))
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
-              "params": arch.total_params(), "model_flops_per_step": flops, "steps": []}
+              "params": shape.total_params(), "model_flops_per_step": flops, "steps": []}
     write_json(out, result)
     system = None
     try:
         system = load(spec.system)(spec, device)
         # a system that runs another model (Ratel's own GPT) counts that model's FLOPs
         flops = result["model_flops_per_step"] = getattr(system, "model_flops_per_step", flops)
-        data = make_source(spec.data_config(), arch.vocab, spec.model_config().pretrained)
+        data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
             if spec.data is not None:  # padded examples: count the real tokens only
                 lengths = [int(n) for mb in microbatches for n in mb.attention_mask.sum(dim=1)]
-                flops = model_flops(arch.matmul_params(), arch.num_layers, arch.hidden, lengths)
+                flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden, lengths)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
@@ -96,7 +97,7 @@ def run(spec: RunSpec, out: str) -> dict:
     except Unsupported as e:
         result.update(status="unsupported", reason=str(e))
     except DoesNotFit as e:
-        result.update(status=e.status, reason=str(e))
+        result.update(status=_OOM_STATUS[e.memory], reason=str(e))
     except torch.cuda.OutOfMemoryError as e:
         result.update(status="oom_device", reason=str(e).splitlines()[0])
     except MemoryError as e:
@@ -105,6 +106,9 @@ def run(spec: RunSpec, out: str) -> dict:
         if system is not None:
             system.close()
     return result
+
+
+_OOM_STATUS = {"host": "oom_host", "disk": "oom_host", "device": "oom_device"}  # swap space is the host's
 
 
 def main(argv: list[str]) -> int:

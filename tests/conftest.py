@@ -73,7 +73,7 @@ def store_params(trainer) -> dict[str, torch.Tensor]:
     trainer.engine.worker.flush()
     out = {}
     for tile in trainer.store.tiles:
-        for name, view in zip(trainer.arch.hf_names(tile.name), tile.master_views()):
+        for name, view in zip(trainer.shape.hf_names(tile.name), tile.master_views()):
             out[name] = view.to("cpu", torch.float32)
     return out
 

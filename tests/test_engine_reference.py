@@ -88,7 +88,7 @@ def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
     reference = Reference(model, cfg.optim, cfg.steps)
     try:
         ref_norms, norms = [], []
-        for step, mbs in enumerate(random_batches(cfg.steps, accum, BATCH, SEQ, trainer.arch.vocab, pad)):
+        for step, mbs in enumerate(random_batches(cfg.steps, accum, BATCH, SEQ, trainer.shape.vocab, pad)):
             metrics = trainer.train_step(mbs)
             ref_loss, ref_norm = reference.step(mbs)
             torch.testing.assert_close(metrics["loss"], ref_loss, rtol=1e-5, atol=0)
@@ -98,7 +98,7 @@ def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
         torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
         params = store_params(trainer)
         for name, ref in reference.model.state_dict().items():
-            if name == "lm_head.weight" and trainer.arch.tied:
+            if name == "lm_head.weight" and trainer.shape.tied:
                 continue
             torch.testing.assert_close(params[name], ref, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
     finally:
@@ -106,14 +106,16 @@ def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
 
 
 def test_auto_settings_record_what_runs(tmp_path):
-    """device_tiles and no_recompute_layers `auto` resolve before the store is built and the config
-    keeps the numbers: all of them against a large stated device, none on the CPU without one."""
+    """device_tiles and no_recompute_layers `auto` resolve before the store is built into the run's
+    settings, which keep the numbers while the user's config keeps `auto`: all of them against a large
+    stated device, none on the CPU without one."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     auto = {"device_tiles": "auto", "no_recompute_layers": "auto"}
     for stated, tiles, kept in ((1000, 4, 3), (None, 0, 0)):
         cfg, trainer = make_trainer(tmp_path, "tiny-llama", {}, 1, 1, None, {**auto, "device_memory_gb": stated})
         trainer.close()
-        assert (cfg.engine.device_tiles, cfg.engine.no_recompute_layers) == (tiles, kept)
+        assert (trainer.settings.device_tiles, trainer.settings.no_recompute_layers) == (tiles, kept)
+        assert (cfg.engine.device_tiles, cfg.engine.no_recompute_layers) == ("auto", "auto")
         assert (trainer.memory_plan.detail["device.device_tiles"] > 0) == (tiles > 0)
 
 
@@ -124,13 +126,13 @@ def test_gradients_match_reference(tmp_path):
     cfg, trainer = make_trainer(tmp_path, "tiny-llama", {}, 2, 2, 1e9, {}, lr=1e-12, steps=1)
     reference = Reference(model, cfg.optim, cfg.steps)
     try:
-        mbs = random_batches(1, 2, BATCH, SEQ, trainer.arch.vocab, pad=True)[0]
+        mbs = random_batches(1, 2, BATCH, SEQ, trainer.shape.vocab, pad=True)[0]
         trainer.train_step(mbs)
         reference.step(mbs)
         trainer.engine.worker.flush()
         for tile in trainer.store.tiles:
             views = tile.layout.views(tile.grad)
-            for name, grad in zip(trainer.arch.hf_names(tile.name), views):
+            for name, grad in zip(trainer.shape.hf_names(tile.name), views):
                 ref = dict(reference.model.named_parameters())[name].grad
                 torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
     finally:
@@ -141,7 +143,7 @@ def three_steps(tmp_path, accum: int, engine: dict):
     """Tiny Qwen2 (K=2, clipping, padding) trained 3 steps from the saved init: losses and weights."""
     _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 2, accum, 0.5, engine)
     try:
-        losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, accum, BATCH, SEQ, trainer.arch.vocab, True)]
+        losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, accum, BATCH, SEQ, trainer.shape.vocab, True)]
         return losses, store_params(trainer)
     finally:
         trainer.close()
@@ -203,7 +205,7 @@ def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K, chunked)
     _, trainer = make_trainer(tmp_path, "tiny-llama", {}, K, 1, None,
                               {"mlp_chunk_tokens": 5 if chunked else None, "no_recompute_layers": 1})
     try:
-        m = trainer.train_step(random_batches(1, 1, BATCH, SEQ, trainer.arch.vocab, False)[0])
+        m = trainer.train_step(random_batches(1, 1, BATCH, SEQ, trainer.shape.vocab, False)[0])
     finally:
         trainer.close()
     h, f, v, L, n = 64, 128, 256, 4, SEQ  # tiny-llama: hidden, FFN, vocab; 4 layers; unpadded sequences

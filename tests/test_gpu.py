@@ -53,7 +53,7 @@ def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
     start = {k: v.clone() for k, v in model.state_dict().items()}
     cfg, trainer = gpu_trainer(tmp_path)
     reference = Reference(model, cfg.optim, STEPS)
-    batches = random_batches(1, 2, BATCH, SEQ, trainer.arch.vocab, pad=True)[0]  # one batch, repeated
+    batches = random_batches(1, 2, BATCH, SEQ, trainer.shape.vocab, pad=True)[0]  # one batch, repeated
     try:
         losses, ref_losses = [], []
         for _ in range(STEPS):

@@ -10,14 +10,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.arch import Architecture, load_hf_config
-from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, load_config
+from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
 from megatrain.data import FileSource, SyntheticSource
 from megatrain.memory import plan
 from megatrain.optim import lr_at
+from megatrain.resolve import Machine, resolve
+from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
+from megatrain.templates import Architecture
 from megatrain.trainer import Trainer
 from tiny_tokenizer import save_tokenizer
+
+
+def shape_of(preset: str, **overrides) -> ModelShape:
+    return ModelShape(load_hf_config(ModelConfig(preset=preset, overrides=overrides)))
+
+
+def settings(shape: ModelShape, engine: EngineConfig | None = None, *, master="float32", compute="bfloat16",
+             tokens=16384, microbatches=1, clipping=False, pinned=False, device_free=None) -> EngineSettings:
+    """A run's resolved engine settings: one sequence of `tokens` per micro-batch, a device of
+    `device_free` bytes (None: unbounded), a GPU's pinned buffers where `pinned`."""
+    engine = replace(engine or EngineConfig(), master_dtype=master, compute_dtype=compute)
+    data = DataConfig(seq_len=tokens, grad_accum=microbatches)
+    return resolve(engine, data, OptimConfig(max_grad_norm=1.0 if clipping else None), shape,
+                   Machine(pinned, device_free, 2**60))
 
 
 def test_lr_schedule():
@@ -30,12 +46,12 @@ def test_lr_schedule():
 
 
 def test_layout_is_aligned_and_decay_first():
-    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-qwen2")))
+    arch = shape_of("tiny-qwen2")
     layout = Layout.of(arch.layer_specs)
     assert all(o % ALIGN == 0 for o in layout.offsets)
     for spec, offset in zip(layout.specs, layout.offsets):
         assert (offset < layout.decay_numel) == spec.decay
-    store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False, clipping=True)
+    store = HostStore(arch, settings(arch, clipping=True))
     tile = store.layers[0]
     for t in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
@@ -47,14 +63,14 @@ def test_layout_is_aligned_and_decay_first():
 def test_host_bytes_per_parameter():
     """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow),
     18 with it (a float32 gradient waits for the global norm)."""
-    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-llama", overrides={"num_hidden_layers": 8})))
+    arch = shape_of("tiny-llama", num_hidden_layers=8)
     for clipping, per_param in ((False, 14), (True, 18)):
-        store = HostStore(arch, torch.float32, torch.bfloat16, pinned=False, clipping=clipping)
+        store = HostStore(arch, settings(arch, clipping=clipping))
         layer = store.layers[0]
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
-        per_layer = HostStore.nbytes(arch, torch.float32, torch.bfloat16, clipping)[0]
-        deeper = Architecture(load_hf_config(ModelConfig(preset="tiny-llama", overrides={"num_hidden_layers": 16})))
-        growth = HostStore.nbytes(deeper, torch.float32, torch.bfloat16, clipping)[0] - per_layer
+        per_layer = HostStore.nbytes(arch, settings(arch, clipping=clipping))[0]
+        deeper = shape_of("tiny-llama", num_hidden_layers=16)
+        growth = HostStore.nbytes(deeper, settings(deeper, clipping=clipping))[0] - per_layer
         # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
         n = layer.layout.numel
         assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
@@ -63,7 +79,7 @@ def test_host_bytes_per_parameter():
 def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
     hf = load_hf_config(ModelConfig(preset="tiny-qwen2", overrides={
         "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 4}))
-    arch = Architecture(hf)
+    arch = Architecture(ModelShape(hf))
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
     for i in range(4):
         template = arch.template(i)
@@ -74,38 +90,38 @@ def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
         assert template.module.self_attn.layer_type == fresh.self_attn.layer_type
         assert template.module.self_attn.layer_idx == i
     assert arch.template(0) is not arch.template(1)  # full and sliding layers use different templates
-    weights = [torch.randn(s.shape) for s in arch.layer_specs]
+    specs = arch.shape.layer_specs
+    weights = [torch.randn(s.shape) for s in specs]
     module = arch.template(2).bind(weights)
-    assert module.mlp.up_proj.weight is weights[[s.name for s in arch.layer_specs].index("mlp.up_proj.weight")]
+    assert module.mlp.up_proj.weight is weights[[s.name for s in specs].index("mlp.up_proj.weight")]
 
 
 def test_memory_plan_counts_bytes_per_parameter():
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    arch = shape_of("qwen2.5-7b")
     def per_param(master, clipping):
-        p = plan(arch, EngineConfig(), master, torch.bfloat16, tokens=16384, microbatches=4, clipping=clipping)
+        p = plan(arch, settings(arch, master=master, microbatches=4, clipping=clipping))
         return p.detail["store"] / n
     n = arch.total_params()
     assert 7.5e9 < n < 7.7e9
-    assert 13.99 < per_param(torch.float32, False) < 14.01  # fp32 master + 2 moments + bf16 shadow
-    assert 17.99 < per_param(torch.float32, True) < 18.01  # + a float32 gradient waiting for the norm
-    assert 9.99 < per_param(torch.bfloat16, False) < 10.01
+    assert 13.99 < per_param("float32", False) < 14.01  # fp32 master + 2 moments + bf16 shadow
+    assert 17.99 < per_param("float32", True) < 18.01  # + a float32 gradient waiting for the norm
+    assert 9.99 < per_param("bfloat16", False) < 10.01
 
 
 def test_device_tiles_move_bytes_from_host_to_device():
     """Device tiles leave the host store (14 B/param there) for 12 B/param on the device; a count
     beyond the embedding and the layers is refused by name."""
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
-    base = plan(arch, EngineConfig(), torch.float32, torch.bfloat16, tokens=16384, microbatches=4, clipping=False)
-    moved = plan(arch, EngineConfig(device_tiles=3), torch.float32, torch.bfloat16, tokens=16384, microbatches=4,
-                 clipping=False)
+    arch = shape_of("qwen2.5-7b")
+    base = plan(arch, settings(arch, microbatches=4))
+    moved = plan(arch, settings(arch, EngineConfig(device_tiles=3), microbatches=4))
     n = arch.vocab * arch.hidden + 2 * Layout.of(arch.layer_specs).numel  # embedding and layers 0, 1
     assert moved.detail["device.device_tiles"] == 12 * n
     assert 14 * n <= base.detail["store"] - moved.detail["store"] <= 14 * n + 3 * 4 * PAGE
     with pytest.raises(ValueError, match="engine.device_tiles must be between 0 and 29"):
-        plan(arch, EngineConfig(device_tiles=30), torch.float32, torch.bfloat16, tokens=16384, microbatches=4,
-             clipping=False)
-    store = HostStore(Architecture(load_hf_config(ModelConfig(preset="tiny-llama"))), torch.float32,
-                      torch.float32, pinned=False, clipping=True, device_tiles=2, device=torch.device("cpu"))
+        settings(arch, EngineConfig(device_tiles=30))
+    tiny = shape_of("tiny-llama")
+    store = HostStore(tiny, settings(tiny, EngineConfig(device_tiles=2), compute="float32", clipping=True),
+                      torch.device("cpu"))
     assert [t.on_device for t in store.tiles] == [True, True, False, False, False]
     assert store.embed.shadow is None and store.embed.grad is None and store.layers[1].grad is not None
 
@@ -206,9 +222,10 @@ def test_timeline_breakdown_and_trace(tmp_path):
         trainer.close()
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in events if e["ph"] == "X"}
-    layers = trainer.arch.num_layers
+    layers = trainer.shape.num_layers
     assert {f"forward L{layers - 1}", "head", "recompute L0", "backward L0", "load layer.0"} <= names
-    assert any(n.startswith("layer.0 [") for n in names)  # the optimizer's update of layer 0
+    updates = {e["name"] for e in events if e.get("cat") == "update"}
+    assert any(n.startswith("update layer.0 [") for n in updates)  # the optimizer's update of layer 0
 
 
 def test_chunked_mlp_equals_the_whole_mlp():
@@ -239,17 +256,18 @@ def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
     """At 512K tokens of the 7B shape the whole MLP's activations (four tokens x FFN tensors per
     layer) are most of a layer's graph; chunked, only one chunk's count. A plan over the device or the
     host is refused with its numbers and the settings to change."""
-    from megatrain.memory import admit
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b", overrides={"max_position_embeddings": 524288})))
+    from megatrain.memory import DoesNotFit, admit
+    arch = shape_of("qwen2.5-7b", max_position_embeddings=524288)
     def acts(chunk):
         cfg = EngineConfig(checkpoint_every=1, offload_checkpoints=True, mlp_chunk_tokens=chunk)
-        return plan(arch, cfg, torch.float32, torch.bfloat16, tokens=524288, microbatches=1, clipping=False)
+        return plan(arch, settings(arch, cfg, tokens=524288))
     whole, chunked = acts(None), acts(16384)
-    ffn = arch.config.intermediate_size
+    ffn = arch.ffn
     assert whole.detail["device.block_activations"] - chunked.detail["device.block_activations"] == \
         (524288 - 16384) * 4 * ffn * 2
-    with pytest.raises(ValueError, match=r"device memory: needs about 1\d\d\.\d GiB, 80.0 GiB free.*mlp_chunk_tokens"):
+    with pytest.raises(DoesNotFit, match=r"device memory: needs 1\d\d\.\d GiB, 80.0 GiB available.*mlp_chunk_tokens") as e:
         admit(whole, host_available=2**50, device_available=80 * 2**30)
+    assert e.value.memory == "device" and e.value.shortages[0].needed_bytes == whole.device_bytes
     admit(chunked, host_available=2**50, device_available=80 * 2**30)
     # over the host: the store and the gradient slabs named, each slab one layer's float32 gradient
     layer_gib = Layout.of(arch.layer_specs).numel * 4 / 2**30
@@ -259,62 +277,57 @@ def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
 
 def test_auto_mlp_chunk_only_when_the_plan_needs_it():
     """auto keeps the whole MLP while the plan fits the device; past it, the largest chunk that fits."""
-    from megatrain.memory import MLP_CHUNKS, choose_mlp_chunk
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b", overrides={"max_position_embeddings": 524288})))
+    from megatrain.resolve import MLP_CHUNKS
+    arch = shape_of("qwen2.5-7b", max_position_embeddings=524288)
     cfg = EngineConfig(checkpoint_every=1, offload_checkpoints=True)
     def choose(tokens, free):
-        return choose_mlp_chunk(arch, cfg, torch.float32, torch.bfloat16, tokens, 1, False, free)
+        return settings(arch, cfg, tokens=tokens, device_free=free).mlp_chunk_tokens
     assert choose(32768, 80 * 2**30) is None and choose(524288, None) is None
     chunk = choose(524288, 80 * 2**30)
     assert chunk in MLP_CHUNKS
-    fits = [plan(arch, EngineConfig(checkpoint_every=1, offload_checkpoints=True, mlp_chunk_tokens=c), torch.float32,
-                 torch.bfloat16, tokens=524288, microbatches=1, clipping=False).device_bytes <= 80 * 2**30
+    fits = [plan(arch, settings(arch, replace(cfg, mlp_chunk_tokens=c), tokens=524288)).device_bytes <= 80 * 2**30
             for c in MLP_CHUNKS]
     assert fits[MLP_CHUNKS.index(chunk)] and not any(fits[: MLP_CHUNKS.index(chunk)])
-    with pytest.raises(ValueError, match="positive integer, auto or null"):
+    with pytest.raises(ValueError, match="engine.mlp_chunk_tokens must be an integer or 'auto' or null, not 'big'"):
         EngineConfig(mlp_chunk_tokens="big")
 
 
 def test_device_tiles_auto_takes_the_room_the_plan_leaves():
     """auto: the most tiles (in forward order) the device holds beside the rest of the plan with a
     workspace to spare; none without a bound; the layers kept from recompute get what is left."""
-    from megatrain.memory import DEVICE_WORKSPACE, choose_device_tiles, choose_no_recompute
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-3b")))
+    from megatrain.memory import DEVICE_WORKSPACE
+    arch = shape_of("qwen2.5-3b")
     base = EngineConfig(checkpoint_every=1, device_tiles="auto", no_recompute_layers="auto")
     def device(n):
-        return plan(arch, replace(base, device_tiles=n, no_recompute_layers=0), torch.float32, torch.bfloat16,
-                    16384, 1, False).device_bytes
+        return plan(arch, settings(arch, replace(base, device_tiles=n, no_recompute_layers=0))).device_bytes
     def choose(free):
-        return choose_device_tiles(arch, base, torch.float32, torch.bfloat16, 16384, 1, False, free)
-    assert device("auto") == device(0)  # unresolved, auto counts no tiles
+        return settings(arch, base, device_free=free).device_tiles
     assert choose(None) == 0 and choose(device(0)) == 0 and choose(10**15) == arch.num_layers + 1
     n = choose(40 * 2**30)
     assert 0 < n < arch.num_layers + 1
     assert device(n) + DEVICE_WORKSPACE <= 40 * 2**30 < device(n + 1) + DEVICE_WORKSPACE
-    kept = choose_no_recompute(arch, replace(base, device_tiles=n), torch.float32, torch.bfloat16, 16384, 1, False,
-                               40 * 2**30)
-    assert kept < choose_no_recompute(arch, replace(base, device_tiles=0), torch.float32, torch.bfloat16, 16384, 1,
-                                      False, 40 * 2**30)
-    with pytest.raises(ValueError, match="engine.device_tiles must be an integer >= 0 or auto"):
+    kept = settings(arch, base, device_free=40 * 2**30).no_recompute_layers  # after n tiles
+    assert kept < settings(arch, replace(base, device_tiles=0), device_free=40 * 2**30).no_recompute_layers
+    with pytest.raises(ValueError, match="engine.device_tiles must be an integer or 'auto', not 'many'"):
         EngineConfig(device_tiles="many")
 
 
 def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
     """Each layer kept from recompute holds its graph for every micro-batch of the step; auto keeps as
     many of the last layers as the device holds with a workspace to spare, none without a bound."""
-    from megatrain.memory import ATTN_KEPT, DEVICE_WORKSPACE, choose_no_recompute
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-3b")))
+    from megatrain.memory import ATTN_KEPT, DEVICE_WORKSPACE
+    arch = shape_of("qwen2.5-3b")
     base = EngineConfig(checkpoint_every=1, device_tiles=20, grad_slabs=12)
     def device(n, tokens=16384, micro=1):
-        return plan(arch, replace(base, no_recompute_layers=n), torch.float32, torch.bfloat16, tokens, micro,
-                    False).device_bytes
-    h, ffn = arch.hidden, arch.config.intermediate_size
+        return plan(arch, settings(arch, replace(base, no_recompute_layers=n), tokens=tokens,
+                                   microbatches=micro)).device_bytes
+    h, ffn = arch.hidden, arch.ffn
     per_layer = 16384 * (ATTN_KEPT * h + 4 * ffn) * 2
     # a kept layer holds its graph and no longer needs a checkpoint
     assert device(4) - device(0) == 4 * per_layer - 4 * 16384 * h * 2
     assert device(4, micro=2) - device(0, micro=2) == 2 * (4 * per_layer - 4 * 16384 * h * 2)
     def choose(free):
-        return choose_no_recompute(arch, base, torch.float32, torch.bfloat16, 16384, 1, False, free)
+        return settings(arch, replace(base, no_recompute_layers="auto"), device_free=free).no_recompute_layers
     assert choose(None) == 0
     n = choose(80 * 2**30)
     assert 0 < n < arch.num_layers
@@ -337,7 +350,7 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     roundings apart, where a chunk lost would be whole units off."""
     import importlib
     import megatrain.lean_norm as lean_norm
-    from megatrain.arch import FAMILIES
+    from megatrain.shapes import FAMILIES
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
     cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
@@ -364,10 +377,10 @@ def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
     from megatrain.store import pinned_bytes, tile_bytes
     assert pinned_bytes(466_000_000, True) == 512 * 2**20 and pinned_bytes(466_000_000, False) == 466_000_000
     assert pinned_bytes(2**30, True) == 2**30 and pinned_bytes(0, True) == 0
-    arch = Architecture(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    arch = shape_of("qwen2.5-7b")
     cfg = EngineConfig(checkpoint_every=1, offload_checkpoints=True, grad_slabs=4)
     def host(pinned):
-        return plan(arch, cfg, torch.float32, torch.bfloat16, 65536, 1, False, pinned).detail
+        return plan(arch, settings(arch, cfg, tokens=65536, pinned=pinned)).detail
     pageable, pinned = host(False), host(True)
     layer, h = Layout.of(arch.layer_specs).numel, arch.hidden
     assert pinned["grad_slabs"] == 4 * pinned_bytes(layer * 4, True) > pageable["grad_slabs"]
@@ -376,3 +389,45 @@ def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
                        - tile_bytes(Layout.of(s).numel, torch.float32, torch.bfloat16, False, False)
                        for s in [arch.embed_specs, *[arch.layer_specs] * 28, arch.head_specs])
     assert pinned["store"] - pageable["store"] == shadow_extra > 28 * 60 * 2**20
+
+
+def test_schedule_lists_every_op_once_in_step_order():
+    """5 layers, K = 2, the last layer kept from recompute, 2 micro-batches: blocks [0, 2) [2, 4)
+    recomputed and [4] kept; the loads the prefetcher gets are exactly the computing ops' units."""
+    from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head,
+                                    PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint)
+    s = Schedule(num_layers=5, checkpoint_every=2, no_recompute_layers=1, microbatches=2)
+    assert s.recomputed_layers == 4 and s.recomputed_blocks == 2
+    expected = [Embed(), SaveCheckpoint(0), Forward(0, False), Forward(1, False), SaveCheckpoint(2), Forward(2, False),
+                Forward(3, False), Forward(4, True), Head(),
+                PrefetchCheckpoint(2)]
+    for m in range(2):  # the kept layer: its forward's graph, no recompute
+        expected += [Backward(4, m, False, m == 0, m == 1)]
+    expected += [TakeCheckpoint(2), PrefetchCheckpoint(0)]
+    for m in range(2):
+        expected += [Recompute(2, m, False), Recompute(3, m, True),
+                     Backward(3, m, True, m == 0, m == 1), Backward(2, m, True, m == 0, m == 1)]
+    expected += [TakeCheckpoint(0)]
+    for m in range(2):
+        expected += [Recompute(0, m, False), Recompute(1, m, True),
+                     Backward(1, m, True, m == 0, m == 1), Backward(0, m, True, m == 0, m == 1), EmbeddingBackward(m)]
+    expected += [EmbeddingGradient()]
+    assert list(s.ops) == expected
+    assert s.loads == [0, 1, 2, 3, 4, HEAD, 4, 4, 2, 3, 3, 2, 2, 3, 3, 2, 0, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_hardware_flops_count_the_recompute_the_schedule_runs():
+    """Model FLOPs plus one forward of each recomputed layer (a third of 6N + 12Lhs per layer), less
+    the down projection a recomputed block's last layer leaves out; chunked, less its whole MLP and
+    plus every layer's gate and up projections again."""
+    from megatrain.metrics import model_flops
+    from megatrain.schedule import Schedule
+    shape = shape_of("tiny-llama", num_hidden_layers=4)
+    lengths = [16, 9]
+    model = model_flops(shape.matmul_params(), 4, shape.hidden, lengths)
+    layer = sum(n * (2 * shape.layer_matmul_params() + 4 * shape.hidden * n) for n in lengths)
+    mlp = sum(2 * n * shape.mlp_matmul_params() for n in lengths)  # one forward of the MLP's three projections
+    s = Schedule(4, checkpoint_every=2, no_recompute_layers=1, microbatches=1)  # blocks [0, 2) [2, 3) [3]
+    assert s.hardware_flops(shape, None, lengths) == model + 3 * layer - 2 * mlp // 3
+    assert s.hardware_flops(shape, 8, lengths) == model + 3 * layer - 2 * mlp + 4 * 2 * mlp // 3
+    assert Schedule(4, 1, 4, 1).hardware_flops(shape, None, lengths) == model

@@ -17,7 +17,8 @@ import torch
 
 from megatrain.arch import Architecture
 from suite.spec import RunSpec
-from suite.systems import DoesNotFit, Unsupported, deepspeed_zero, zero3, zero_infinity
+from megatrain.memory import DoesNotFit
+from suite.systems import Unsupported, deepspeed_zero, zero3, zero_infinity
 from suite.systems.deepspeed_zero import ds_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def test_cpu_device_is_unsupported(fake_deepspeed):
 def test_zero3_refuses_a_model_the_host_cannot_hold(fake_deepspeed):
     with pytest.raises(DoesNotFit, match="29 B/param") as e:
         zero3.System(spec("zero3", "qwen2.5-72b"), torch.device("cuda"))
-    assert e.value.status == "oom_host"
+    assert e.value.memory == "host"
 
 
 def test_zero_infinity_without_libaio_says_why(fake_deepspeed, monkeypatch):
@@ -105,10 +106,10 @@ def test_zero_infinity_without_libaio_says_why(fake_deepspeed, monkeypatch):
 def test_zero_infinity_refuses_a_model_the_swap_cannot_hold(fake_deepspeed, monkeypatch, tmp_path):
     monkeypatch.setattr(zero_infinity, "aio_problem", lambda: None)
     swap = tmp_path / "swap"
-    with pytest.raises(DoesNotFit, match="GiB free there") as e:
+    with pytest.raises(DoesNotFit, match="disk space: needs .* GiB available") as e:
         zero_infinity.System(spec("zero_infinity", "qwen2.5-72b", options={"nvme_path": str(swap)}),
                              torch.device("cuda"))
-    assert e.value.status == "oom_host" and not swap.exists()
+    assert e.value.memory == "disk" and not swap.exists()
 
 
 def _deb(path: Path, files: dict[str, bytes], links: dict[str, str]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from megatrain.checkpoint import write_json
+from megatrain.io import write_json
 from megatrain.metrics import environment
 
 GIB = 1 << 30

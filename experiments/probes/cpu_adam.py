@@ -6,7 +6,7 @@ import time
 import torch
 
 from megatrain import optim
-from megatrain.arch import ParamSpec
+from megatrain.shapes import ParamSpec
 from megatrain.config import OptimConfig
 from megatrain.store import Layout, Tile
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.checkpoint import write_json
+from megatrain.io import write_json
 from suite.accuracy import answers, problems, tokenizer
 from suite.spec import RunSpec
 

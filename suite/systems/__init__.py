@@ -7,7 +7,8 @@
     system.close()
 
 A constructor that finds the system cannot run here raises `Unsupported(reason)`; one that finds
-the point cannot fit raises `DoesNotFit(status, reason)` before allocating anything.
+the point cannot fit raises `megatrain.memory.DoesNotFit` (which memory, needed and available
+bytes) before allocating anything.
 """
 from __future__ import annotations
 
@@ -16,13 +17,6 @@ import importlib
 
 class Unsupported(Exception):
     """This system cannot run on this machine or in this environment (the reason says why)."""
-
-
-class DoesNotFit(Exception):
-    def __init__(self, status: str, reason: str):
-        assert status in ("oom_host", "oom_device")
-        super().__init__(reason)
-        self.status = status
 
 
 def load(name: str):

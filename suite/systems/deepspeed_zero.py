@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain.arch import Architecture
+from megatrain.shapes import ModelShape
 from suite.systems import Unsupported, hf
 
 OFFLOADS = ("cpu", "nvme")
@@ -41,8 +41,8 @@ def import_deepspeed():
 
 def largest_tensor_numel(spec) -> int:
     """Elements of the model's largest parameter: the embedding, unless a layer matrix is larger."""
-    arch = Architecture(spec.hf_config())
-    return max([arch.vocab * arch.hidden] + [s.numel for s in arch.layer_specs])
+    shape = ModelShape(spec.hf_config())
+    return max([shape.vocab * shape.hidden] + [s.numel for s in shape.layer_specs])
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
         # Every swapped parameter takes a whole buffer, so a buffer must hold the largest one, and
         # a layer's tensors plus the next layer's prefetch must find one each: DeepSpeed's default
         # of 5 failed on the 3B shape ("Not enough buffers 0 for swapping 1", 12 tensors a layer).
-        per_layer = len(Architecture(spec.hf_config()).layer_specs)
+        per_layer = len(ModelShape(spec.hf_config()).layer_specs)
         offload_param.update(nvme_path=nvme_path, buffer_count=2 * per_layer + 4,
                              buffer_size=max(10**8, largest_tensor_numel(spec)), max_in_cpu=10**9)
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)

@@ -7,10 +7,9 @@ import socket
 import psutil
 import torch
 
-from megatrain.arch import Architecture
-from suite.systems import DoesNotFit
-
-GiB = 1 << 30
+from megatrain.memory import DoesNotFit, Shortage
+from megatrain.shapes import ModelShape
+from megatrain.units import GiB
 
 
 def build_model(spec, device: torch.device | str | None = None):
@@ -34,7 +33,7 @@ def enable_checkpointing(model) -> None:
 
 
 def params(spec) -> int:
-    return Architecture(spec.hf_config()).total_params()
+    return ModelShape(spec.hf_config()).total_params()
 
 
 def require_host(spec, bytes_per_param: float, what: str) -> None:
@@ -45,9 +44,8 @@ def require_host(spec, bytes_per_param: float, what: str) -> None:
     need = params(spec) * bytes_per_param
     have = psutil.virtual_memory().available
     if need > have:
-        raise DoesNotFit("oom_host", f"{what} needs about {need / GiB:.1f} GiB of host memory "
-                                     f"({bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params); "
-                                     f"{have / GiB:.1f} GiB available")
+        raise DoesNotFit(what, [Shortage("host", int(need), have,
+                                         f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params")])
 
 
 def require_device(spec, device: torch.device, bytes_per_param: float, what: str) -> None:
@@ -56,9 +54,9 @@ def require_device(spec, device: torch.device, bytes_per_param: float, what: str
     need = params(spec) * bytes_per_param
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
-        raise DoesNotFit("oom_device", f"{what} needs at least {need / GiB:.1f} GiB of device memory "
-                                       f"({bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params) "
-                                       f"before activations; {free / GiB:.1f} GiB free")
+        raise DoesNotFit(what, [Shortage("device", int(need), free,
+                                         f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params, "
+                                         f"before activations")])
 
 
 def loss_of(model, batch, device: torch.device, autocast: bool):

@@ -1,22 +1,17 @@
 """MegaTrain: this repository's engine, through its public Trainer API.
 
 Options: `engine` (EngineConfig fields, e.g. {"checkpoint_every": 1}), `max_grad_norm` (default:
-no clipping, like every baseline here), `ceiling` (after the steps, time one decoder layer's
-forward + recompute + backward with its weights resident, on the same micro-batch: the compute
-ceiling of layer streaming) and `trace` (write the last step's timeline as a Perfetto trace there).
+no clipping, like every baseline here), `ceiling` (after the steps, the engine's single-layer compute
+ceiling on the same micro-batch: Engine.layer_ceiling) and `trace` (write the last step's timeline as a Perfetto trace there).
 """
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
+import dataclasses
 
 import torch
 
 from megatrain.config import load_config
-from megatrain.metrics import model_flops
-from megatrain.unread_mlp import output_unused
-from suite.systems import DoesNotFit
+from megatrain.memory import DoesNotFit
 
 _OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
 
@@ -39,15 +34,7 @@ class System:
         }
         cfg = load_config(None, [], base=tree)
         from megatrain.trainer import Trainer
-        try:
-            self.trainer = Trainer(cfg)
-        except ValueError as e:
-            text = str(e)
-            if "host memory" in text:
-                raise DoesNotFit("oom_host", text) from None
-            if "device memory" in text:
-                raise DoesNotFit("oom_device", text) from None
-            raise
+        self.trainer = Trainer(cfg)  # DoesNotFit says which memory ran short
 
     def step(self, microbatches) -> dict:
         return self.trainer.train_step(microbatches)
@@ -57,47 +44,13 @@ class System:
 
     def info(self) -> dict:
         t = self.trainer
-        out = {"memory_plan": t.memory_plan.detail, "engine": vars(t.cfg.engine),
-               "master_dtype": t.cfg.engine.master_dtype, "compute_dtype": str(t.compute_dtype)}
+        out = {"memory_plan": t.memory_plan.detail, "engine": dataclasses.asdict(t.settings),
+               "master_dtype": t.settings.master_dtype, "compute_dtype": str(t.settings.compute)}
         if self.options.get("trace"):
             t.write_trace(self.options["trace"])
         if self.options.get("ceiling") and t.device.is_cuda:
-            out["ceiling"] = layer_ceiling(t)
+            out["ceiling"] = t.layer_ceiling()
         return out
 
     def close(self) -> None:
         self.trainer.close()
-
-
-def layer_ceiling(trainer, reps: int = 5) -> dict:
-    """One decoder layer, weights resident, on one micro-batch: forward, recompute, backward;
-    with K = 1 every recompute is a block's last layer's, which leaves its unread MLP output out."""
-    engine, arch, cfg = trainer.engine, trainer.arch, trainer.cfg.data
-    root_only = trainer.cfg.engine.checkpoint_every == 1
-    dev = engine.dev
-    unit = engine.layer_units[0]
-    flat = engine.streamer.flat[0]
-    flat[: unit.numel].copy_(unit.tiles[0].source)
-    weights = unit.views(flat)
-    gen = torch.Generator(device=dev.torch).manual_seed(0)
-    shape = (cfg.batch_size, cfg.seq_len, arch.hidden)
-    x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=engine.dtype)
-    dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=engine.dtype)
-    ctx = engine._context(x0, None)
-    times = []
-    with dev.on(dev.compute):
-        for _ in range(reps + 1):
-            dev.synchronize()
-            start = time.perf_counter()
-            with torch.no_grad():
-                engine._layer(0, weights, x0, ctx)
-            leaves = [w.detach().requires_grad_() for w in weights]
-            x = x0.detach().requires_grad_()
-            with torch.enable_grad(), (output_unused() if root_only else contextlib.nullcontext()):
-                out = engine._layer(0, leaves, x, ctx)
-            torch.autograd.grad(out, [x, *leaves], dy)
-            dev.synchronize()
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    flops = model_flops(arch.layer_matmul_params(), 1, arch.hidden, [cfg.seq_len] * cfg.batch_size)
-    return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": cfg.seq_len * cfg.batch_size}

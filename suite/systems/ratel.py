@@ -33,8 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from megatrain.metrics import model_flops
-from suite.systems import DoesNotFit, Unsupported
+from suite.systems import Unsupported
 
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
@@ -216,7 +218,7 @@ class System:
         tail = text[-2000:]
         if code:
             if any(s in text for s in _DEVICE_OOM):
-                raise DoesNotFit("oom_device", f"Ratel ran out of device memory; last output:\n{tail}")
+                raise torch.cuda.OutOfMemoryError(f"Ratel ran out of device memory; last output:\n{tail}")
             raise RuntimeError(f"Ratel exited with code {code}; last output:\n{tail}")
         iterations = parse_output(text)
         need = self.spec.total_steps

@@ -8,7 +8,8 @@ import shutil
 import tempfile
 import weakref
 
-from suite.systems import DoesNotFit, Unsupported, hf
+from megatrain.memory import DoesNotFit, Shortage
+from suite.systems import Unsupported, hf
 from suite.systems.deepspeed_zero import ZeroSystem, aio_problem, ds_config
 
 
@@ -38,9 +39,8 @@ class System(ZeroSystem):
         need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM
         free = shutil.disk_usage(_existing(self.swap)).free
         if need > free:
-            # the harness knows host and device memory; the swap space is the host's too
-            raise DoesNotFit("oom_host", f"{self.NAME} swaps up to {need / hf.GiB:.1f} GiB to {self.swap} "
-                                         f"({self.SWAP_BYTES_PER_PARAM} B/param); {free / hf.GiB:.1f} GiB free there")
+            raise DoesNotFit(self.NAME, [Shortage("disk", int(need), free, f"its swap at {self.swap}, "
+                                                  f"{self.SWAP_BYTES_PER_PARAM} B/param")])
         os.makedirs(self.swap, exist_ok=True)
         # removed at close, or at exit when the construction fails after this point
         self._remove_swap = weakref.finalize(self, shutil.rmtree, self.swap, True) if self.owns_swap else None

@@ -1,0 +1,103 @@
+"""From what the user asked to what a run does: every `auto` setting decided, once, up front.
+
+`resolve(engine, data, optim, shape, machine)` takes the user's engine settings, the model's
+shape and the machine's free memory and returns frozen EngineSettings; the memory plan, the store
+and the engine read only those. The `auto` choices are made in this order, each with the ones
+before it settled:
+  mlp_chunk_tokens     the whole MLP when the plan fits the device, else the largest chunk of
+                       MLP_CHUNKS that makes it fit (chunking recomputes part of the MLP)
+  device_tiles         the most tiles, in forward order, whose optimizer state the device holds
+                       beside everything else (their updates are the ones the next step waits for
+                       on the host; recompute is not exposed time, so tiles come first)
+  no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
+The last two leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates, and an
+over-estimate costs only speed. With no device bound (the CPU) they choose 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import psutil
+
+from megatrain import memory
+from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
+from megatrain.shapes import ModelShape
+from megatrain.units import GiB
+
+MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run may use: the accelerator's free bytes (None: no bound, as on the CPU) and the host's."""
+    is_cuda: bool
+    device_free: int | None
+    host_available: int
+
+    @staticmethod
+    def of(device, engine: EngineConfig) -> "Machine":
+        """This machine as `device` reports it, or as engine.host_memory_gb / device_memory_gb state it."""
+        free = device.free_bytes()
+        if engine.device_memory_gb is not None:
+            free = int(engine.device_memory_gb * GiB)
+        host = psutil.virtual_memory().available
+        if engine.host_memory_gb is not None:
+            host = int(engine.host_memory_gb * GiB)
+        return Machine(device.is_cuda, free, host)
+
+
+def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
+            machine: Machine) -> EngineSettings:
+    _check_against_shape(engine, shape)
+    compute = engine.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if machine.is_cuda else "float32"
+    s = EngineSettings(
+        device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
+        checkpoint_every=engine.checkpoint_every, weight_buffers=engine.weight_buffers,
+        offload_checkpoints=engine.offload_checkpoints, grad_slabs=engine.grad_slabs,
+        device_tiles=0 if engine.device_tiles == "auto" else engine.device_tiles,
+        loss_chunk_tokens=engine.loss_chunk_tokens,
+        mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
+        no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
+        optimizer_threads=engine.optimizer_threads, timeline=engine.timeline,
+        tokens=data.batch_size * data.seq_len, microbatches=data.grad_accum,
+        clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda)
+    bound = machine.device_free
+    if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:
+        s = replace(s, mlp_chunk_tokens=_mlp_chunk(shape, s, bound))
+    if engine.device_tiles == "auto":
+        s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
+    if engine.no_recompute_layers == "auto":
+        s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
+    return s
+
+
+def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
+    L = shape.num_layers
+    if isinstance(engine.device_tiles, int) and engine.device_tiles > L + 1:
+        raise ValueError(f"engine.device_tiles must be between 0 and {L + 1} (the embedding and the {L} layers), "
+                         f"not {engine.device_tiles}")
+    if isinstance(engine.no_recompute_layers, int) and engine.no_recompute_layers > L:
+        raise ValueError(f"engine.no_recompute_layers must be at most the model's {L} layers, "
+                         f"not {engine.no_recompute_layers}")
+
+
+def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:
+    def fits(chunk: int | None) -> bool:
+        return device_free is None or memory.plan(shape, replace(s, mlp_chunk_tokens=chunk)).device_bytes <= device_free
+    if fits(None):
+        return None
+    candidates = [c for c in MLP_CHUNKS if c < s.tokens]
+    return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
+
+
+def _most_that_fit(shape: ModelShape, s: EngineSettings, field: str, count: int, device_free: int | None) -> int:
+    """The largest n in 1..count for which the plan with <field> = n fits the device with
+    DEVICE_WORKSPACE spare once more, else 0; 0 when nothing bounds memory."""
+    if device_free is None:
+        return 0
+
+    def fits(n: int) -> bool:
+        return memory.plan(shape, replace(s, **{field: n})).device_bytes + memory.DEVICE_WORKSPACE <= device_free
+    return next((n for n in range(count, 0, -1) if fits(n)), 0)

@@ -1,0 +1,167 @@
+"""The step's schedule: every op of one training step, in order, from the run's settings.
+
+One list drives both the weight prefetcher (the units the ops load, in order) and the engine's
+loop (one handler per op kind), so the two cannot disagree; the same object says which layers
+are recomputed and how many FLOPs the hardware executes.
+
+With L layers, K = checkpoint_every and the last N layers kept from recompute, the layers
+0..L-N-1 form blocks of K (the last may be shorter), each with a checkpoint of its input, and each
+kept layer is a block of its own. For M micro-batches:
+  Embed                                    every micro-batch's embedding rows, its masks and rotary
+  [SaveCheckpoint i] Forward i             for i = 0..L-1 (a checkpoint at each block's first layer)
+  Head                                     loss, its gradient and the gradient into the last layer
+  per block, last first:
+    TakeCheckpoint s, PrefetchCheckpoint s' (a recomputed block; s' the previous recomputed block)
+    per micro-batch m:
+      Recompute s..e-1 (m)                 a small graph per layer (kept layers: none)
+      Backward e-1..s (m)                  each graph run and released; at m = M-1 the layer's
+                                           step gradient returns to the host
+      EmbeddingBackward (m)                after layer 0
+  EmbeddingGradient                        the embedding's step gradient returns
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.metrics import model_flops, recompute_flops
+from megatrain.shapes import ModelShape
+
+HEAD = "head"  # the unit of the head's op (final norm and LM head; the embedding too when tied)
+
+
+@dataclass(frozen=True)
+class Embed:
+    loads = None
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    layer: int  # the first layer of a recomputed block: every micro-batch's input is kept
+    loads = None
+
+
+@dataclass(frozen=True)
+class Forward:
+    layer: int
+    keep_graph: bool  # a layer kept from recompute: its graph is built now and kept to its backward
+
+    @property
+    def loads(self) -> int:
+        return self.layer
+
+
+@dataclass(frozen=True)
+class Head:
+    loads = HEAD
+
+
+@dataclass(frozen=True)
+class TakeCheckpoint:
+    layer: int
+    loads = None
+
+
+@dataclass(frozen=True)
+class PrefetchCheckpoint:
+    layer: int  # the next recomputed block's first layer: its checkpoints start back now
+    loads = None
+
+
+@dataclass(frozen=True)
+class Recompute:
+    layer: int
+    mb: int
+    root_only: bool  # the block's last layer: only the backward reads its output (unread_mlp.py)
+
+    @property
+    def loads(self) -> int:
+        return self.layer
+
+
+@dataclass(frozen=True)
+class Backward:
+    layer: int
+    mb: int
+    recomputed: bool  # its graph comes from Recompute (else from its Forward)
+    first: bool  # the step's first micro-batch through this layer: the gradient accumulator starts
+    last: bool  # the last: the layer's step gradient returns to the host after it
+
+    @property
+    def loads(self) -> int:
+        return self.layer
+
+
+@dataclass(frozen=True)
+class EmbeddingBackward:
+    mb: int
+    loads = None
+
+
+@dataclass(frozen=True)
+class EmbeddingGradient:
+    loads = None
+
+
+Op = (Embed | SaveCheckpoint | Forward | Head | TakeCheckpoint | PrefetchCheckpoint | Recompute | Backward
+      | EmbeddingBackward | EmbeddingGradient)
+
+
+@dataclass(frozen=True)
+class Block:
+    start: int
+    end: int
+    recomputed: bool
+
+
+class Schedule:
+    def __init__(self, num_layers: int, checkpoint_every: int, no_recompute_layers: int, microbatches: int):
+        L, K, M = num_layers, checkpoint_every, microbatches
+        self.recomputed_layers = L - no_recompute_layers  # layers 0..this-1 run their forward twice
+        R = self.recomputed_layers
+        self.blocks = ([Block(s, min(s + K, R), True) for s in range(0, R, K)]
+                       + [Block(i, i + 1, False) for i in range(R, L)])
+        ops: list[Op] = [Embed()]
+        starts = {b.start for b in self.blocks if b.recomputed}
+        for i in range(L):
+            if i in starts:
+                ops.append(SaveCheckpoint(i))
+            ops.append(Forward(i, keep_graph=i >= R))
+        ops.append(Head())
+        for b in reversed(range(len(self.blocks))):
+            block = self.blocks[b]
+            if block.recomputed:
+                ops.append(TakeCheckpoint(block.start))
+            if b > 0 and self.blocks[b - 1].recomputed:
+                ops.append(PrefetchCheckpoint(self.blocks[b - 1].start))  # overlaps this block's compute
+            for m in range(M):
+                if block.recomputed:
+                    ops += [Recompute(i, m, root_only=i == block.end - 1) for i in range(block.start, block.end)]
+                ops += [Backward(i, m, block.recomputed, first=m == 0, last=m == M - 1)
+                        for i in reversed(range(block.start, block.end))]
+                if block.start == 0:
+                    ops.append(EmbeddingBackward(m))
+        ops.append(EmbeddingGradient())
+        self.ops: tuple[Op, ...] = tuple(ops)
+
+    @property
+    def loads(self) -> list[int | str]:
+        """The weight unit of each op that computes (a layer index or HEAD), in order: the prefetch plan."""
+        return [op.loads for op in self.ops if op.loads is not None]
+
+    @property
+    def recomputed_blocks(self) -> int:
+        return sum(b.recomputed for b in self.blocks)
+
+    def hardware_flops(self, shape: ModelShape, mlp_chunk: int | None, seq_lengths: list[int]) -> float:
+        """FLOPs the step executes: the model's, plus the recomputed layers' second forward, less the
+        MLP projections a recomputed block's last layer leaves out (unread_mlp.py), plus the chunked
+        MLP's gate and up projections that every backward runs again (chunked_mlp.py)."""
+        R = self.recomputed_layers
+        flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden, seq_lengths)
+        flops += recompute_flops(shape.layer_matmul_params() * R, R, shape.hidden, seq_lengths)
+        mlp = shape.mlp_matmul_params()
+        unread = mlp if mlp_chunk else (mlp // 3 if shape.gated_mlp else 0)
+        flops -= sum(2 * n * unread * self.recomputed_blocks for n in seq_lengths)
+        if mlp_chunk:
+            flops += sum(2 * n * 2 * mlp // 3 * shape.num_layers for n in seq_lengths)
+        return flops

@@ -1,0 +1,100 @@
+"""The runtime side of a model family: stateless layer templates, Bind, masks and rotary.
+
+A template is the library's own decoder-layer module with every parameter removed: it holds the
+kernels (attention, MLP, norms) and the per-layer behaviour that is not a weight (layer type,
+sliding window), never a weight. `Template.bind` points its weight slots at zero-copy views into
+a streaming buffer, so running layer i is: bind(views of buffer), call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from megatrain.chunked_mlp import chunk_tokens
+from megatrain.lean_norm import make_lean
+from megatrain.shapes import ModelShape
+from megatrain.unread_mlp import skip_unread_down
+
+
+class Template:
+    """A decoder layer (or the final norm) with its parameters replaced by bindable slots."""
+
+    def __init__(self, module: nn.Module):
+        if list(module.buffers()):
+            raise ValueError(f"{type(module).__name__} holds buffers; the template adapter does not support it")
+        self.module = module
+        self.slots: list[tuple[nn.Module, str]] = []
+        for name, _ in list(module.named_parameters()):
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            del owner._parameters[attr]
+            owner.__dict__[attr] = None
+            self.slots.append((owner, attr))
+
+    def bind(self, views: list[torch.Tensor]) -> nn.Module:
+        """Zero-copy Bind: each weight slot becomes the given view of the streaming buffer."""
+        for (owner, attr), view in zip(self.slots, views, strict=True):
+            owner.__dict__[attr] = view
+        return self.module
+
+
+class Architecture:
+    """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
+    chunked_mlp.py)."""
+
+    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None):
+        self.shape = shape
+        self.mlp_chunk = mlp_chunk
+        self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
+        self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
+        if mlp_chunk:
+            with torch.device("meta"):  # refuses a family it cannot chunk before anything runs
+                chunk_tokens(shape.layer_class(shape.config, 0).mlp, mlp_chunk, shape.config.hidden_act)
+        self._templates: dict[str, Template] = {}
+        self._norm_template: Template | None = None
+
+    def template(self, index: int) -> Template:
+        """The template for layer `index`: one per layer type, re-labelled with the layer's index."""
+        s = self.shape
+        kind = s.layer_type(index)
+        if kind not in self._templates:
+            with torch.device("meta"):
+                module = s.layer_class(s.config, index)
+            module.train()
+            for sub in module.modules():
+                if isinstance(sub, self._norm_cls):
+                    make_lean(sub)
+            if self.mlp_chunk:
+                chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
+            elif s.gated_mlp:
+                skip_unread_down(module.mlp)
+            self._templates[kind] = Template(module)
+        template = self._templates[kind]
+        template.module.self_attn.layer_idx = index
+        return template
+
+    def norm_template(self) -> Template:
+        if self._norm_template is None:
+            with torch.device("meta"):
+                self._norm_template = Template(self._norm_cls(self.shape.hidden, eps=self.shape.config.rms_norm_eps))
+        return self._norm_template
+
+    # ---- per-batch context shared by all layers ----
+    def rotary(self, device: torch.device) -> nn.Module:
+        with torch.device(device):
+            return self._rotary_cls(config=self.shape.config)
+
+    def masks(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The masks the library itself would build, by layer type (None lets SDPA use is_causal)."""
+        s = self.shape
+        kwargs = dict(config=s.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                      past_key_values=None, position_ids=position_ids)
+        kinds = {s.layer_type(i) for i in range(s.num_layers)}
+        out = {}
+        if "full_attention" in kinds:
+            out["full_attention"] = create_causal_mask(**kwargs)
+        if "sliding_attention" in kinds:
+            out["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return out
