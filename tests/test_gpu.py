@@ -98,10 +98,10 @@ def test_auto_fills_the_device_with_tiles_then_kept_layers(tmp_path, cuda_only):
     AdamW's rounding (as test_device_tiles_track_host_tiles)."""
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     auto = {"device_tiles": "auto", "no_recompute_layers": "auto"}
-    cfg, trainer = gpu_trainer(tmp_path, **auto)
+    _, trainer = gpu_trainer(tmp_path, **auto)
     trainer.close()
     layers = OVERRIDES["num_hidden_layers"]
-    assert (cfg.engine.device_tiles, cfg.engine.no_recompute_layers) == (layers + 1, layers)
+    assert (trainer.settings.device_tiles, trainer.settings.no_recompute_layers) == (layers + 1, layers)
     runs = base_and(tmp_path, auto)
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=0)
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
