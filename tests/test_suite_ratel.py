@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.engine import Batch
+from megatrain.batch import Batch
 from suite.spec import RunSpec
 from suite.systems import Unsupported
 from suite.systems.ratel import RUN_SH_FLAGS, System, parse_output
