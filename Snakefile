@@ -1,8 +1,10 @@
 # The reproduction workflow: the grid's points (one job each), one table and one figure per
-# experiment, and the engine's smoke run. The grid comes from the profile:
+# experiment, and the engine's smoke run. The grid comes from the profile, or from `--config grid=`:
 #   snakemake --profile cpu        # tiny models on the CPU, the whole DAG in minutes
 #   snakemake --profile h100 -n    # the H100 grid (dry run)
-# Sub-targets: `tables`, `figures`, `engine_smoke`, or one file such as plots/cpu/depth.png.
+#   snakemake --profile h100 targets --config grid=workflows/grids/h100-speed.yaml
+# Sub-targets: `tables`, `figures`, `engine_smoke`, each experiment by its name (its points, table and
+# figure, then the harness's table of its points printed), or one file such as plots/cpu/depth.png.
 from snakemake.utils import min_version
 
 min_version("8.0")
@@ -37,3 +39,23 @@ rule tables:
 rule figures:
     input:
         all_figures(),
+
+
+# One target per experiment of the grid, named as the experiment.
+for _experiment in EXPERIMENTS:
+
+    rule:
+        name:
+            _experiment
+        input:
+            experiment_outputs(_experiment),
+        conda:
+            "workflows/envs/megatrain.yaml"
+        log:
+            f"logs/{HW}/{_experiment}.log",
+        params:
+            hardware=HW,
+            experiment=_experiment,
+        localrule: True
+        shell:
+            "python -m suite table results/{params.hardware}/points/{params.experiment} 2>&1 | tee {log}"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Every system on the GPU machine: the loss-tracking check on a tiny model, then named points.
-#   OUT=results/h100/baselines experiments/baselines.sh [GROUP|POINT ...]   (default: baselines3b baselines7b)
-# Carried here (git-ignored): .whl (deepspeed, colossalai and what the image lacks; built with
-# ../shared/tools/device-wheels.sh and baselines/gemini.md) and .libaio (baselines/libaio.sh fetch).
+# Every system's loss-tracking check on the GPU machine (python -m suite check): each trains a tiny
+# model from one saved random init on one fixed batch, its losses compared step by step with native's.
+#   OUT=results/h100/baselines experiments/baselines.sh      (CHECK_SYSTEMS: a comma-separated subset)
+# Carried here (git-ignored): .whl and .libaio, as experiments/workflow_gpu.sh describes. The systems'
+# measured points are workflow targets, e.g. on the H100 machine:
+#   experiments/workflow_gpu.sh 540 h100 scale ratel          # every system at 4 sequences, 3B and 7B
+#   experiments/workflow_gpu.sh 540 h100 batches --config grid=workflows/grids/h100-speed.yaml
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -13,5 +16,3 @@ fi
 [ -d .libaio ] && eval "$(baselines/libaio.sh env .libaio)"
 python3 -m suite check --systems "${CHECK_SYSTEMS:-megatrain,native,fsdp2,zero3,zero_infinity,gemini,ratel}" \
   --out-dir "$OUT/check" --timeout "${POINT_TIMEOUT:-600}"
-[ $# -gt 0 ] || set -- baselines3b baselines7b
-experiments/points.sh "$@"

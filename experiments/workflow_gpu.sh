@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Run workflow targets on the GPU machine within one call, and pack what they wrote.
-#   experiments/workflow_gpu.sh SECONDS PROFILE TARGET ...    (e.g. 480 h100 results/h100/points/scale/3b_native.json)
-# Installs a carried wheel folder (WHEELS, default .whl: snakemake, deepspeed and what the image lacks,
-# built with ../shared/tools/device-wheels.sh; WHEELS=none: the machine has them) into /tmp/site and
-# the carried .libaio (ZeRO-Infinity), runs `snakemake --profile PROFILE TARGET ...` for at most
-# SECONDS (a point cut there is rerun next time: Snakemake removes its incomplete output), then packs
-# results/, plots/ and logs/ of the profile's hardware into $OUT/workflow.tgz.
+#   experiments/workflow_gpu.sh SECONDS PROFILE TARGET ... [--config grid=GRID]   (targets first: --config takes what follows)
+#   e.g. 480 h100 results/h100/points/scale/3b_native.json; 540 h100 targets --config grid=workflows/grids/h100-speed.yaml
+# Installs a carried wheel folder (WHEELS, default .whl; WHEELS=none: the machine has everything) into
+# /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
+# `snakemake --profile PROFILE ...` for at most SECONDS (a point cut there is rerun next time:
+# Snakemake removes its incomplete output), prints the harness's table of the point folders named,
+# then packs results/, plots/ and logs/ of the grid's hardware into $OUT/workflow.tgz.
+# The wheel folder holds, for the machine's Python, what its image lacks: `pip download` (or
+# `pip wheel`) of snakemake, datasets, hjson, pydantic>=2 and deepspeed==0.19.8 (built with
+# DS_BUILD_OPS=0: its ops compile on the machine at first use), with their dependencies, leaving out
+# what the image ships (torch, transformers, pandas, ...) so that nothing shadows it; colossalai for
+# Gemini as baselines/gemini.md says.
 #
 # Work longer than one call (a call lasts at most 10 minutes) runs detached, in its own session, and
 # outlives the call while the machine stays held, i.e. while the next call comes within the machine's
@@ -14,13 +20,20 @@
 #   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait up to SECONDS more, pack
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
 # Keep every pack: each call first copies this working tree to the machine, which removes the files
-# the run wrote that this tree lacks (session 6: FSDP2's accuracy result, written before --attach,
-# was only in the first pack; the summary, computed in memory, still had it).
+# a detached run wrote before that this tree lacks.
 set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
-state=/tmp/workflow_gpu  # a detached run's log and exit status
+state=/tmp/workflow_gpu  # a detached run's log, exit status and hardware
+# The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
+hw=$(python3 - "profiles/$profile/config.yaml" "$@" <<'PY'
+import sys, yaml
+grids = [a[5:] for a in sys.argv[2:] if a.startswith("grid=")]
+grids = grids or [c[5:] for c in yaml.safe_load(open(sys.argv[1]))["config"] if c.startswith("grid=")]
+print(yaml.safe_load(open(grids[-1]))["hardware"])
+PY
+)
 if [ "$mode" != attach ]; then
   WHEELS=${WHEELS:-.whl}
   if [ "$WHEELS" != none ]; then
@@ -35,17 +48,21 @@ case $mode in
     timeout --signal=INT --kill-after=30 "$limit" python3 -m snakemake --profile "$profile" "$@"
     echo "snakemake exit $?" ;;
   detach)
-    rm -rf "$state" && mkdir -p "$state"
+    rm -rf "$state" && mkdir -p "$state" && echo "$hw" > "$state/hw"
     setsid bash -c 'python3 -m snakemake --profile "$@"; echo $? > '"$state"'/rc' _ "$profile" "$@" \
       > "$state/log" 2>&1 < /dev/null &
     echo "detached: snakemake --profile $profile $* (log $state/log)" ;;
 esac
 if [ "$mode" != run ]; then
   [ -d "$state" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }
+  hw=$(cat "$state/hw" 2>/dev/null || echo "$hw")
   end=$((SECONDS + limit))
   while [ ! -f "$state/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
   tail -n 20 "$state/log"
   if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"; else echo "still running: --attach again within 30 s"; fi
 fi
-hw=$(python3 -c "import yaml,sys; p=yaml.safe_load(open('profiles/$profile/config.yaml')); g=[c for c in p['config'] if c.startswith('grid=')][0][5:]; print(yaml.safe_load(open(g))['hardware'])")
+if [ "$mode" = run ]; then  # the harness's table of the point folders named (an experiment's target prints its own)
+  dirs=$(for t in "$@"; do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
+  [ -z "$dirs" ] || python3 -m suite table $dirs
+fi
 tar czf "${OUT:-out}/workflow.tgz" $(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)

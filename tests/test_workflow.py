@@ -25,8 +25,12 @@ def test_grid_is_valid_and_ids_unique(path):
     g = grid.load(path)
     validate(g, str(grid.SCHEMA))
     grid.check(g)
-    assert g["hardware"] == path.stem  # results/<hardware>/ matches the profile's grid
-    assert set(g["experiments"]) <= {"scale", "ratel", "depth", "width", "context", "ablations", "devices"}
+    # <hardware>.yaml is the machine's grid (its profile's); <hardware>-<purpose>.yaml adds experiments
+    # on that machine (`--config grid=`). Both write under results/<hardware>/.
+    machine, _, purpose = path.stem.partition("-")
+    assert g["hardware"] == machine
+    if not purpose:  # a machine's grid holds the paper's experiments
+        assert set(g["experiments"]) <= {"scale", "ratel", "depth", "width", "context", "ablations", "devices"}
     # A not-runnable point is data with a reason, never a job of its experiment.
     for n in g.get("not_runnable", []):
         assert n["experiment"] in g["experiments"] and len(n["reason"]) >= 10
@@ -52,6 +56,48 @@ def test_points_over_the_host_are_marked_not_dropped(path):
         if p["system"] == "megatrain":
             over = grid.host_need_gib(p) > g["host_gib"]
             assert (p.get("expect") == "oom_host") == over, key
+
+
+def test_a_point_is_defined_once_per_machine():
+    # The grids are the one registry of points: across the grids of one machine no two points run the
+    # same thing (options that only add a measurement, ceiling and trace, do not count), and no two
+    # experiments share a name, so no table or figure is written by two grids.
+    by_hardware: dict[str, list[dict]] = {}
+    for path in GRIDS:
+        g = grid.load(path)
+        by_hardware.setdefault(g["hardware"], []).append(g)
+    for hardware, grids in by_hardware.items():
+        names = [e for g in grids for e in g["experiments"]]
+        assert len(names) == len(set(names)), hardware
+        seen: dict[str, tuple[str, str]] = {}
+        for g in grids:
+            for key, p in grid.points(g).items():
+                assert seen.setdefault(grid.identity(p), key) == key, f"{hardware}: {key} repeats {seen[grid.identity(p)]}"
+        # A trace lies beside its point's result.
+        for g in grids:
+            for (experiment, point_id), p in grid.points(g).items():
+                if "trace" in p["options"]:
+                    assert p["options"]["trace"] == f"results/{hardware}/points/{experiment}/{point_id}.trace.json"
+
+
+def test_identity_ignores_what_only_adds_a_measurement():
+    p = {"system": "megatrain", "preset": "tiny-llama", "seq": 32, "batch": 1, "accum": 1, "options": {"engine.checkpoint_every": 1}}
+    assert grid.identity(p) == grid.identity({**p, "steps": 9, "options": {**p["options"], "ceiling": True, "trace": "t.json"}})
+    assert grid.identity(p) != grid.identity({**p, "options": {"engine.checkpoint_every": 2}})
+    assert grid.identity(p) != grid.identity({**p, "layers": 2})
+
+
+def test_grid_command_line_runs_a_point_outside_the_workflow(capsys):
+    path = str(ROOT / "workflows" / "grids" / "h100-speed.yaml")
+    assert grid.main([path]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "targets/7b_16seq_mb8_K1" in listed and len(listed) == len(grid.points(grid.load(path)))
+    assert grid.main([path, "targets/7b_16seq_mb8_K1"]) == 0
+    args = capsys.readouterr().out.split()
+    assert args == grid.argv(grid.points(grid.load(path))[("targets", "7b_16seq_mb8_K1")])
+    assert "ceiling=true" in args and "--out" not in args
+    with pytest.raises(SystemExit):
+        grid.main([path, "targets/nowhere"])
 
 
 def test_profiles_pick_existing_grids_and_are_linked():

@@ -1,5 +1,5 @@
-# The grid (config["grid"], a workflows/grids/*.yaml chosen by the profile), validated by schema,
-# and the input functions of the target rules.
+# The grid (config["grid"], a workflows/grids/*.yaml chosen by the profile or by `--config grid=`),
+# validated by schema, and the input functions of the target rules.
 import os
 import sys
 
@@ -48,3 +48,10 @@ def all_tables():
 
 def all_figures():
     return expand(f"plots/{HW}/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("png", "pdf"))
+
+
+def experiment_outputs(experiment):
+    """One experiment's table and figure: the input of its target rule (`snakemake ... depth`)."""
+    return expand(f"results/{HW}/tables/{experiment}.{{ext}}", ext=("csv", "md")) + expand(
+        f"plots/{HW}/{experiment}.{{ext}}", ext=("png", "pdf")
+    )

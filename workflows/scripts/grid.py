@@ -4,9 +4,15 @@ The schema (workflows/schemas/grid.schema.yaml) checks the shape; this module ch
 cannot (ids unique within an experiment) and turns a point into the harness's command line. The
 grid's `not_runnable` entries (points the paper has that no RunSpec can express) are data only:
 nothing here turns them into jobs.
+
+    python -m workflows.scripts.grid GRID                 # the grid's points, one experiment/id a line
+    python -m workflows.scripts.grid GRID EXPERIMENT/ID   # that point's `python -m suite run` arguments
 """
 from __future__ import annotations
 
+import argparse
+import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +106,20 @@ def host_need_gib(point: dict[str, Any]) -> float:
     return params(point) * HOST_BYTES_PER_PARAM / 2**30
 
 
+# Options that add a measurement beside the steps (the single-layer ceiling, the last step's
+# timeline) without changing what the steps run.
+DIAGNOSTIC_OPTIONS = frozenset({"ceiling", "trace"})
+
+
+def identity(point: dict[str, Any]) -> str:
+    """What a point runs: system, model, shape and options but the diagnostic ones. Two points of
+    one identity are one point defined twice; steps, warm-up and timeout do not count, as in
+    suite.compare's pairing of results."""
+    options = {k: v for k, v in point.get("options", {}).items() if k not in DIAGNOSTIC_OPTIONS}
+    return json.dumps([point["system"], model(point), point["seq"], point["batch"], point["accum"], options],
+                      sort_keys=True)
+
+
 def not_run(point: dict[str, Any]) -> dict[str, Any]:
     """A point without a result yet, shaped like a harness result with status `not_run`, so that a
     table made before the whole grid has run (`--config partial=true`) keeps its row."""
@@ -119,3 +139,25 @@ def argv(point: dict[str, Any]) -> list[str]:
              "--timeout", str(point["timeout"])]
     args += [f"{k}={_value(v)}" for k, v in sorted(point["options"].items())]
     return args
+
+
+def main(cli: list[str] | None = None) -> int:
+    """List a grid's points, or print one point's harness arguments: the route to run a grid point
+    outside the workflow, e.g. from an older tree (experiments/README.md)."""
+    ap = argparse.ArgumentParser(prog="python -m workflows.scripts.grid", description=main.__doc__)
+    ap.add_argument("grid", help="a workflows/grids/*.yaml")
+    ap.add_argument("point", nargs="?", help="EXPERIMENT/ID: print its `python -m suite run` arguments (no --out)")
+    args = ap.parse_args(cli)
+    pts = points(check(load(args.grid)))
+    if args.point is None:
+        print("\n".join(f"{e}/{i}" for e, i in pts))
+        return 0
+    key = tuple(args.point.split("/", 1))
+    if key not in pts:
+        ap.error(f"no point {args.point!r} in {args.grid} (list them: python -m workflows.scripts.grid {args.grid})")
+    print(shlex.join(argv(pts[key])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
