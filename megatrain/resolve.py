@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import os
+
 import psutil
 
 from megatrain import memory
@@ -25,6 +27,24 @@ from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
 MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
+HOST_MEMORY_ENV = "MEGATRAIN_HOST_MEMORY_GB"
+
+
+def host_available_bytes(stated_gb: float | None = None) -> int:
+    """The host memory a run may use: as stated (engine.host_memory_gb, else the environment's
+    MEGATRAIN_HOST_MEMORY_GB, which the harness's baselines read too), else what the OS calls
+    available now. Some VMs grow MemTotal as memory is used (one lent host reads 31 of its 256 GiB
+    at start): there, state it."""
+    if stated_gb is None and os.environ.get(HOST_MEMORY_ENV):
+        try:
+            stated_gb = float(os.environ[HOST_MEMORY_ENV])
+        except ValueError:
+            raise ValueError(f"{HOST_MEMORY_ENV} must be a number of GiB, not {os.environ[HOST_MEMORY_ENV]!r}") from None
+        if not stated_gb > 0:
+            raise ValueError(f"{HOST_MEMORY_ENV} must be positive, not {stated_gb}")
+    if stated_gb is not None:
+        return int(stated_gb * GiB)
+    return psutil.virtual_memory().available
 
 
 @dataclass(frozen=True)
@@ -36,14 +56,12 @@ class Machine:
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
-        """This machine as `device` reports it, or as engine.host_memory_gb / device_memory_gb state it."""
+        """This machine as `device` reports it, or as engine.device_memory_gb and the host memory
+        stated (host_available_bytes) say."""
         free = device.free_bytes()
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
-        host = psutil.virtual_memory().available
-        if engine.host_memory_gb is not None:
-            host = int(engine.host_memory_gb * GiB)
-        return Machine(device.is_cuda, free, host)
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb))
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,

@@ -431,3 +431,17 @@ def test_hardware_flops_count_the_recompute_the_schedule_runs():
     assert s.hardware_flops(shape, None, lengths) == model + 3 * layer - 2 * mlp // 3
     assert s.hardware_flops(shape, 8, lengths) == model + 3 * layer - 2 * mlp + 4 * 2 * mlp // 3
     assert Schedule(4, 1, 4, 1).hardware_flops(shape, None, lengths) == model
+
+
+def test_host_memory_is_taken_as_stated(monkeypatch):
+    """A host whose MemTotal grows as memory is used reads far too little at start: the memory a run
+    may use comes from engine.host_memory_gb, else MEGATRAIN_HOST_MEMORY_GB, else the OS."""
+    from megatrain.resolve import HOST_MEMORY_ENV, host_available_bytes
+    monkeypatch.delenv(HOST_MEMORY_ENV, raising=False)
+    assert 0 < host_available_bytes() < 2**50
+    monkeypatch.setenv(HOST_MEMORY_ENV, "256")
+    assert host_available_bytes() == 256 * 2**30 and host_available_bytes(10) == 10 * 2**30
+    for bad in ("lots", "0"):
+        monkeypatch.setenv(HOST_MEMORY_ENV, bad)
+        with pytest.raises(ValueError, match=HOST_MEMORY_ENV):
+            host_available_bytes()
