@@ -146,22 +146,13 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self, microbatches: list[Batch]) -> StepResult:
         start = time.perf_counter()
-        targets = [shift_labels(mb.labels) for mb in microbatches]
-        n_targets = int(sum(int((t != -100).sum()) for t in targets))
-        if n_targets == 0:
-            raise ValueError("the step has no target tokens (every label is -100)")
-        for mb in microbatches:
-            if mb.input_ids.numel() > self.max_tokens:
-                raise ValueError(f"a micro-batch has {mb.input_ids.numel()} tokens; the engine was sized "
-                                 f"for {self.max_tokens}")
+        targets, n_targets = self._targets(microbatches)
         schedule = self.schedule(len(microbatches))
         self.timeline.begin_step()
         self.worker.begin_step(self._contributions())
         units = {**dict(enumerate(self.layer_units)), HEAD: self.head_unit}
         self.streamer.start([units[k] for k in schedule.loads])
-        h2d0 = self.streamer.bytes_h2d + self.checkpoints.bytes_h2d
-        d2h0 = self.bytes_d2h + self.checkpoints.bytes_d2h
-        wait_update0, wait_slab0 = self.streamer.wait_s, self.slabs.wait_s
+        before = self._counters()
         step = _Step(microbatches, targets, 1.0 / n_targets)
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
@@ -178,16 +169,29 @@ class Engine:
             self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
-        loss_value = float(step.loss) / n_targets
-        lengths = []
-        for mb in microbatches:
-            mask = mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)
-            lengths += [int(n) for n in mask.sum(dim=1)]
+        moved = [now - then for now, then in zip(self._counters(), before)]
+        lengths = [int(n) for mb in microbatches for n in
+                   (mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)).sum(dim=1)]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
-        return StepResult(loss_value, n_targets, lengths, time.perf_counter() - start, prev,
-                          self.streamer.bytes_h2d + self.checkpoints.bytes_h2d - h2d0,
-                          self.bytes_d2h + self.checkpoints.bytes_d2h - d2h0,
-                          self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
+        return StepResult(float(step.loss) / n_targets, n_targets, lengths, time.perf_counter() - start, prev, *moved)
+
+    def _targets(self, microbatches: list[Batch]) -> tuple[list[torch.Tensor], int]:
+        """Each micro-batch's shifted labels and the step's target tokens; a step the engine cannot
+        take is refused before it starts."""
+        targets = [shift_labels(mb.labels) for mb in microbatches]
+        n_targets = int(sum(int((t != -100).sum()) for t in targets))
+        if n_targets == 0:
+            raise ValueError("the step has no target tokens (every label is -100)")
+        for mb in microbatches:
+            if mb.input_ids.numel() > self.max_tokens:
+                raise ValueError(f"a micro-batch has {mb.input_ids.numel()} tokens; the engine was sized "
+                                 f"for {self.max_tokens}")
+        return targets, n_targets
+
+    def _counters(self) -> tuple[int, int, float, float]:
+        """Bytes moved each way and host seconds blocked (on an update, on a slab) so far: StepResult's order."""
+        return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d, self.bytes_d2h + self.checkpoints.bytes_d2h,
+                self.streamer.wait_s, self.slabs.wait_s)
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
