@@ -4,10 +4,10 @@ from __future__ import annotations
 import contextlib
 import socket
 
-import psutil
 import torch
 
 from megatrain.memory import DoesNotFit, Shortage
+from megatrain.resolve import host_available_bytes
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
@@ -42,7 +42,7 @@ def require_host(spec, bytes_per_param: float, what: str) -> None:
     if not spec.options.get("admission", True):
         return
     need = params(spec) * bytes_per_param
-    have = psutil.virtual_memory().available
+    have = host_available_bytes()  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
     if need > have:
         raise DoesNotFit(what, [Shortage("host", int(need), have,
                                          f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params")])
