@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain.arch import load_hf_config
+from megatrain.shapes import load_hf_config
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine import Batch
 from megatrain.optim import lr_at

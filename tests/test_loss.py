@@ -4,15 +4,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatrain.arch import Architecture, load_hf_config
+from megatrain.shapes import ModelShape, load_hf_config
+from megatrain.templates import Architecture
 from megatrain.config import ModelConfig
 from megatrain.loss import head_loss_and_grads, shift_labels
 
 
 def test_chunked_head_equals_full_logits():
-    arch = Architecture(load_hf_config(ModelConfig(preset="tiny-llama")))
+    shape = ModelShape(load_hf_config(ModelConfig(preset="tiny-llama")))
+    arch = Architecture(shape)
     gen = torch.Generator().manual_seed(0)
-    T, H, V = 37, arch.hidden, arch.vocab
+    T, H, V = 37, shape.hidden, shape.vocab
     x = torch.randn(T, H, generator=gen)
     targets = torch.randint(0, V, (T,), generator=gen)
     targets[5:9] = -100
@@ -20,7 +22,7 @@ def test_chunked_head_equals_full_logits():
     w_head = 0.05 * torch.randn(V, H, generator=gen)
     # reference: the whole logits matrix at once
     xr, wn, wh = (t.clone().requires_grad_() for t in (x, w_norm, w_head))
-    normed = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + arch.config.rms_norm_eps) * wn
+    normed = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + shape.config.rms_norm_eps) * wn
     ref = F.cross_entropy(F.linear(normed, wh), targets, ignore_index=-100, reduction="sum")
     (ref / 3).backward()
     for chunk in (5, 16, 1000):

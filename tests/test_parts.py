@@ -182,7 +182,7 @@ def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):
     """A tile updated range by range, in small chunks, with decayed and undecayed parts, equals
     torch.optim.AdamW on the same parameters."""
     from megatrain import optim
-    from megatrain.arch import ParamSpec
+    from megatrain.shapes import ParamSpec
     monkeypatch.setattr(optim, "CHUNK", 100)
     specs = [ParamSpec("w", (30, 20)), ParamSpec("norm", (70,))]
     tile = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)

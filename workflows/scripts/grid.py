@@ -90,9 +90,9 @@ def model(point: dict[str, Any]) -> dict[str, Any]:
 
 def params(point: dict[str, Any]) -> int:
     """Parameters of the point's model."""
-    from megatrain.arch import Architecture, load_hf_config
+    from megatrain.shapes import ModelShape, load_hf_config
     from megatrain.config import ModelConfig
-    return Architecture(load_hf_config(ModelConfig(**model(point)))).total_params()
+    return ModelShape(load_hf_config(ModelConfig(**model(point)))).total_params()
 
 
 def host_need_gib(point: dict[str, Any]) -> float:
