@@ -8,7 +8,8 @@ import sys
 
 from megatrain.config import parse_overrides
 from suite.compare import DEFAULT_METRICS, METRICS
-from suite.spec import SYSTEMS, RunSpec
+from suite.spec import RunSpec
+from suite.system import SYSTEMS
 
 
 def _options(items: list[str]) -> dict:

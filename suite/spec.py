@@ -13,8 +13,7 @@ from typing import Any
 
 from megatrain.shapes import load_hf_config
 from megatrain.config import DataConfig, ModelConfig
-
-SYSTEMS = ("megatrain", "native", "fsdp2", "zero3", "zero_infinity", "gemini", "ratel")
+from suite.system import SYSTEMS
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """The harness on CPU: spec validation, one process per point, statuses, atomic results, sampler."""
+import inspect
 import json
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from megatrain.metrics import PeakSampler
 from suite.check import check, passed
 from suite.runner import classify, run_point
 from suite.spec import RunSpec
+from suite.system import SYSTEMS, System, load
 
 TINY = {"preset": "tiny-llama"}
 
@@ -40,6 +42,14 @@ def test_spec_round_trips_and_refuses_unknown_keys():
     with pytest.raises(ValueError, match="unknown keys"):
         RunSpec.from_dict({**spec.to_dict(), "batch": 4})
     assert spec.key() != tiny().key()
+
+
+def test_every_registered_system_implements_the_interface():
+    for name in SYSTEMS:  # importing a baseline needs none of its own dependencies
+        system = load(name)
+        assert issubclass(system, System) and not inspect.isabstract(system), name
+    with pytest.raises(ValueError, match="unknown 'nope'"):
+        load("nope")
 
 
 @pytest.mark.parametrize("system", ["native", "megatrain"])

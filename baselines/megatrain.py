@@ -1,4 +1,5 @@
-"""MegaTrain: this repository's engine, through its public Trainer API.
+"""MegaTrain: this repository's engine, through its public Trainer API. To the harness it is one
+system among its peers: the same spec, data, clock and FLOPs formula as every baseline.
 
 Options: `engine` (EngineConfig fields, e.g. {"checkpoint_every": 1}), `max_grad_norm` (default:
 no clipping, like every baseline here), `ceiling` (after the steps, the engine's single-layer compute
@@ -11,12 +12,12 @@ import dataclasses
 import torch
 
 from megatrain.config import load_config
-from megatrain.memory import DoesNotFit
+from suite.system import System
 
 _OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
 
 
-class System:
+class MegaTrain(System):
     def __init__(self, spec, device: torch.device):
         unknown = sorted(set(spec.options) - _OPTIONS)
         if unknown:

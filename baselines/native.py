@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from suite.systems import hf
+from baselines import hf
+from suite.system import System
 
 
-class System:
+class Native(System):
     # float32 weights, gradients and two moments on the device
     BYTES_PER_PARAM = 16
 
@@ -30,6 +31,3 @@ class System:
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.autocast else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True)", "activation_checkpointing": True}
-
-    def close(self) -> None:
-        pass
