@@ -4,7 +4,7 @@
 
 For each model the paper lists, the preset of the same name (megatrain.presets, matched case
 blind on the name's first word: "Qwen2.5-7B" -> qwen2.5-7b) is built into a
-`megatrain.arch.Architecture`, which gives the shape and the parameter counts. A listed model we
+`megatrain.shapes.ModelShape`, which gives the shape and the parameter counts. A listed model we
 have no preset for is still a row, with status "paper_only" and the reason. Computed rows carry
 source="computed", the paper's printed rows source="paper"; they are never merged.
 """
@@ -37,20 +37,20 @@ def computed_row(model: str) -> dict:
     """One model's shape and parameter counts from its preset (status "paper_only" without one)."""
     name = preset_for(model)
     if name is None:
-        from megatrain.arch import FAMILIES
+        from megatrain.shapes import FAMILIES
         return {"source": "computed", "model": model, "preset": None, "status": "paper_only",
                 "reason": f"no preset in megatrain.presets (layer adapters exist for {sorted(FAMILIES)} only)"}
-    from megatrain.arch import Architecture, load_hf_config
+    from megatrain.shapes import ModelShape, load_hf_config
     from megatrain.config import ModelConfig
 
-    arch = Architecture(load_hf_config(ModelConfig(preset=name)))
-    c = arch.config
-    total, matmul = arch.total_params(), arch.matmul_params()
+    shape = ModelShape(load_hf_config(ModelConfig(preset=name)))
+    c = shape.config
+    total, matmul = shape.total_params(), shape.matmul_params()
     return {"source": "computed", "model": model, "preset": name, "status": "ok", "reason": None,
-            "model_type": c.model_type, "layers": arch.num_layers, "hidden_size": arch.hidden,
+            "model_type": c.model_type, "layers": shape.num_layers, "hidden_size": shape.hidden,
             "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-            "head_dim": getattr(c, "head_dim", None) or arch.hidden // c.num_attention_heads,
-            "ffn_size": c.intermediate_size, "vocab_size": arch.vocab, "tied_embeddings": arch.tied,
+            "head_dim": getattr(c, "head_dim", None) or shape.hidden // c.num_attention_heads,
+            "ffn_size": c.intermediate_size, "vocab_size": shape.vocab, "tied_embeddings": shape.tied,
             "total_params": total, "total_params_B": total / 1e9,
             "matmul_params": matmul, "matmul_params_B": matmul / 1e9}
 
@@ -72,7 +72,7 @@ def markdown(df: pd.DataFrame) -> str:
     ref_cols = [c for c in ref.columns if c not in ("source", "artefact") and ref[c].notna().any()]
     return "\n".join([
         "# Table 2: model configurations", "",
-        "## Computed (megatrain.presets -> megatrain.arch.Architecture)", "", md_table(ours), "",
+        "## Computed (megatrain.presets -> megatrain.shapes.ModelShape)", "", md_table(ours), "",
         f"## Paper ({ref['artefact'].iloc[0]}, as printed)", "", md_table(ref[ref_cols]),
     ]) + "\n"
 
