@@ -9,7 +9,6 @@ import torch
 
 from megatrain.memory import DoesNotFit, Shortage
 from megatrain.shapes import ModelShape
-from megatrain.units import GiB
 
 
 def build_model(spec, device: torch.device | str | None = None):

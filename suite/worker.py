@@ -26,9 +26,6 @@ from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
 from suite.system import Unsupported, load
 
-HARNESS_KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_tflops",
-                "peak_device_allocated_bytes")
-
 
 def _median(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
