@@ -80,8 +80,7 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
         "train_batch_size": spec.batch_size * spec.grad_accum,  # world size 1
         "gradient_clipping": 0.0,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {**hf.adamw_kwargs(spec), "betas": list(spec.betas)}},
         "zero_optimization": {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_optimizer},
         "steps_per_print": 2**31 - 1,  # DeepSpeed's own step log would interleave with the harness's
         "wall_clock_breakdown": False,
@@ -154,7 +153,8 @@ class ZeroSystem(System):
         model = hf.build_model(spec)  # not moved: zero.Init partitions it as it is built
         hf.enable_checkpointing(model)
         model.train()
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)
+        self.engine, *_ = deepspeed.initialize(model=model, config=self.config,
+                                               model_parameters=hf.adamw_params(model, spec.weight_decay))
 
     @abstractmethod
     def build_config(self, spec) -> dict[str, Any]:

@@ -36,8 +36,8 @@ class FSDP2(System):
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(self.model, mesh=mesh, **kwargs)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.0, fused=True)
+        self.opt = torch.optim.AdamW(hf.adamw_params(self.model, spec.weight_decay), **hf.adamw_kwargs(spec),
+                                     fused=True)
 
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False)

@@ -105,7 +105,7 @@ class Gemini(System):
         model = hf.build_model(spec, "cpu")
         hf.enable_checkpointing(model)
         model.train()
-        opt = HybridAdam(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        opt = HybridAdam(hf.adamw_params(model, spec.weight_decay), **hf.adamw_kwargs(spec))
         plugin = GeminiPlugin(**self.settings, precision="bf16", pin_memory=True,
                               enable_gradient_accumulation=spec.grad_accum > 1)
         self.booster = Booster(plugin=plugin)

@@ -58,6 +58,23 @@ def require_device(spec, device: torch.device, bytes_per_param: float, what: str
                                          f"before activations")])
 
 
+def adamw_params(model, weight_decay: float) -> list:
+    """The model's parameters for AdamW. With weight decay, two groups: decay on matrices only, as
+    MegaTrain applies it (megatrain.shapes.ParamSpec.decay); without, the plain list."""
+    params = list(model.parameters())
+    if not weight_decay:
+        return params
+    # a ZeRO-3 parameter is a flat shard by now; DeepSpeed keeps its own shape as ds_shape
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+
+
+def adamw_kwargs(spec) -> dict:
+    """The spec's AdamW settings, for torch.optim.AdamW and the optimizers that take its arguments."""
+    return dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
 def loss_of(model, batch, device: torch.device, autocast: bool):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         return model(input_ids=batch.input_ids.to(device, non_blocking=True),

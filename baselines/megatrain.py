@@ -26,8 +26,8 @@ class MegaTrain(System):
         tree = {
             "model": spec.model,
             "engine": {"device": str(device), **spec.options.get("engine", {})},
-            "optim": {"lr": spec.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-                      "betas": [0.9, 0.95], "eps": 1e-8, "max_grad_norm": spec.options.get("max_grad_norm")},
+            "optim": {"lr": spec.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": spec.weight_decay,
+                      "betas": list(spec.betas), "eps": spec.eps, "max_grad_norm": spec.options.get("max_grad_norm")},
             "data": {"source": "synthetic", "seq_len": spec.seq_len, "batch_size": spec.batch_size,
                      "grad_accum": spec.grad_accum, "seed": spec.seed, "repeat_batch": spec.repeat_batch},
             "steps": spec.total_steps,

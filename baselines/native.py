@@ -19,8 +19,8 @@ class Native(System):
         self.model = hf.build_model(spec, device)
         hf.enable_checkpointing(self.model)
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.0, fused=True)
+        self.opt = torch.optim.AdamW(hf.adamw_params(self.model, spec.weight_decay), **hf.adamw_kwargs(spec),
+                                     fused=True)
 
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, self.autocast)

@@ -260,7 +260,8 @@ class Ratel(System):
             "differences_from_spec": self.differences,
             "ratel_params": layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h,
             "precision": "fp16 weights and compute; fp32 master and Adam state in DeepSpeedCPUAdam "
-                         "(adamw_mode=False, its default lr): main.py takes no learning rate",
+                         "(adamw_mode=False, its default lr): main.py takes no optimizer settings "
+                         "(the spec's lr, betas, eps and weight_decay are not used)",
             "data": "one random batch for every iteration; main.py takes no seed",
             "loss": "not printed by main.py (MSE of the last hidden states against a random target)",
             "step_time_s": "main.py's 'forward time' + 'back_and_opt time' of the iteration",

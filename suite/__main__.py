@@ -47,7 +47,8 @@ def _run(args) -> int:
             model["overrides"] = overrides
         spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                       lr=args.lr, timeout_s=args.timeout, options=_options(args.option))
+                       lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
+                       timeout_s=args.timeout, options=_options(args.option))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--warmup", type=int, default=_default(RunSpec, "warmup"))
     r.add_argument("--seed", type=int, default=_default(RunSpec, "seed"))
     r.add_argument("--lr", type=float, default=_default(RunSpec, "lr"))
+    r.add_argument("--betas", type=float, nargs=2, default=_default(RunSpec, "betas"), metavar=("BETA1", "BETA2"))
+    r.add_argument("--eps", type=float, default=_default(RunSpec, "eps"))
+    r.add_argument("--weight-decay", type=float, default=_default(RunSpec, "weight_decay"),
+                   help="AdamW's decoupled decay, on matrices only (not norms and biases)")
     r.add_argument("--timeout", type=float, default=_default(RunSpec, "timeout_s"),
                    help="seconds before the point is killed")
     r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
