@@ -77,6 +77,8 @@ def run(spec: RunSpec, out: str) -> dict:
                    "tokens": tokens, "tokens_per_s": tokens / seconds,
                    "model_tflops": flops / seconds / 1e12,
                    "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+            if "hardware_flops" in row:  # recomputation included; on the clock of model_tflops
+                row["hardware_tflops"] = row["hardware_flops"] / seconds / 1e12
             result["steps"].append(row)
             write_json(out, result)
             if loss is not None and not math.isfinite(loss):  # diverged: broken, not slow

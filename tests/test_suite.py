@@ -92,6 +92,12 @@ def test_point_runs_in_its_own_process(tmp_path, system):
     assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]  # one warm-up, three measured
     assert r["steps"][0]["tokens"] == 32 * 2 * 2
     assert r["median"]["model_tflops"] > 0 and r["median"]["step_time_s"] > 0
+    for row in r["steps"]:  # every rate on the harness's wall clock
+        assert row["model_tflops"] == pytest.approx(r["model_flops_per_step"] / row["step_time_s"] / 1e12)
+        if system == "megatrain":
+            assert row["hardware_tflops"] == pytest.approx(row["hardware_flops"] / row["step_time_s"] / 1e12)
+            assert row["hardware_flops"] > r["model_flops_per_step"]  # the recomputed forward
+            assert 0 < row["engine_step_time_s"] <= row["step_time_s"]
     # the sampler watched the worker's tree, not this process
     assert r["peak"]["host_rss_bytes"] > 100 * 2**20
     assert r["env"]["cpu_cores"] and r["env"]["torch"] and "git_commit" in r["env"]
