@@ -231,9 +231,9 @@ class ZeROInfinity(ZeroSystem):
     def admit(self, spec) -> None:
         problem = aio_problem()
         if problem:
-            raise Unsupported(f"{self.NAME}: DeepSpeed cannot build its async_io op: {problem} -- provide libaio with "
-                              f"baselines/libaio.sh (fetch .libaio where apt works, carry .libaio, then "
-                              f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts)")
+            raise Unsupported(f"{self.NAME}: DeepSpeed cannot build its async_io op: {problem} -- install libaio-dev, "
+                              f"or without root: baselines/libaio.sh fetch .libaio (where apt works), then "
+                              f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts")
         need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM
         free = shutil.disk_usage(_existing(self.swap)).free
         if need > free:
