@@ -1,6 +1,6 @@
 """Throughput and memory measurements shared by the engine and every baseline.
 
-The one FLOPs formula (see HARDWARE.md): model FLOPs per token = 6*N + 12*L*h*s, with N the
+The one FLOPs formula (the MegaTrain paper's, arXiv 2604.05091; docs/harness.md): model FLOPs per token = 6*N + 12*L*h*s, with N the
 matmul weights of the decoder layers plus the LM head (the embedding lookup excluded), L layers,
 h hidden size, s the token's sequence length. Padding tokens are never counted.
 """

@@ -2,13 +2,27 @@
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import inspect
 import signal
 import sys
 
 from megatrain.config import parse_overrides
+from megatrain.units import GiB
+from suite.accuracy.experiment import Settings
+from suite.check import check
 from suite.compare import DEFAULT_METRICS, METRICS
-from suite.spec import SYSTEMS, RunSpec
+from suite.spec import RunSpec
+from suite.system import SYSTEMS
+
+
+def _default(owner, name: str):
+    """The default of a dataclass field or a function's parameter: the command line shows it and
+    never writes it a second time."""
+    if dataclasses.is_dataclass(owner):
+        f = {f.name: f for f in dataclasses.fields(owner)}[name]
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return inspect.signature(owner).parameters[name].default
 
 
 def _options(items: list[str]) -> dict:
@@ -33,19 +47,20 @@ def _run(args) -> int:
             model["overrides"] = overrides
         spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                       lr=args.lr, timeout_s=args.timeout, options=_options(args.option))
+                       lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
+                       timeout_s=args.timeout, options=_options(args.option))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     r = run_point(spec, args.out, python=args.python or sys.executable)
     med = r.get("median", {})
     print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
-          f"host {r['peak']['host_rss_bytes'] / 2**30:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
+          f"host {r['peak']['host_rss_bytes'] / GiB:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
     return 0 if r["status"] == "ok" else 1
 
 
 def _check(args) -> int:
-    from suite.check import check, passed
+    from suite.check import passed
     summary = check(args.systems.split(","), args.out_dir, steps=args.steps, tolerance=args.tolerance,
                     timeout_s=args.timeout)
     print(f"{'system':<14} {'status':<12} {'max gap':>8}  losses")
@@ -57,7 +72,7 @@ def _check(args) -> int:
 
 
 def _accuracy(args) -> int:
-    from suite.accuracy.experiment import Settings, run
+    from suite.accuracy.experiment import run
     options: dict = {}
     for item in args.option:
         system, _, setting = item.partition(":")
@@ -93,23 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--layers", type=int, help="override the number of decoder layers")
     r.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a model config field to change, repeatable (e.g. --override hidden_size=7168)")
-    r.add_argument("--seq", type=int, default=4096)
-    r.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
-    r.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    r.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
-    r.add_argument("--warmup", type=int, default=2)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--lr", type=float, default=1e-5)
-    r.add_argument("--timeout", type=float, default=1800.0, help="seconds before the point is killed")
+    r.add_argument("--seq", type=int, default=_default(RunSpec, "seq_len"))
+    r.add_argument("--batch", type=int, default=_default(RunSpec, "batch_size"), help="sequences per micro-batch")
+    r.add_argument("--accum", type=int, default=_default(RunSpec, "grad_accum"), help="micro-batches per step")
+    r.add_argument("--steps", type=int, default=_default(RunSpec, "steps"), help="measured steps after the warm-up")
+    r.add_argument("--warmup", type=int, default=_default(RunSpec, "warmup"))
+    r.add_argument("--seed", type=int, default=_default(RunSpec, "seed"))
+    r.add_argument("--lr", type=float, default=_default(RunSpec, "lr"))
+    r.add_argument("--betas", type=float, nargs=2, default=_default(RunSpec, "betas"), metavar=("BETA1", "BETA2"))
+    r.add_argument("--eps", type=float, default=_default(RunSpec, "eps"))
+    r.add_argument("--weight-decay", type=float, default=_default(RunSpec, "weight_decay"),
+                   help="AdamW's decoupled decay, on matrices only (not norms and biases)")
+    r.add_argument("--timeout", type=float, default=_default(RunSpec, "timeout_s"),
+                   help="seconds before the point is killed")
     r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
     r.add_argument("--out", required=True, help="result JSON (the worker's log goes beside it, .log)")
     r.add_argument("option", nargs="*", help="system options as key.sub=value (e.g. engine.checkpoint_every=1)")
     c = sub.add_parser("check", help="each system's loss on a tiny model tracks native's")
     c.add_argument("--systems", default="megatrain,native")
     c.add_argument("--out-dir", required=True)
-    c.add_argument("--steps", type=int, default=10)
-    c.add_argument("--tolerance", type=float, default=0.03, help="largest relative loss gap to native")
-    c.add_argument("--timeout", type=float, default=900.0, help="seconds before a system's point is killed")
+    c.add_argument("--steps", type=int, default=_default(check, "steps"))
+    c.add_argument("--tolerance", type=float, default=_default(check, "tolerance"),
+                   help="largest relative loss gap to native")
+    c.add_argument("--timeout", type=float, default=_default(check, "timeout_s"),
+                   help="seconds before a system's point is killed")
     t = sub.add_parser("table", help="the table of folders of results")
     t.add_argument("folders", nargs="+")
     d = sub.add_parser("compare", help="two folders of results point by point; exit 1 on a regression")
@@ -121,19 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("accuracy", help="Table 3: train one model with each system, exact-match accuracy of each")
     a.add_argument("--out", required=True, help="results: per-system JSON, summary.json")
     a.add_argument("--work", required=True, help="scratch: data, the initial model, the trained checkpoints")
-    a.add_argument("--systems", default="megatrain,native", help="comma-separated; native is always included")
-    a.add_argument("--model", default="tiny", help="llama shape for the generated task: tiny or 100m")
+    a.add_argument("--systems", default=",".join(_default(Settings, "systems")),
+                   help="comma-separated; native is always included")
+    a.add_argument("--model", default=_default(Settings, "model"), help="llama shape for the generated task: tiny or 100m")
     a.add_argument("--pretrained", help="a local checkpoint directory (with its tokenizer) instead")
     a.add_argument("--metamath", help="a local MetaMathQA json/jsonl (query, response) instead of generated problems")
-    a.add_argument("--problems", type=int, default=2000, help="generated problems before the 70/30 split")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--steps", type=int, default=100)
-    a.add_argument("--batch", type=int, default=16, help="sequences per step")
-    a.add_argument("--seq", type=int, default=192)
-    a.add_argument("--lr", type=float, default=1e-3)
-    a.add_argument("--eval-limit", type=int, default=500, help="test problems evaluated (0: all)")
-    a.add_argument("--eval-batch", type=int, default=64, help="problems generated at once")
-    a.add_argument("--timeout", type=float, default=3600.0, help="seconds before a system's training is killed")
+    a.add_argument("--problems", type=int, default=_default(Settings, "problems"),
+                   help="generated problems before the 70/30 split")
+    a.add_argument("--seed", type=int, default=_default(Settings, "seed"))
+    a.add_argument("--steps", type=int, default=_default(Settings, "steps"))
+    a.add_argument("--batch", type=int, default=_default(Settings, "batch"), help="sequences per step")
+    a.add_argument("--seq", type=int, default=_default(Settings, "seq"))
+    a.add_argument("--lr", type=float, default=_default(Settings, "lr"))
+    a.add_argument("--eval-limit", type=int, default=_default(Settings, "eval_limit"),
+                   help="test problems evaluated (0: all)")
+    a.add_argument("--eval-batch", type=int, default=_default(Settings, "eval_batch"), help="problems generated at once")
+    a.add_argument("--timeout", type=float, default=_default(Settings, "timeout_s"),
+                   help="seconds before a system's training is killed")
     a.add_argument("--option", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                    help="a system option, repeatable (e.g. megatrain:engine.checkpoint_every=1)")
     args = p.parse_args(argv)

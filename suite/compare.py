@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-GiB = 2 ** 30
+from megatrain.units import GiB
 
 
 @dataclass(frozen=True)

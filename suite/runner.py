@@ -21,6 +21,7 @@ import psutil
 
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
+from megatrain.units import GiB
 from suite.spec import RunSpec
 from suite.worker import medians
 
@@ -47,8 +48,8 @@ def classify(returncode: int | None, timed_out: bool, worker_status: str | None,
         return "oom_device", "the worker died on a device out-of-memory error (see log_tail)"
     if returncode is not None and returncode < 0 and -returncode == signal.SIGKILL:
         if peak_host >= 0.9 * host_total:
-            return "oom_host", (f"killed by SIGKILL with the process tree at {peak_host / 2**30:.1f} GiB of "
-                                f"{host_total / 2**30:.1f} GiB host memory (the kernel's OOM killer)")
+            return "oom_host", (f"killed by SIGKILL with the process tree at {peak_host / GiB:.1f} GiB of "
+                                f"{host_total / GiB:.1f} GiB host memory (the kernel's OOM killer)")
         return "error", "killed by SIGKILL"
     return "error", f"the worker exited with code {returncode} without a result (see log_tail)"
 

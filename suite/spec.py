@@ -13,8 +13,7 @@ from typing import Any
 
 from megatrain.shapes import load_hf_config
 from megatrain.config import DataConfig, ModelConfig
-
-SYSTEMS = ("megatrain", "native", "fsdp2", "zero3", "zero_infinity", "gemini", "ratel")
+from suite.system import SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,10 @@ class RunSpec:
     warmup: int = 2
     seed: int = 0
     lr: float = 1e-5
+    # AdamW's other settings, the same for every system (decay on matrices only, as MegaTrain does)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
     repeat_batch: bool = False  # the same batch every step (the loss-tracking check)
     timeout_s: float = 1800.0
     options: dict[str, Any] = field(default_factory=dict)  # the system's own settings
@@ -46,6 +49,14 @@ class RunSpec:
             raise ValueError(f"warmup: must be a non-negative integer, got {self.warmup!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be positive, got {self.lr!r}")
+        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
+                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))  # a JSON list comes back a tuple
+        if not self.eps > 0:
+            raise ValueError(f"eps: must be positive, got {self.eps!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay: must be non-negative, got {self.weight_decay!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: must be positive, got {self.timeout_s!r}")
         if self.data is not None:
@@ -67,6 +78,13 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def stored(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """A spec as a result stores it (JSON), with the defaults of the fields added since it was
+        written: a result of an older version compares equal to the same run specified today."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        return json.loads(json.dumps({**defaults, **values}))
 
     def model_config(self) -> ModelConfig:
         try:

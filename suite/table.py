@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GiB = 2 ** 30
+from megatrain.units import GiB
+
 COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'TFLOP/s':>8} {'ratio':>6} "
            f"{'busy':>5} {'opt exp':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7}")
 

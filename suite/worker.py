@@ -24,10 +24,7 @@ from megatrain.data import make_source
 from megatrain.metrics import environment, model_flops
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
-from suite.systems import Unsupported, load
-
-HARNESS_KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_tflops",
-                "peak_device_allocated_bytes")
+from suite.system import Unsupported, load
 
 
 def _median(rows: list[dict], key: str) -> float | None:
@@ -59,8 +56,8 @@ def run(spec: RunSpec, out: str) -> dict:
     system = None
     try:
         system = load(spec.system)(spec, device)
-        # a system that runs another model (Ratel's own GPT) counts that model's FLOPs
-        flops = result["model_flops_per_step"] = getattr(system, "model_flops_per_step", flops)
+        if system.model_flops_per_step is not None:  # it runs another model (Ratel's own GPT): count that one
+            flops = result["model_flops_per_step"] = system.model_flops_per_step
         data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
@@ -72,7 +69,7 @@ def run(spec: RunSpec, out: str) -> dict:
             start = time.perf_counter()
             row = system.step(microbatches)
             seconds = time.perf_counter() - start
-            if getattr(system, "own_step_time", False):  # a system run as one script reports its steps
+            if system.own_step_time:  # a system run as one script reports its steps
                 seconds = row["step_time_s"]
             loss = None if row["loss"] is None else float(row["loss"])
             tokens = sum(lengths) if spec.data is not None else spec.tokens_per_step
@@ -80,6 +77,8 @@ def run(spec: RunSpec, out: str) -> dict:
                    "tokens": tokens, "tokens_per_s": tokens / seconds,
                    "model_tflops": flops / seconds / 1e12,
                    "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+            if "hardware_flops" in row:  # recomputation included; on the clock of model_tflops
+                row["hardware_tflops"] = row["hardware_flops"] / seconds / 1e12
             result["steps"].append(row)
             write_json(out, result)
             if loss is not None and not math.isfinite(loss):  # diverged: broken, not slow

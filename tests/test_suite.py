@@ -1,4 +1,5 @@
 """The harness on CPU: spec validation, one process per point, statuses, atomic results, sampler."""
+import inspect
 import json
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from megatrain.metrics import PeakSampler
 from suite.check import check, passed
 from suite.runner import classify, run_point
 from suite.spec import RunSpec
+from suite.system import SYSTEMS, System, load
 
 TINY = {"preset": "tiny-llama"}
 
@@ -28,6 +30,10 @@ def tiny(system="native", **kw):
     (dict(model={"preset": "qwen9"}), "unknown model preset"),
     (dict(model={"preset": "tiny-llama", "overrides": {"model_type": "bert"}}), "not supported"),
     (dict(timeout_s=0), "timeout_s"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(betas=(0.9,)), "betas"),
+    (dict(eps=0.0), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
 ])
 def test_spec_refuses_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -40,6 +46,41 @@ def test_spec_round_trips_and_refuses_unknown_keys():
     with pytest.raises(ValueError, match="unknown keys"):
         RunSpec.from_dict({**spec.to_dict(), "batch": 4})
     assert spec.key() != tiny().key()
+    # a result written before the AdamW settings were spec fields still loads, as the same run
+    old = {k: v for k, v in spec.to_dict().items() if k not in ("betas", "eps", "weight_decay")}
+    assert RunSpec.from_dict(old) == spec
+    assert RunSpec.stored(old) == RunSpec.stored(json.loads(json.dumps(spec.to_dict())))
+
+
+def test_each_system_takes_adamw_settings_from_the_spec():
+    import torch
+    from baselines import hf
+    from baselines.deepspeed_zero import ds_config
+    from baselines.megatrain import MegaTrain
+    from baselines.native import Native
+    spec = tiny(lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    native = Native(spec, torch.device("cpu"))
+    decayed, plain = native.opt.param_groups  # matrices decay, norm weights do not (MegaTrain's rule)
+    assert (decayed["betas"], decayed["eps"], decayed["weight_decay"], plain["weight_decay"]) == ((0.8, 0.9), 1e-6, 0.1, 0.0)
+    assert {p.dim() for p in decayed["params"]} == {2} and {p.dim() for p in plain["params"]} == {1}
+    assert len(hf.adamw_params(native.model, 0.0)) == len(list(native.model.parameters()))  # no decay: one group
+    megatrain = MegaTrain(spec, torch.device("cpu"))
+    try:
+        o = megatrain.trainer.cfg.optim
+        assert (o.lr, tuple(o.betas), o.eps, o.weight_decay) == (3e-4, (0.8, 0.9), 1e-6, 0.1)
+    finally:
+        megatrain.close()
+    zero3 = RunSpec(**{**spec.to_dict(), "system": "zero3"})
+    assert ds_config(zero3, "cpu")["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6,
+                                                              "weight_decay": 0.1}
+
+
+def test_every_registered_system_implements_the_interface():
+    for name in SYSTEMS:  # importing a baseline needs none of its own dependencies
+        system = load(name)
+        assert issubclass(system, System) and not inspect.isabstract(system), name
+    with pytest.raises(ValueError, match="unknown 'nope'"):
+        load("nope")
 
 
 @pytest.mark.parametrize("system", ["native", "megatrain"])
@@ -51,6 +92,12 @@ def test_point_runs_in_its_own_process(tmp_path, system):
     assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4]  # one warm-up, three measured
     assert r["steps"][0]["tokens"] == 32 * 2 * 2
     assert r["median"]["model_tflops"] > 0 and r["median"]["step_time_s"] > 0
+    for row in r["steps"]:  # every rate on the harness's wall clock
+        assert row["model_tflops"] == pytest.approx(r["model_flops_per_step"] / row["step_time_s"] / 1e12)
+        if system == "megatrain":
+            assert row["hardware_tflops"] == pytest.approx(row["hardware_flops"] / row["step_time_s"] / 1e12)
+            assert row["hardware_flops"] > r["model_flops_per_step"]  # the recomputed forward
+            assert 0 < row["engine_step_time_s"] <= row["step_time_s"]
     # the sampler watched the worker's tree, not this process
     assert r["peak"]["host_rss_bytes"] > 100 * 2**20
     assert r["env"]["cpu_cores"] and r["env"]["torch"] and "git_commit" in r["env"]

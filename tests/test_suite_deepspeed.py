@@ -18,8 +18,9 @@ import torch
 from megatrain.shapes import ModelShape
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
-from suite.systems import Unsupported, deepspeed_zero, zero3, zero_infinity
-from suite.systems.deepspeed_zero import ds_config
+from baselines import deepspeed_zero
+from baselines.deepspeed_zero import ZeRO3Offload, ZeROInfinity, ds_config
+from suite.system import Unsupported
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,10 +50,17 @@ def test_zero_infinity_config_buffers_hold_the_largest_tensor(preset):
     param, opt = c["zero_optimization"]["offload_param"], c["zero_optimization"]["offload_optimizer"]
     assert param["device"] == opt["device"] == "nvme"
     assert param["nvme_path"] == opt["nvme_path"] == "/swap"
+<<<<<<< HEAD
     arch = ModelShape(s.hf_config())
     assert param["buffer_size"] >= arch.vocab * arch.hidden
     assert param["buffer_size"] >= max(p.numel for p in arch.layer_specs)
     assert param["buffer_count"] == 2 * len(arch.layer_specs) + 4
+=======
+    shape = ModelShape(s.hf_config())
+    assert param["buffer_size"] >= shape.vocab * shape.hidden
+    assert param["buffer_size"] >= max(p.numel for p in shape.layer_specs)
+    assert param["buffer_count"] == 2 * len(shape.layer_specs) + 4
+>>>>>>> layout
     assert param["max_in_cpu"] == 10**9
     assert set(c["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"}
 
@@ -72,11 +80,11 @@ def test_bad_options_are_refused(options):
         ds_config(spec("zero3", options=options), "cpu")
 
 
-@pytest.mark.parametrize("module", [zero3, zero_infinity])
-def test_missing_deepspeed_is_unsupported(module, monkeypatch):
+@pytest.mark.parametrize("name, system", [("zero3", ZeRO3Offload), ("zero_infinity", ZeROInfinity)])
+def test_missing_deepspeed_is_unsupported(name, system, monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
-    with pytest.raises(Unsupported, match=r"deepspeed is not installed \(pip install -e '\.\[baselines\]'"):
-        module.System(spec(module.__name__.rsplit(".", 1)[1]), torch.device("cpu"))
+    with pytest.raises(Unsupported, match=r"deepspeed is not installed \(pip install -e '\.\[baselines\]'\)"):
+        system(spec(name), torch.device("cpu"))
 
 
 @pytest.fixture
@@ -86,29 +94,28 @@ def fake_deepspeed(monkeypatch):
 
 def test_cpu_device_is_unsupported(fake_deepspeed):
     with pytest.raises(Unsupported, match="CUDA device"):
-        zero3.System(spec("zero3"), torch.device("cpu"))
+        ZeRO3Offload(spec("zero3"), torch.device("cpu"))
 
 
 def test_zero3_refuses_a_model_the_host_cannot_hold(fake_deepspeed):
     with pytest.raises(DoesNotFit, match="29 B/param") as e:
-        zero3.System(spec("zero3", "qwen2.5-72b"), torch.device("cuda"))
+        ZeRO3Offload(spec("zero3", "qwen2.5-72b"), torch.device("cuda"))
     assert e.value.memory == "host"
 
 
 def test_zero_infinity_without_libaio_says_why(fake_deepspeed, monkeypatch):
     reason = "async_io requires the dev libaio .so object and headers but these were not found."
-    monkeypatch.setattr(zero_infinity, "aio_problem", lambda: reason)
+    monkeypatch.setattr(deepspeed_zero, "aio_problem", lambda: reason)
     with pytest.raises(Unsupported) as e:
-        zero_infinity.System(spec("zero_infinity"), torch.device("cuda"))
+        ZeROInfinity(spec("zero_infinity"), torch.device("cuda"))
     assert reason in str(e.value) and "baselines/libaio.sh" in str(e.value)
 
 
 def test_zero_infinity_refuses_a_model_the_swap_cannot_hold(fake_deepspeed, monkeypatch, tmp_path):
-    monkeypatch.setattr(zero_infinity, "aio_problem", lambda: None)
+    monkeypatch.setattr(deepspeed_zero, "aio_problem", lambda: None)
     swap = tmp_path / "swap"
     with pytest.raises(DoesNotFit, match="disk space: needs .* GiB available") as e:
-        zero_infinity.System(spec("zero_infinity", "qwen2.5-72b", options={"nvme_path": str(swap)}),
-                             torch.device("cuda"))
+        ZeROInfinity(spec("zero_infinity", "qwen2.5-72b", options={"nvme_path": str(swap)}), torch.device("cuda"))
     assert e.value.memory == "disk" and not swap.exists()
 
 
@@ -172,7 +179,7 @@ def test_libaio_env_without_debs_says_what_to_run(tmp_path):
 
 
 def test_arch_list_loses_arch_specific_suffixes(monkeypatch):
-    from suite.systems.deepspeed_zero import _plain_arch_list
+    from baselines.deepspeed_zero import _plain_arch_list
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;10.0f+PTX")
     _plain_arch_list()
     import os

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from suite.spec import RunSpec
-from suite.systems import Unsupported
-from suite.systems.gemini import System
+from baselines.gemini import Gemini
+from suite.system import Unsupported
 
 CPU = torch.device("cpu")
 
@@ -21,7 +21,7 @@ def spec(**options) -> RunSpec:
 def test_without_colossalai_unsupported_names_versions(monkeypatch):
     monkeypatch.setitem(sys.modules, "colossalai", None)  # `import colossalai` now raises ImportError
     with pytest.raises(Unsupported) as e:
-        System(spec(), CPU)
+        Gemini(spec(), CPU)
     message = str(e.value)
     assert "colossalai cannot be imported: ModuleNotFoundError" in message
     assert f"installed: torch {torch.__version__}" in message
@@ -39,7 +39,7 @@ def test_importable_colossalai_without_cuda_unsupported(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     sys.modules["colossalai"].__version__ = "0.0-stub"
     with pytest.raises(Unsupported, match="needs a CUDA device.*got cpu"):
-        System(spec(), CPU)
+        Gemini(spec(), CPU)
 
 
 @pytest.mark.parametrize("options, setting", [
@@ -50,4 +50,4 @@ def test_importable_colossalai_without_cuda_unsupported(monkeypatch):
 ])
 def test_bad_options_rejected(options, setting):
     with pytest.raises(ValueError, match=setting):
-        System(spec(**options), CPU)
+        Gemini(spec(**options), CPU)

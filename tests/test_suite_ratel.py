@@ -8,8 +8,8 @@ import torch
 
 from megatrain.batch import Batch
 from suite.spec import RunSpec
-from suite.systems import Unsupported
-from suite.systems.ratel import RUN_SH_FLAGS, System, parse_output
+from baselines.ratel import RUN_SH_FLAGS, Ratel, parse_output
+from suite.system import Unsupported
 
 CPU = torch.device("cpu")
 PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
@@ -66,18 +66,18 @@ def spec(checkout=None, **kw) -> RunSpec:
 def test_without_a_checkout_says_where_to_get_one(monkeypatch):
     monkeypatch.delenv("RATEL_HOME", raising=False)
     with pytest.raises(Unsupported, match=r"no Ratel checkout: set RATEL_HOME or options.checkout .*RC4ML/LoHan"):
-        System(spec(), CPU)
+        Ratel(spec(), CPU)
 
 
 def test_an_empty_directory_is_not_a_checkout(tmp_path, monkeypatch):
     monkeypatch.setenv("RATEL_HOME", str(tmp_path))
     with pytest.raises(Unsupported, match=r"is not a Ratel checkout: no main.py or config.json"):
-        System(spec(), CPU)
+        Ratel(spec(), CPU)
 
 
 def test_the_spec_maps_onto_main_py_and_steps_replay_its_iterations(checkout):
     s = spec(checkout, options={"args": {"swap_ratio": 0.5}})
-    system = System(s, CPU)
+    system = Ratel(s, CPU)
     try:
         batch = Batch(torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))
         rows = [system.step([batch]) for _ in range(s.total_steps)]
@@ -108,7 +108,7 @@ def test_the_spec_maps_onto_main_py_and_steps_replay_its_iterations(checkout):
 def test_a_different_model_family_is_refused_unless_approximated(checkout):
     with pytest.raises(Unsupported, match=r"only its own GPT-2-style model.*intermediate_size 128.*"
                                           r"num_key_value_heads 2.*approximate_model"):
-        System(spec(checkout, options={"approximate_model": False}), CPU)
+        Ratel(spec(checkout, options={"approximate_model": False}), CPU)
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -119,7 +119,7 @@ def test_a_different_model_family_is_refused_unless_approximated(checkout):
 ])
 def test_what_main_py_cannot_express_is_refused(checkout, change, error, message):
     with pytest.raises(error, match=message):
-        System(spec(checkout, **change), CPU)
+        Ratel(spec(checkout, **change), CPU)
 
 
 def test_an_environment_without_flash_attn_1_is_refused(checkout):
@@ -127,7 +127,7 @@ def test_an_environment_without_flash_attn_1_is_refused(checkout):
         f.unlink()
     (checkout / "flash_attn").rmdir()
     with pytest.raises(Unsupported, match=r"cannot import flash_attn.flash_attention.*flash-attn 1.0.4"):
-        System(spec(checkout), CPU)
+        Ratel(spec(checkout), CPU)
 
 
 @pytest.mark.parametrize("env, error, message", [
@@ -138,7 +138,7 @@ def test_an_environment_without_flash_attn_1_is_refused(checkout):
 def test_a_failed_or_short_run_is_an_error_with_the_output_tail(checkout, monkeypatch, env, error, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    system = System(spec(checkout), CPU)
+    system = Ratel(spec(checkout), CPU)
     try:
         with pytest.raises(error, match=message):
             system.step([])

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("yaml")
 
 from workflows import paper as paperlib  # noqa: E402
-from workflows.scripts import aggregate, plot  # noqa: E402
+from workflows.scripts import aggregate, plot, timeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["scale", "depth", "width", "context", "ablations", "devices"]
@@ -125,3 +125,18 @@ def test_the_paper_gets_a_line_per_system(tmp_path):
     assert tflops["paper (GH200): FSDP Offload"] == [[1.0, 501], [3.0, 281]]
     assert [y for _, y in host["paper (GH200): MegaTrain"]] == pytest.approx([v / plot.GB_PER_GiB for v in (174, 263, 308)])
     assert "paper (GH200)" in device and not any(k.startswith("paper (GH200):") for k in device)
+
+
+def test_timeline_colours_each_span_by_its_kind(tmp_path):
+    """One span of every kind on its track, drawn; a kind without a colour would be a KeyError."""
+    from megatrain.timeline import Kind, Track
+    assert set(timeline.COLORS) == set(Kind)
+    tracks = list(Track)
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": str(t)}}
+              for i, t in enumerate(tracks)]
+    events += [{"name": f"{kind} L0", "cat": str(kind), "ph": "X", "pid": 0, "tid": i % len(tracks),
+                "ts": 1000.0 * i, "dur": 900.0} for i, kind in enumerate(Kind)]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    timeline.main([str(trace), str(tmp_path / "t.png"), "--window", "0", "0.006", "--window", "0.006", "0.012"])
+    assert (tmp_path / "t.png").stat().st_size > 0

@@ -202,7 +202,7 @@ def run(s: Settings) -> dict:
 
 def _unlimited(spec: dict) -> dict:
     """A run's spec without its time limit (a result stands whatever limit it finished within)."""
-    return {k: v for k, v in spec.items() if k != "timeout_s"}
+    return {k: v for k, v in RunSpec.stored(spec).items() if k != "timeout_s"}
 
 
 def loss_gaps(rows: dict) -> dict:

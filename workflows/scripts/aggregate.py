@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-GiB = 2 ** 30
+from megatrain.units import GiB
+
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq",
                     "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]

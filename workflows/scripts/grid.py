@@ -103,7 +103,8 @@ def params(point: dict[str, Any]) -> int:
 
 def host_need_gib(point: dict[str, Any]) -> float:
     """MegaTrain's host memory for the point's model at HOST_BYTES_PER_PARAM (no activations)."""
-    return params(point) * HOST_BYTES_PER_PARAM / 2**30
+    from megatrain.units import GiB
+    return params(point) * HOST_BYTES_PER_PARAM / GiB
 
 
 # Options that add a measurement beside the steps (the single-layer ceiling, the last step's

@@ -43,14 +43,14 @@ def computed_row(model: str) -> dict:
     from megatrain.shapes import ModelShape, load_hf_config
     from megatrain.config import ModelConfig
 
-    arch = ModelShape(load_hf_config(ModelConfig(preset=name)))
-    c = arch.config
-    total, matmul = arch.total_params(), arch.matmul_params()
+    shape = ModelShape(load_hf_config(ModelConfig(preset=name)))
+    c = shape.config
+    total, matmul = shape.total_params(), shape.matmul_params()
     return {"source": "computed", "model": model, "preset": name, "status": "ok", "reason": None,
-            "model_type": c.model_type, "layers": arch.num_layers, "hidden_size": arch.hidden,
+            "model_type": c.model_type, "layers": shape.num_layers, "hidden_size": shape.hidden,
             "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-            "head_dim": getattr(c, "head_dim", None) or arch.hidden // c.num_attention_heads,
-            "ffn_size": c.intermediate_size, "vocab_size": arch.vocab, "tied_embeddings": arch.tied,
+            "head_dim": getattr(c, "head_dim", None) or shape.hidden // c.num_attention_heads,
+            "ffn_size": c.intermediate_size, "vocab_size": shape.vocab, "tied_embeddings": shape.tied,
             "total_params": total, "total_params_B": total / 1e9,
             "matmul_params": matmul, "matmul_params_B": matmul / 1e9}
 

@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from megatrain.units import GB_PER_GiB
 from workflows.scripts.aggregate import Experiment, experiment
 
-GB_PER_GiB = 2 ** 30 / 1e9
 MEASURED = dict(marker="o", linestyle="-")
 PAPER = dict(marker="s", linestyle="--", markerfacecolor="none", color="black")
 PAPER_MARKERS = ("s", "^", "D", "v", "P", "X")  # one per system the paper prints in a panel

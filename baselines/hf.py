@@ -9,7 +9,6 @@ import torch
 from megatrain.memory import DoesNotFit, Shortage
 from megatrain.resolve import host_available_bytes
 from megatrain.shapes import ModelShape
-from megatrain.units import GiB
 
 
 def build_model(spec, device: torch.device | str | None = None):
@@ -57,6 +56,23 @@ def require_device(spec, device: torch.device, bytes_per_param: float, what: str
         raise DoesNotFit(what, [Shortage("device", int(need), free,
                                          f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params, "
                                          f"before activations")])
+
+
+def adamw_params(model, weight_decay: float) -> list:
+    """The model's parameters for AdamW. With weight decay, two groups: decay on matrices only, as
+    MegaTrain applies it (megatrain.shapes.ParamSpec.decay); without, the plain list."""
+    params = list(model.parameters())
+    if not weight_decay:
+        return params
+    # a ZeRO-3 parameter is a flat shard by now; DeepSpeed keeps its own shape as ds_shape
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    return [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+
+
+def adamw_kwargs(spec) -> dict:
+    """The spec's AdamW settings, for torch.optim.AdamW and the optimizers that take its arguments."""
+    return dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 
 
 def loss_of(model, batch, device: torch.device, autocast: bool):

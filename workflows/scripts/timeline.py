@@ -1,7 +1,8 @@
 """Draw a window of a step's timeline (a Chrome trace from `Trainer.write_trace`, or the harness's
-megatrain option `trace=PATH`) as one lane per stream and CPU thread:
+megatrain option `trace=PATH`) as one lane per stream and CPU thread, each span coloured by its
+kind (the event's `cat`, a `megatrain.timeline.Kind`):
 
-    python3 plots/timeline.py TRACE.json OUT.png [--window START_S END_S ...]
+    python -m workflows.scripts.timeline TRACE.json OUT.png [--window START_S END_S ...]
 """
 from __future__ import annotations
 
@@ -13,24 +14,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "tab:green", "head": "tab:purple",
-          "embedding": "tab:olive", "load": "tab:orange", "checkpoint": "tab:brown", "gradient": "tab:red",
-          "wait": "tab:gray", "optimizer": "tab:pink"}
+from megatrain.timeline import Kind  # noqa: E402
+
+COLORS = {Kind.FORWARD: "tab:blue", Kind.RECOMPUTE: "tab:cyan", Kind.BACKWARD: "tab:green",
+          Kind.HEAD: "tab:purple", Kind.EMBEDDING: "tab:olive", Kind.LOAD: "tab:orange",
+          Kind.CHECKPOINT: "tab:brown", Kind.GRADIENT: "tab:red", Kind.UPDATE: "tab:pink",
+          Kind.WAIT_WEIGHTS: "tab:gray", Kind.WAIT_OPTIMIZER: "silver", Kind.OPTIMIZER_STEP: "black"}
 
 
-def color(track: str, name: str) -> str:
-    if track == "optimizer":
-        return COLORS["optimizer"]
-    return COLORS.get(name.split(" ")[0], "tab:gray")
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("trace")
     p.add_argument("out")
     p.add_argument("--window", nargs=2, type=float, action="append", metavar=("START_S", "END_S"))
     p.add_argument("--title", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     events = json.load(open(args.trace))["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     spans = [e for e in events if e["ph"] == "X"]
@@ -41,18 +39,18 @@ def main() -> None:
             start, end = e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3  # ms
             if end < lo * 1e3 or start > hi * 1e3:
                 continue
-            track = lanes[e["tid"]]
             ax.broken_barh([(start, max(end - start, 0.05))], (e["tid"] - 0.4, 0.8),
-                           facecolors=color(track, e["name"]), edgecolor="none")
+                           facecolors=COLORS[Kind(e["cat"])], edgecolor="none")
         ax.set_xlim(lo * 1e3, hi * 1e3)
         ax.set_yticks(list(lanes), [lanes[t] for t in lanes])
         ax.invert_yaxis()
         ax.set_xlabel("time since step start (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, list(COLORS), loc="upper center", ncol=len(COLORS), fontsize=8, frameon=False)
+    fig.legend(handles, [str(k) for k in COLORS], loc="upper center", ncol=len(COLORS) // 2, fontsize=8,
+               frameon=False)
     if args.title:
         fig.suptitle(args.title, y=0.02, fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.04, 1, 1 - 0.45 / fig.get_figheight()))  # two legend rows above
     fig.savefig(args.out, dpi=130)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from suite.systems import hf
+from baselines import hf
+from suite.system import System
 
 
-class System:
+class Native(System):
     # float32 weights, gradients and two moments on the device
     BYTES_PER_PARAM = 16
 
@@ -18,8 +19,8 @@ class System:
         self.model = hf.build_model(spec, device)
         hf.enable_checkpointing(self.model)
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.0, fused=True)
+        self.opt = torch.optim.AdamW(hf.adamw_params(self.model, spec.weight_decay), **hf.adamw_kwargs(spec),
+                                     fused=True)
 
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, self.autocast)
@@ -30,6 +31,3 @@ class System:
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.autocast else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True)", "activation_checkpointing": True}
-
-    def close(self) -> None:
-        pass

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from megatrain.metrics import model_flops
-from suite.systems import Unsupported
+from suite.system import System, Unsupported
 
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
@@ -82,7 +82,9 @@ def _default_python() -> str:
     return sys.executable
 
 
-class System:
+class Ratel(System):
+    own_step_time = True  # main.py's per-iteration times, not the wall clock around step()
+
     def __init__(self, spec, device):
         # `device` is not used: Ratel's main.py takes the GPU that CUDA_VISIBLE_DEVICES leaves it
         unknown = sorted(set(spec.options) - _OPTIONS)
@@ -103,7 +105,6 @@ class System:
         h, layers, seq, batch = (self.shape[k] for k in ("hidden_dim", "num_layers", "max_seq_len", "batch_size"))
         # qkv 3h², out h², MLP 8h² per layer; no LM head: the FLOPs of the model Ratel really runs
         self.model_flops_per_step = model_flops(12 * h * h * layers, layers, h, [seq] * batch)
-        self.own_step_time = True  # main.py's per-iteration times, not the wall clock around step()
         self.rows: list[dict] | None = None
         self.taken = 0
         self.output_tail = ""
@@ -259,12 +260,16 @@ class System:
             "differences_from_spec": self.differences,
             "ratel_params": layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h,
             "precision": "fp16 weights and compute; fp32 master and Adam state in DeepSpeedCPUAdam "
-                         "(adamw_mode=False, its default lr): main.py takes no learning rate",
+                         "(adamw_mode=False, its default lr): main.py takes no optimizer settings "
+                         "(the spec's lr, betas, eps and weight_decay are not used)",
             "data": "one random batch for every iteration; main.py takes no seed",
             "loss": "not printed by main.py (MSE of the last hidden states against a random target)",
             "step_time_s": "main.py's 'forward time' + 'back_and_opt time' of the iteration",
             "iterations_used": len(self.rows or []), "output_tail": self.output_tail,
         }
+
+    def save(self, path: str) -> None:
+        raise Unsupported("Ratel's main.py keeps its trained weights to itself: it writes no checkpoint")
 
     def close(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -22,7 +22,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from suite.systems import Unsupported, hf
+from baselines import hf
+from suite.system import System, Unsupported
 
 # what `pip download colossalai` found on 2026-11-21, named when colossalai is not installed at all
 LATEST_CHECKED = "0.5.0, which requires torch>=2.2.0,<=2.5.1, transformers==4.51.3"
@@ -78,7 +79,7 @@ def _settings(options: dict) -> dict:
     return {"placement_policy": policy}
 
 
-class System:
+class Gemini(System):
     # host RSS measured on the H100 machine at the 3B shape, everything offloaded: 17.8-17.9 B/param
     # (bf16 parameter chunks 2 + fp32 master 4 + Adam moments 8, gradient chunks and pinned buffers)
     HOST_BYTES_PER_PARAM = 18
@@ -104,7 +105,7 @@ class System:
         model = hf.build_model(spec, "cpu")
         hf.enable_checkpointing(model)
         model.train()
-        opt = HybridAdam(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        opt = HybridAdam(hf.adamw_params(model, spec.weight_decay), **hf.adamw_kwargs(spec))
         plugin = GeminiPlugin(**self.settings, precision="bf16", pin_memory=True,
                               enable_gradient_accumulation=spec.grad_accum > 1)
         self.booster = Booster(plugin=plugin)

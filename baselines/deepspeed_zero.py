@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO stage 3 on one GPU, shared by ZeRO-3 Offload (`zero3`: parameters and optimizer
-state in pinned host memory) and ZeRO-Infinity (`zero_infinity`: both on NVMe through libaio).
+"""DeepSpeed ZeRO stage 3 on one GPU, two systems: ZeRO-3 Offload (`zero3`: parameters and optimizer
+state in pinned host memory, CPU Adam) and ZeRO-Infinity (`zero_infinity`: both swapped to NVMe
+through DeepSpeed's async_io op, which needs libaio: baselines/libaio.sh provides it without root).
 
 The model is built under `deepspeed.zero.Init` by the `transformers` integration: an
 `HfDeepSpeedConfig` that is alive during `from_config` makes `transformers` partition each module as
@@ -19,13 +20,19 @@ import io
 import logging
 import os
 import re
+import shutil
+import tempfile
+import weakref
+from abc import abstractmethod
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from baselines import hf
+from megatrain.memory import DoesNotFit, Shortage
 from megatrain.shapes import ModelShape
-from suite.systems import Unsupported, hf
+from suite.system import System, Unsupported
 
 OFFLOADS = ("cpu", "nvme")
 
@@ -34,8 +41,7 @@ def import_deepspeed():
     try:
         import deepspeed
     except ImportError:
-        raise Unsupported("deepspeed is not installed (pip install -e '.[baselines]', or carry the wheel "
-                          "folder built by ../shared/tools/device-wheels.sh)") from None
+        raise Unsupported("deepspeed is not installed (pip install -e '.[baselines]')") from None
     return deepspeed
 
 
@@ -74,8 +80,7 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
         "train_batch_size": spec.batch_size * spec.grad_accum,  # world size 1
         "gradient_clipping": 0.0,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": spec.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {**hf.adamw_kwargs(spec), "betas": list(spec.betas)}},
         "zero_optimization": {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_optimizer},
         "steps_per_print": 2**31 - 1,  # DeepSpeed's own step log would interleave with the harness's
         "wall_clock_breakdown": False,
@@ -126,7 +131,7 @@ def _init_distributed(deepspeed, device: torch.device) -> None:
     deepspeed.init_distributed(verbose=False)
 
 
-class ZeroSystem:
+class ZeroSystem(System):
     """The shared system; a subclass names itself and says where the states go and what it needs."""
     NAME: str
 
@@ -148,14 +153,16 @@ class ZeroSystem:
         model = hf.build_model(spec)  # not moved: zero.Init partitions it as it is built
         hf.enable_checkpointing(model)
         model.train()
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)
+        self.engine, *_ = deepspeed.initialize(model=model, config=self.config,
+                                               model_parameters=hf.adamw_params(model, spec.weight_decay))
 
+    @abstractmethod
     def build_config(self, spec) -> dict[str, Any]:
-        raise NotImplementedError
+        """The point's DeepSpeed config (ds_config with this system's offload)."""
 
+    @abstractmethod
     def admit(self, spec) -> None:
         """Raise Unsupported or DoesNotFit before anything is allocated."""
-        raise NotImplementedError
 
     def step(self, microbatches) -> dict:
         # DeepSpeed counts micro-batches itself and steps the optimizer on the last of each group
@@ -185,3 +192,61 @@ class ZeroSystem:
         self.engine.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ZeRO3Offload(ZeroSystem):
+    NAME = "ZeRO-3 Offload"
+    # host RSS (fp32 master, moments and gradients, bf16 parameters, pinned buffers) measured on the
+    # H100 machine: 25.9 B/param at the 3B shape, 27.7 and 29.2 at the 7B width on 7 and 14 layers
+    # (results/h100/points/depth); admission takes the largest
+    HOST_BYTES_PER_PARAM = 29
+
+    def build_config(self, spec) -> dict:
+        return ds_config(spec, "cpu")
+
+    def admit(self, spec) -> None:
+        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, self.NAME)
+
+    def info(self) -> dict:
+        return {**super().info(), "offload": "cpu"}
+
+
+def _existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+class ZeROInfinity(ZeroSystem):
+    NAME = "ZeRO-Infinity"
+    # an upper bound, not a measurement: bf16 parameters 2, fp32 master and moments 12, fp32 gradients 4
+    SWAP_BYTES_PER_PARAM = 18
+
+    def build_config(self, spec) -> dict:
+        self.owns_swap = "nvme_path" not in spec.options
+        self.swap = spec.options.get("nvme_path") or os.path.join(tempfile.gettempdir(),
+                                                                   f"megatrain-zero-infinity-{os.getpid()}")
+        return ds_config(spec, "nvme", self.swap)
+
+    def admit(self, spec) -> None:
+        problem = aio_problem()
+        if problem:
+            raise Unsupported(f"{self.NAME}: DeepSpeed cannot build its async_io op: {problem} -- install libaio-dev, "
+                              f"or without root: baselines/libaio.sh fetch .libaio (where apt works), then "
+                              f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts")
+        need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM
+        free = shutil.disk_usage(_existing(self.swap)).free
+        if need > free:
+            raise DoesNotFit(self.NAME, [Shortage("disk", int(need), free, f"its swap at {self.swap}, "
+                                                  f"{self.SWAP_BYTES_PER_PARAM} B/param")])
+        os.makedirs(self.swap, exist_ok=True)
+        # removed at close, or at exit when the construction fails after this point
+        self._remove_swap = weakref.finalize(self, shutil.rmtree, self.swap, True) if self.owns_swap else None
+
+    def info(self) -> dict:
+        return {**super().info(), "offload": "nvme", "nvme_path": self.swap}
+
+    def close(self) -> None:
+        super().close()
+        if self._remove_swap:
+            self._remove_swap()

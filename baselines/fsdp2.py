@@ -8,10 +8,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from suite.systems import hf
+from baselines import hf
+from suite.system import System
 
 
-class System:
+class FSDP2(System):
     # host RSS measured on the H100 machine: 20.3 B/param at the 3B shape, 24.3-24.9 at the 7B
     # width on 7 and 14 layers (results/h100/points/depth); admission takes the larger
     HOST_BYTES_PER_PARAM = 25
@@ -35,8 +36,8 @@ class System:
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(self.model, mesh=mesh, **kwargs)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.0, fused=True)
+        self.opt = torch.optim.AdamW(hf.adamw_params(self.model, spec.weight_decay), **hf.adamw_kwargs(spec),
+                                     fused=True)
 
     def step(self, microbatches) -> dict:
         return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False)

@@ -1,0 +1,84 @@
+"""The interface every benchmarked system implements, and the registry of systems by name.
+
+    system = load(name)(spec, device)    # build the model and the optimizer
+    row = system.step(microbatches)      # one optimizer step, device synchronised: {"loss": ..., ...}
+    system.info()                        # what the system wants recorded once (settings, versions)
+    system.save(path)                    # the trained weights as a `transformers` checkpoint (float32)
+    system.close()
+
+A constructor that finds the system cannot run here raises `Unsupported(reason)`; one that finds
+the point cannot fit raises `megatrain.memory.DoesNotFit` (which memory, needed and available
+bytes) before allocating anything. The systems themselves live in `baselines/`, MegaTrain's
+adapter among them.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatrain.batch import Batch
+    from suite.spec import RunSpec
+
+
+class Unsupported(Exception):
+    """This system cannot run on this machine or in this environment (the reason says why)."""
+
+
+class System(ABC):
+    """One system under comparison, built for one run spec on one device.
+
+    `step` returns the step's metrics; the harness reads `loss` (a float, or None where the system
+    prints none) and, where present, `step_time_s` (see `own_step_time`) and `hardware_flops`
+    (the FLOPs the system really executed in the step, recomputation included; the harness turns
+    them into `hardware_tflops` on its own clock). Any other entry is recorded as it is.
+    """
+
+    # FLOPs of one step of the model the system really runs, where that is not the spec's model
+    # (Ratel trains its own GPT); None: the spec's model is counted
+    model_flops_per_step: float | None = None
+    # True: each step's `step_time_s` is the system's own time of the step, taken instead of the
+    # wall clock around step() (a system run as one external script, whose steps are not calls)
+    own_step_time: bool = False
+
+    @abstractmethod
+    def __init__(self, spec: RunSpec, device: torch.device) -> None:
+        """Build the model and the optimizer; refuse (Unsupported, DoesNotFit) before allocating."""
+
+    @abstractmethod
+    def step(self, microbatches: list[Batch]) -> dict:
+        """One optimizer step over the micro-batches, the device synchronised before returning."""
+
+    @abstractmethod
+    def info(self) -> dict:
+        """What the result records once: settings, versions, plans."""
+
+    @abstractmethod
+    def save(self, path: str) -> None:
+        """The trained weights as a `transformers` checkpoint (float32); Unsupported where not done."""
+
+    def close(self) -> None:
+        """Release what the system holds (process groups, swap files, scratch folders)."""
+
+
+# name -> "module:class"; a module is imported only when its system is asked for (each has its own deps)
+SYSTEMS: dict[str, str] = {
+    "megatrain": "baselines.megatrain:MegaTrain",
+    "native": "baselines.native:Native",
+    "fsdp2": "baselines.fsdp2:FSDP2",
+    "zero3": "baselines.deepspeed_zero:ZeRO3Offload",
+    "zero_infinity": "baselines.deepspeed_zero:ZeROInfinity",
+    "gemini": "baselines.gemini:Gemini",
+    "ratel": "baselines.ratel:Ratel",
+}
+
+
+def load(name: str) -> type[System]:
+    """The System class of a named system."""
+    if name not in SYSTEMS:
+        raise ValueError(f"system: unknown {name!r}; known: {list(SYSTEMS)}")
+    module, _, cls = SYSTEMS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
