@@ -95,7 +95,8 @@ def environment(device: torch.device | None = None) -> dict:
         "cuda": torch.version.cuda,
         "cpu": _cpu_model(),
         "cpu_cores": os.cpu_count(),
-        "host_memory_bytes": psutil.virtual_memory().total,
+        "host_memory_bytes": psutil.virtual_memory().total,  # some VMs grow this as memory is used
+        "host_memory_stated_gb": float(os.environ["MEGATRAIN_HOST_MEMORY_GB"]) if os.environ.get("MEGATRAIN_HOST_MEMORY_GB") else None,
         # a copy of the tree without .git (a remote machine) passes the commit in the environment
         "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
