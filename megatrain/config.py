@@ -31,12 +31,8 @@ def _convert(value: Any, hint: Any) -> Any:
         if value in args and type(value) in {type(a) for a in args}:
             return value
         raise TypeError
-    if hint is type(None):
-        if value is None:
-            return None
-        raise TypeError
-    if hint is bool:
-        if isinstance(value, bool):
+    if (origin or hint) in (type(None), bool, str, dict):  # taken as they are, never converted
+        if isinstance(value, origin or hint):
             return value
         raise TypeError
     if hint is int:
@@ -54,17 +50,9 @@ def _convert(value: Any, hint: Any) -> Any:
             except ValueError:
                 pass
         raise TypeError
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
     if origin is tuple:
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_convert(v, a) for v, a in zip(value, args))
-        raise TypeError
-    if origin is dict:
-        if isinstance(value, dict):
-            return value
         raise TypeError
     raise AssertionError(f"no conversion for the declared type {hint}")
 

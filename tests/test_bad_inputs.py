@@ -78,3 +78,54 @@ def test_missing_dataset_columns(tmp_path):
 def test_missing_data_file():
     with pytest.raises(ValueError, match="data.path 'nowhere.jsonl' is not a file"):
         load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"source": "file", "path": "nowhere.jsonl"}})
+
+
+def _fields():
+    """Every setting of the run file, from the config dataclasses: (dotted name, declared type)."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from megatrain.config import TrainConfig
+    hints = get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub = get_type_hints(hints[f.name])
+            yield from ((f"{f.name}.{g.name}", sub[g.name]) for g in dataclasses.fields(hints[f.name]))
+        else:
+            yield f.name, hints[f.name]
+
+
+@pytest.mark.parametrize("name, hint", list(_fields()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_setting_is_checked_by_its_declared_type(name, hint):
+    """A value of the wrong type, for every field of every section, is refused before anything is
+    built, naming the setting and the value; a YAML string that spells a number of a numeric field
+    is converted."""
+    from megatrain.config import _convert
+    bad = next(v for v in (1.5, "nope", 5, [1], {"a": 1}, True) if _rejects(_convert, v, hint))
+    base = {"model": {"preset": "tiny-qwen2"}}
+    with pytest.raises(ValueError, match=rf"^{name.replace('.', '[.]')} must be .*, not {repr(bad).replace('[', '.').replace('{', '.')}"):
+        load_config(None, [], base=_set(base, name, bad))
+
+
+def _rejects(convert, value, hint) -> bool:
+    try:
+        convert(value, hint)
+    except TypeError:
+        return True
+    return False
+
+
+def _set(base: dict, name: str, value) -> dict:
+    tree = json.loads(json.dumps(base))
+    *sections, key = name.split(".")
+    node = tree
+    for s in sections:
+        node = node.setdefault(s, {})
+    node[key] = value
+    return tree
+
+
+def test_numbers_spelled_as_strings_are_converted():
+    """YAML reads `1e-3` as a string: a numeric field takes it as the number it spells."""
+    cfg = load_config(None, ["optim.lr=1e-3", "engine.checkpoint_every='2'"], base={"model": {"preset": "tiny-qwen2"}})
+    assert cfg.optim.lr == 1e-3 and cfg.engine.checkpoint_every == 2
