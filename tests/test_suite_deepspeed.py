@@ -50,17 +50,10 @@ def test_zero_infinity_config_buffers_hold_the_largest_tensor(preset):
     param, opt = c["zero_optimization"]["offload_param"], c["zero_optimization"]["offload_optimizer"]
     assert param["device"] == opt["device"] == "nvme"
     assert param["nvme_path"] == opt["nvme_path"] == "/swap"
-<<<<<<< HEAD
-    arch = ModelShape(s.hf_config())
-    assert param["buffer_size"] >= arch.vocab * arch.hidden
-    assert param["buffer_size"] >= max(p.numel for p in arch.layer_specs)
-    assert param["buffer_count"] == 2 * len(arch.layer_specs) + 4
-=======
     shape = ModelShape(s.hf_config())
     assert param["buffer_size"] >= shape.vocab * shape.hidden
     assert param["buffer_size"] >= max(p.numel for p in shape.layer_specs)
     assert param["buffer_count"] == 2 * len(shape.layer_specs) + 4
->>>>>>> layout
     assert param["max_in_cpu"] == 10**9
     assert set(c["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"}
 
