@@ -4,10 +4,13 @@ The worker (suite.worker) runs in a new session so that the whole process tree i
 and FSDP spawn helpers; compilers run in children) can be killed as one. While it runs, a background
 sampler here reads the tree's resident memory (psutil) and the GPU's used memory (NVML). The parent
 waits with `Popen.wait(timeout)`: no polling loop. Whatever happens, one JSON result is written
-atomically to `out`, with the worker's steps so far.
+atomically to `out`, with the worker's steps so far: an interrupted runner (SIGTERM, Ctrl-C) kills
+the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
+with it (the kernel signals a worker whose parent dies), though no result can then be written.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -25,7 +28,7 @@ from megatrain.units import GiB
 from suite.spec import RunSpec
 from suite.worker import medians
 
-STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error")
+STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
@@ -38,8 +41,10 @@ def _timeout_reason(spec: RunSpec, steps: list[dict], wall: float) -> str:
 
 
 def classify(returncode: int | None, timed_out: bool, worker_status: str | None, log_tail: str,
-             peak_host: int, host_total: int) -> tuple[str, str | None]:
+             peak_host: int, host_total: int, interrupted: bool = False) -> tuple[str, str | None]:
     """The final status of a point, and the reason when the worker could not give one itself."""
+    if interrupted:
+        return "interrupted", "the runner was interrupted (SIGTERM or Ctrl-C) and killed the worker's tree"
     if timed_out:
         return "timeout", None
     if worker_status in STATUSES:
@@ -68,9 +73,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         start = time.perf_counter()
         with open(log, "w") as log_file:
             proc = subprocess.Popen([python, "-m", "suite.worker", str(spec_file), str(partial)],
-                                    stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-            timed_out, sampler = False, None
+                                    stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_dies_with(os.getpid()),
+                                    cwd=Path(__file__).resolve().parent.parent)
+            timed_out, interrupted, sampler, nvml_before = False, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
                 sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None)
                 nvml_before = sampler.peak_nvml_bytes
@@ -79,10 +85,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            except BaseException:  # interrupted (Ctrl-C, SIGTERM): the worker's tree goes too
+            except BaseException as e:  # interrupted (Ctrl-C, SIGTERM): the worker's tree goes too
+                interrupted = e
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                raise
             finally:
                 if sampler is not None:
                     sampler.close()
@@ -90,8 +96,9 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         result = json.loads(partial.read_text()) if partial.exists() else {
             "system": spec.system, "spec": spec.to_dict(), "env": environment(), "steps": []}
     tail = _tail(log)
+    peak_host = sampler.peak_host_bytes if sampler is not None else 0
     status, reason = classify(proc.returncode, timed_out, result.get("status"), tail,
-                              sampler.peak_host_bytes, psutil.virtual_memory().total)
+                              peak_host, psutil.virtual_memory().total, interrupted is not None)
     if status != result.get("status"):
         result["status"] = status
         result["reason"] = reason or _timeout_reason(spec, result["steps"], wall)
@@ -103,13 +110,29 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         result["partial_samples"] = len(measured)
     result["peak"] = {
         "device_allocated_bytes": max((r.get("peak_device_allocated_bytes") or 0 for r in result["steps"]), default=0) or None,
-        "device_nvml_bytes": sampler.peak_nvml_bytes or None,
+        "device_nvml_bytes": (sampler.peak_nvml_bytes if sampler is not None else None) or None,
         "device_nvml_before_bytes": nvml_before or None,
-        "host_rss_bytes": sampler.peak_host_bytes,
+        "host_rss_bytes": peak_host,
     }
     result["wall_s"] = wall
     write_json(out, result)
+    if interrupted is not None:
+        raise interrupted
     return result
+
+
+def _dies_with(parent: int):
+    """A preexec_fn: the worker gets SIGKILL when the runner dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), so no worker trains on as an orphan holding the GPU."""
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the runner died before the signal was armed
+            os._exit(1)
+    return arm
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -133,6 +133,24 @@ def test_a_terminated_runner_takes_its_worker_down(tmp_path):
     assert cli.wait(timeout=30) == 128 + signal.SIGTERM
     # reaped before the runner exits, not left to die later of its deleted result folder
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    r = json.loads((tmp_path / "k.json").read_text())  # the point is a result all the same
+    assert r["status"] == "interrupted" and "SIGTERM" in r["reason"]
+
+
+def test_a_killed_runner_leaves_no_orphan_worker(tmp_path):
+    """SIGKILL of `python -m suite run` (nothing of it runs any more): its worker is signalled by
+    the kernel and dies too, instead of training on and holding the GPU."""
+    import psutil
+    cli = subprocess.Popen([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
+                            "--seq", "64", "--steps", "100000", "--out", str(tmp_path / "k.json")])
+    deadline = time.time() + 60
+    while not (workers := psutil.Process(cli.pid).children(recursive=True)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert workers, "the worker never started"
+    cli.kill()
+    cli.wait(timeout=30)
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_failures_are_results(tmp_path):
