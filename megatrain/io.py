@@ -29,15 +29,35 @@ def atomic_dir(target: str | Path):
             shutil.rmtree(tmp)
 
 
-def write_json(path: str | Path, data) -> None:
-    """Write JSON to a temporary file beside `path` and rename it into place (no half file)."""
+@contextmanager
+def atomic_file(path: str | Path):
+    """Yield a temporary path beside `path`, with its suffix (so writers that infer a format from
+    the name still do), that replaces `path` only if the block completes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+        yield Path(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path: str | Path, data) -> None:
+    """Write JSON atomically (no half file, whatever kills the writer)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+def save_figure(fig, *paths: str | Path, dpi: int = 150) -> None:
+    """A matplotlib figure to each path atomically (the format from each path's suffix)."""
+    for path in paths:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=dpi)

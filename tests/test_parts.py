@@ -445,3 +445,18 @@ def test_host_memory_is_taken_as_stated(monkeypatch):
         monkeypatch.setenv(HOST_MEMORY_ENV, bad)
         with pytest.raises(ValueError, match=HOST_MEMORY_ENV):
             host_available_bytes()
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    """A writer that fails half way leaves the previous file as it was and no temporary beside it."""
+    from megatrain.io import atomic_file, write_text
+    target = tmp_path / "table.csv"
+    write_text(target, "old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as tmp:
+            assert tmp.suffix == ".csv" and tmp.parent == tmp_path
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
+    write_text(target, "new\n")
+    assert target.read_text() == "new\n"

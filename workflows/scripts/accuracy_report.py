@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from megatrain.io import atomic_file, save_figure, write_text
 from workflows.paper import rows as paper_rows
 from workflows.scripts.aggregate import md_table
 
@@ -94,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     summary = json.loads(Path(a.summary).read_text())
     ours, paper = measured(summary), paper_rows(PAPER)
-    pd.concat([ours, paper], ignore_index=True, sort=False).to_csv(a.csv, index=False)
-    Path(a.md).write_text(markdown(ours, paper, a.hardware, summary))
+    with atomic_file(a.csv) as tmp:
+        pd.concat([ours, paper], ignore_index=True, sort=False).to_csv(tmp, index=False)
+    write_text(a.md, markdown(ours, paper, a.hardware, summary))
     fig = figure(summary, a.hardware)
-    fig.savefig(a.png, dpi=150)
-    fig.savefig(a.pdf)
+    save_figure(fig, a.png, a.pdf)
     return 0
 
 

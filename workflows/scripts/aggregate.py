@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq",
@@ -224,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="*")
     a = p.parse_args(argv)
     df = table(a.results, a.experiment, a.paper, a.grid)
-    df.to_csv(a.csv, index=False)
-    Path(a.md).write_text(markdown(df, a.experiment, a.hardware))
+    with atomic_file(a.csv) as tmp:
+        df.to_csv(tmp, index=False)
+    write_text(a.md, markdown(df, a.experiment, a.hardware))
     return 0
 
 

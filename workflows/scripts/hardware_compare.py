@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt
 
 from suite.compare import load, point_label
 
+from megatrain.io import save_figure
+
 
 def inputs(hardware: list[str], experiment: str, own: str, own_files: list[str]) -> list[str]:
     """The workflow's inputs: the profile's machine's points as the grid builds them, the others' as found."""
@@ -102,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no harness results in " + ", ".join(f for _, f in args.folders), file=sys.stderr)
         return 1
     fig, _ = figure(labels, by_hw, args.title)
-    fig.savefig(args.png, dpi=150)
-    fig.savefig(args.pdf)
+    save_figure(fig, args.png, args.pdf)
     print(f"{len(labels)} points on {', '.join(by_hw)} -> {args.png}, {args.pdf}", file=sys.stderr)
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from megatrain.io import atomic_file, write_text
 from workflows.scripts.aggregate import md_table
 
 ARTEFACT = "table1_memory_hierarchy"
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text())
     df = table(probe, a.hardware, a.paper)
-    df.to_csv(a.csv, index=False)
-    Path(a.md).write_text(markdown(df, a.hardware, bool((probe.get("config") or {}).get("quick"))))
+    with atomic_file(a.csv) as tmp:
+        df.to_csv(tmp, index=False)
+    write_text(a.md, markdown(df, a.hardware, bool((probe.get("config") or {}).get("quick"))))
     return 0
 
 

@@ -11,10 +11,10 @@ source="computed", the paper's printed rows source="paper"; they are never merge
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pandas as pd
 
+from megatrain.io import atomic_file, write_text
 from workflows.scripts.aggregate import md_table
 
 ARTEFACT = "table2_models"
@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", required=True)
     a = p.parse_args(argv)
     df = table(a.paper)
-    df.to_csv(a.csv, index=False)
-    Path(a.md).write_text(markdown(df))
+    with atomic_file(a.csv) as tmp:
+        df.to_csv(tmp, index=False)
+    write_text(a.md, markdown(df))
     return 0
 
 

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from megatrain.io import save_figure
 from megatrain.units import GB_PER_GiB
 from workflows.scripts.aggregate import Experiment, experiment
 
@@ -187,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdf", required=True)
     a = p.parse_args(argv)
     fig = figure(pd.read_csv(a.csv), a.experiment, a.hardware)
-    fig.savefig(a.png, dpi=150)
-    fig.savefig(a.pdf)
+    save_figure(fig, a.png, a.pdf)
     plt.close(fig)
     return 0
 

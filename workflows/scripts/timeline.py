@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from megatrain.io import atomic_file
 from megatrain.timeline import Kind  # noqa: E402
 
 COLORS = {Kind.FORWARD: "tab:blue", Kind.RECOMPUTE: "tab:cyan", Kind.BACKWARD: "tab:green",
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.title:
         fig.suptitle(args.title, y=0.02, fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 1 - 0.45 / fig.get_figheight()))  # two legend rows above
-    fig.savefig(args.out, dpi=130)
+    with atomic_file(args.out) as tmp:
+        fig.savefig(tmp, dpi=130)
 
 
 if __name__ == "__main__":
