@@ -37,7 +37,9 @@ def _options(items: list[str]) -> dict:
 
 
 def _run(args) -> int:
-    from suite.runner import run_point
+    from suite.runner import die_with_parent, run_point
+    if args.workflow_job:
+        die_with_parent(signal.SIGTERM)  # unwinds as an interruption: the worker goes, the point is recorded
     model = {"preset": args.preset} if args.preset else {"config": args.config}
     try:
         overrides = dict(parse_overrides(args.override))
@@ -56,7 +58,7 @@ def _run(args) -> int:
     med = r.get("median", {})
     print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
           f"host {r['peak']['host_rss_bytes'] / GiB:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
-    return 0 if r["status"] == "ok" else 1
+    return 0 if r["status"] == "ok" or args.workflow_job else 1
 
 
 def _check(args) -> int:
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=_default(RunSpec, "timeout_s"),
                    help="seconds before the point is killed")
     r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
+    r.add_argument("--workflow-job", action="store_true",
+                   help="as the workflow's point rule runs it (exec'd by its job): end as if interrupted when "
+                        "the process that started this one dies, and exit 0 whenever a result is written")
     r.add_argument("--out", required=True, help="result JSON (the worker's log goes beside it, .log)")
     r.add_argument("option", nargs="*", help="system options as key.sub=value (e.g. engine.checkpoint_every=1)")
     c = sub.add_parser("check", help="each system's loss on a tiny model tracks native's")

@@ -121,18 +121,23 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     return result
 
 
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have the kernel send this process `sig` when its parent dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing); exit at once if the parent (`parent`, else the current
+    one) is already gone."""
+    parent = os.getppid() if parent is None else parent
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _dies_with(parent: int):
-    """A preexec_fn: the worker gets SIGKILL when the runner dies, however it dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing), so no worker trains on as an orphan holding the GPU."""
-    def arm() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the runner died before the signal was armed
-            os._exit(1)
-    return arm
+    """A preexec_fn: the worker gets SIGKILL when the runner dies, so no worker trains on as an
+    orphan holding the GPU."""
+    return lambda: die_with_parent(signal.SIGKILL, parent)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

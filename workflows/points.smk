@@ -1,7 +1,9 @@
 rule point:
     """One grid point in its own process (python -m suite run). A point that does not run (out of
-    memory, timeout, unsupported) is still a result: the harness writes its JSON and exits 1, and
-    the job succeeds as long as that JSON exists. The worker's own log lands beside the JSON."""
+    memory, timeout, unsupported) is still a result: with --workflow-job the harness exits 0 once
+    it has written its JSON. The job's shell is replaced by the harness (exec), which ends as if
+    interrupted when Snakemake dies, however it dies: no point trains on after the workflow.
+    The worker's own log lands beside the JSON."""
     output:
         f"results/{HW}/points/{{experiment}}/{{id}}.json",
     conda:
@@ -11,4 +13,4 @@ rule point:
     params:
         args=point_args,
     shell:
-        "python -m suite run {params.args} --out {output} > {log} 2>&1 || test -s {output}"
+        "exec python -m suite run {params.args} --workflow-job --out {output} > {log} 2>&1"
