@@ -215,17 +215,32 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"
-    path: str | None = None  # json, jsonl, parquet or txt file for source=file
-    format: Literal["text", "instruction", "chat"] = "text"
+    # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
+    # type), or a folder written by datasets' save_to_disk
+    path: str | None = None
+    # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
+    # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
+    # conversations of {from, value} (megatrain/data/formats.py)
+    format: Literal["text", "instruction", "alpaca", "chat", "sharegpt"] = "text"
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    # instruction/alpaca: auto uses the tokenizer's chat template if it has one, else plain
+    # (BOS prompt separator response EOS)
+    template: Literal["auto", "chat", "plain"] = "auto"
+    separator: str = "\n"  # between prompt and response in the plain template
     tokenizer: str | None = None  # local tokenizer directory; default: the pretrained model's
-    seq_len: int = 512
-    batch_size: int = 1  # sequences per micro-batch
+    seq_len: int = 512  # the longest example (or packed row), in tokens
+    overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
+    unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
+    packing: bool = False  # several examples per row, attention and positions kept apart
+    batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
+    num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
+    eval_path: str | None = None  # held-out data in the same format
+    eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
 
     def __post_init__(self):
@@ -233,13 +248,23 @@ class DataConfig:
         if self.source == "file":
             if not self.path:
                 raise ValueError("data.path is required when data.source is file")
-            if not Path(self.path).is_file():
-                raise ValueError(f"data.path {self.path!r} is not a file")
+            if not Path(self.path).exists():
+                raise ValueError(f"data.path {self.path!r} does not exist")
+        elif self.eval_path or self.eval_fraction or self.packing:
+            raise ValueError("data.eval_path, data.eval_fraction and data.packing need data.source: file")
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be at least 1, not {getattr(self, name)}")
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("data: give data.eval_path or data.eval_fraction, not both")
+        if self.eval_path and not Path(self.eval_path).exists():
+            raise ValueError(f"data.eval_path {self.eval_path!r} does not exist")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction must be between 0 and 1, not {self.eval_fraction}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
 
 
 @dataclass

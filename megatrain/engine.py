@@ -179,10 +179,7 @@ class Engine:
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
         loss_value = float(step.loss) / n_targets
-        lengths = []
-        for mb in microbatches:
-            mask = mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)
-            lengths += [int(n) for n in mask.sum(dim=1)]
+        lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
         return StepResult(loss_value, n_targets, lengths, time.perf_counter() - start, prev,
                           self.streamer.bytes_h2d + self.checkpoints.bytes_h2d - h2d0,
@@ -197,7 +194,7 @@ class Engine:
     # ------------------------------------------------------------------ the ops (schedule.py)
     def _embed_all(self, st: _Step, op: Embed, _) -> None:
         st.hs = [self._embed(mb.input_ids) for mb in st.mbs]
-        st.ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(st.hs, st.mbs)]
+        st.ctxs = [self._context(h, mb) for h, mb in zip(st.hs, st.mbs)]
 
     def _save_checkpoint(self, st: _Step, op: SaveCheckpoint, _) -> None:
         self.checkpoints.put(op.layer, st.hs)
@@ -290,7 +287,7 @@ class Engine:
         shape = (batch_size, seq_len, self.shape.hidden)
         x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
         dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
-        ctx = self._context(x0, None)
+        ctx = self._context(x0, Batch(torch.empty(batch_size, seq_len, dtype=torch.long), None))
         root_only = self.s.checkpoint_every == 1
         times = []
         with dev.on(dev.compute):
@@ -329,12 +326,17 @@ class Engine:
         return module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
                       position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
 
-    def _context(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> _Context:
+    def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
+        """Masks and rotary embeddings of a micro-batch. Packed rows (Batch) come with their
+        position_ids and no mask, from which the library's masks keep their examples apart."""
         B, S, _ = h.shape
-        position_ids = torch.arange(S, device=self.dev.torch).unsqueeze(0).expand(B, S)
+        if mb.position_ids is not None:
+            position_ids = mb.position_ids.to(self.dev.torch, non_blocking=True)
+        else:
+            position_ids = torch.arange(S, device=self.dev.torch).unsqueeze(0).expand(B, S)
         mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            mask = attention_mask.to(self.dev.torch, non_blocking=True)
+        if mb.attention_mask is not None and not bool(mb.attention_mask.all()):
+            mask = mb.attention_mask.to(self.dev.torch, non_blocking=True)
         masks = self.arch.masks(h, mask, position_ids)
         with torch.no_grad():
             cos, sin = self.rotary(h, position_ids)
