@@ -273,20 +273,37 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    steps: int = 10
+    steps: int | None = None  # optimizer steps; None: from epochs, or 10
+    epochs: float | None = None  # passes over the data instead of steps (data.source file)
     seed: int = 0
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
     save_every: int | None = None  # steps between training-state saves; None: only at the end
     resume: bool = False  # continue from output_dir/state if it exists
+    eval_every: int | None = None  # steps between evaluations of the held-out data; None: at the end only
+    eval_batches: int | None = None  # micro-batches of held-out data per evaluation; None: all of it
+    log_every: int = 10  # steps between the console's summary lines
+    tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard
+    save_dtype: Literal["float32", "bfloat16"] = "float32"  # weights of the saved model (output_dir/model)
 
     def __post_init__(self):
         check_types(self, "")
-        if self.steps < 1:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.epochs is not None and (self.epochs <= 0 or self.data.source != "file"):
+            raise ValueError("epochs must be positive and needs data.source: file")
+        if self.steps is None and self.epochs is None:
+            self.steps = 10
+        if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
-        if self.save_every is not None and self.save_every < 1:
-            raise ValueError("save_every must be at least 1, or null")
-        if (self.save_every or self.resume) and not self.output_dir:
-            raise ValueError("save_every and resume need output_dir")
+        for name in ("save_every", "eval_every", "eval_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, or null")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be at least 1, not {self.log_every}")
+        if (self.save_every or self.resume or self.tensorboard) and not self.output_dir:
+            raise ValueError("save_every, resume and tensorboard need output_dir")
+        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):
+            raise ValueError("eval_every needs held-out data: data.eval_path or data.eval_fraction")
 
 
 def _build(cls, values: Any, where: str):
@@ -351,3 +368,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     if "model" not in tree:
         raise ValueError("config: the model section is required (preset, config or pretrained)")
     return _build(TrainConfig, tree, "")
+
+
+def settings_help() -> str:
+    """Every key of a run file with its type, default and meaning, read from these dataclasses
+    (the meaning is the field's comment in this file, so the help cannot drift from the code)."""
+    import inspect
+    import re
+    lines = []
+    for section, cls in (("", TrainConfig), ("model", ModelConfig), ("engine", EngineConfig),
+                         ("optim", OptimConfig), ("data", DataConfig)):
+        comments, above = {}, []
+        for line in inspect.getsource(cls).splitlines():
+            text = line.strip()
+            if text.startswith("#"):
+                above.append(text.lstrip("# "))
+                continue
+            m = re.match(r"(\w+): [^=]+?(?:=.*?)?(?:\s+#\s*(.*))?$", text)
+            if m and not text.startswith(("def ", "@", "class ")):
+                comments[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
+            above = []
+        hints = get_type_hints(cls)
+        lines.append(f"[{section or 'top level'}]")
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            name = f"{section}.{f.name}" if section else f.name
+            lines.append(f"  {name}: {_type_name(hints[f.name])}; default {default!r}")
+            if comments.get(f.name):
+                lines.append(f"      {comments[f.name]}")
+    return "\n".join(lines)

@@ -48,7 +48,7 @@ from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
-from megatrain.loss import head_loss_and_grads, shift_labels
+from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.optim import OptimizerWorker, adamw, lr_at
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head,
@@ -185,6 +185,30 @@ class Engine:
                           self.streamer.bytes_h2d + self.checkpoints.bytes_h2d - h2d0,
                           self.bytes_d2h + self.checkpoints.bytes_d2h - d2h0,
                           self.streamer.wait_s - wait_update0, self.slabs.wait_s - wait_slab0)
+
+    def evaluate(self, microbatches: list[Batch]) -> tuple[float, int]:
+        """Summed loss and target tokens of micro-batches, forward only: the step's streaming
+        forward (embedding, context, layers) and its chunked head, with no gradient or update.
+        Waits for the optimizer first, so the weights are those after the last step."""
+        self.worker.flush()
+        targets = [shift_labels(mb.labels) for mb in microbatches]
+        self.timeline.begin_step()
+        self.streamer.start([*self.layer_units, self.head_unit])
+        with torch.no_grad(), self.dev.on(self.dev.compute):
+            hs = [self._embed(mb.input_ids) for mb in microbatches]
+            ctxs = [self._context(h, mb) for h, mb in zip(hs, microbatches)]
+            for i in range(self.shape.num_layers):
+                w = self.streamer.acquire()
+                hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                self.streamer.release()
+            w = self.streamer.acquire()
+            loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
+                                 self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens)
+                       for h, t in zip(hs, targets))
+            self.streamer.release()
+        self.dev.synchronize()
+        self.timeline.end_step()
+        return float(loss), int(sum(int((t != IGNORE).sum()) for t in targets))
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""

@@ -209,7 +209,8 @@ def _mask(messages: list[dict], text: str, ids: list[int], offsets: list[tuple[i
             if text[s:lo].strip() or text[hi:e].strip():
                 raise _Unmaskable(f"message {turn}: token {i} spans the assistant's content and template text")
             mask[i] = 1
-        if "".join(tok.decode([ids[i] for i in covered]).split()) != "".join(text[lo:hi].split()):
+        decoded = tok.backend_tokenizer.decode([ids[i] for i in covered], skip_special_tokens=False)
+        if "".join(decoded.split()) != "".join(text[lo:hi].split()):
             raise _Unmaskable(f"message {turn}: the tokens of the assistant's content do not decode to it")
         # the end of turn: whitespace tokens, then the special token the model must learn to emit
         i = covered[-1] + 1

@@ -109,25 +109,31 @@ def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def collate(ex: Examples, rows: list[np.ndarray], pad_id: int, packed: bool) -> Batch:
-    """Rows of examples as one micro-batch, padded to its longest row."""
-    width = max(int(ex.lengths[r].sum()) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        at = 0
-        for k in row.tolist():
-            lo, n = int(ex.starts[k]), int(ex.lengths[k])
-            tok = torch.from_numpy(ex.tokens[lo: lo + n].astype(np.int64))
-            ids[i, at: at + n] = tok
-            target = torch.from_numpy(ex.targets[lo: lo + n].copy())
-            target[0] = False  # nothing in the row before it is its context
-            labels[i, at: at + n] = tok.masked_fill(~target, IGNORE)
-            mask[i, at: at + n] = 1
-            if packed:
-                positions[i, at: at + n] = torch.arange(n)
-            at += n
+    """Rows of examples as one micro-batch [B, S], padded to its longest row. Vectorised: every
+    token's source in the flat arrays and destination in the batch are computed at once."""
+    order = np.concatenate(rows)  # the examples, row after row
+    n = ex.lengths[order].astype(np.int64)
+    row_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    begin = np.cumsum(n) - n  # where each example begins among all the batch's tokens
+    first = np.cumsum([0] + [len(r) for r in rows[:-1]])  # each row's first example
+    within = begin - begin[first][row_of]  # where each example begins in its row
+    width = int((within + n).max())
+    at = np.arange(int(n.sum())) - np.repeat(begin, n)  # each token's position in its example
+    src = np.repeat(ex.starts[order], n) + at
+    dst = np.repeat(row_of * width + within, n) + at
+    tokens = ex.tokens[src].astype(np.int64)
+    target = ex.targets[src] & (at > 0)  # an example's first token has no context in the row
+    ids = np.full(len(rows) * width, pad_id, dtype=np.int64)
+    labels = np.full(len(rows) * width, IGNORE, dtype=np.int64)
+    ids[dst] = tokens
+    labels[dst] = np.where(target, tokens, IGNORE)
+    shape = (len(rows), width)
     if packed:
-        return Batch(ids, labels, None, positions)
-    return Batch(ids, labels, mask)
+        positions = np.zeros(len(rows) * width, dtype=np.int64)
+        positions[dst] = at
+        return Batch(torch.from_numpy(ids).view(shape), torch.from_numpy(labels).view(shape), None,
+                     torch.from_numpy(positions).view(shape))
+    mask = np.zeros(len(rows) * width, dtype=np.int64)
+    mask[dst] = 1
+    return Batch(torch.from_numpy(ids).view(shape), torch.from_numpy(labels).view(shape),
+                 torch.from_numpy(mask).view(shape))
