@@ -52,6 +52,10 @@ EXPECTED = {
 }
 
 
+def row(out: dict, k: int) -> tuple[list[int], list[int]]:
+    return [int(i) for i in out["input_ids"][k]], [int(t) for t in out["targets"][k]]
+
+
 def expected_tokens(tok, marked: str) -> tuple[list[int], list[int]]:
     """Token ids of the render and, token by token, whether it lies inside [[ ]]."""
     text, spans, at = "", [], 0
@@ -71,8 +75,8 @@ def test_chat_masks_of_published_templates(family, system):
     out = encode_chats([(SYSTEM if system else []) + CHAT], tok)
     assert out["problem"] == [""]
     ids, targets = expected_tokens(tok, EXPECTED[family, system])
-    assert out["input_ids"][0] == ids
-    assert out["targets"][0] == targets, [(tok.decode([i]), t) for i, t in zip(ids, out["targets"][0])]
+    assert row(out, 0)[0] == ids
+    assert row(out, 0)[1] == targets, [(tok.decode([i]), t) for i, t in zip(ids, out["targets"][0])]
 
 
 def test_a_first_target_token_carrying_the_turns_space():
@@ -80,8 +84,8 @@ def test_a_first_target_token_carrying_the_turns_space():
     generates it after [/INST]; it is the first target."""
     tok = byte_tokenizer("mistral-v0.3")
     out = encode_chats([CHAT], tok)
-    first = out["targets"][0].index(1)
-    assert tok.convert_ids_to_tokens(out["input_ids"][0][first]) == "ĠP"
+    first = list(out["targets"][0]).index(1)
+    assert tok.convert_ids_to_tokens(int(out["input_ids"][0][first])) == "ĠP"
 
 
 def test_role_header_characters_are_never_taken_for_a_reply():
@@ -92,7 +96,7 @@ def test_role_header_characters_are_never_taken_for_a_reply():
     ids, targets = expected_tokens(tok, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
                                         "helpful assistant.<|im_end|>\n<|im_start|>user\na<|im_end|>\n"
                                         "<|im_start|>assistant\n[[a<|im_end|>]]\n")
-    assert (out["input_ids"][0], out["targets"][0]) == (ids, targets)
+    assert row(out, 0) == (ids, targets)
 
 
 def test_a_template_that_changes_the_reply_is_refused_with_the_index():
@@ -138,14 +142,14 @@ def test_instruction_through_the_chat_template(tmp_path):
                  DataConfig(format="instruction"), tok)
     ids, targets = expected_tokens(tok, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
                                         f"helpful assistant.<|im_end|>\n{Q}[[Paris.<|im_end|>]]\n")
-    assert (out["input_ids"][0], out["targets"][0]) == (ids, targets)
+    assert row(out, 0) == (ids, targets)
 
 
 def test_plain_template_has_bos_separator_and_eos():
     tok = byte_tokenizer()  # no chat template: BOS prompt \n response EOS
     out = encode({"prompt": ["Add 2 and 3."], "response": ["5"]}, DataConfig(format="instruction"), tok)
     ids, targets = expected_tokens(tok, "<s>Add 2 and 3.\n[[5</s>]]")
-    assert (out["input_ids"][0], out["targets"][0]) == (ids, targets)
+    assert row(out, 0) == (ids, targets)
     forced = encode({"prompt": ["Q"], "response": ["A"]}, DataConfig(format="instruction", template="plain",
                                                                    separator=" => "), byte_tokenizer("qwen2.5"))
     assert byte_tokenizer("qwen2.5").decode(forced["input_ids"][0]) == "Q => A<|im_end|>"
@@ -155,8 +159,8 @@ def test_alpaca_keeps_its_input():
     tok = byte_tokenizer()
     rows = {"instruction": ["Sum the numbers.", "Say hi."], "input": ["2, 3", ""], "output": ["5", "hi"]}
     out = encode(rows, DataConfig(format="alpaca"), tok)
-    assert (out["input_ids"][0], out["targets"][0]) == expected_tokens(tok, "<s>Sum the numbers.\n\n2, 3\n[[5</s>]]")
-    assert (out["input_ids"][1], out["targets"][1]) == expected_tokens(tok, "<s>Say hi.\n[[hi</s>]]")
+    assert row(out, 0) == expected_tokens(tok, "<s>Sum the numbers.\n\n2, 3\n[[5</s>]]")
+    assert row(out, 1) == expected_tokens(tok, "<s>Say hi.\n[[hi</s>]]")
     chat = encode(rows, DataConfig(format="alpaca"), byte_tokenizer("llama3"))
     assert byte_tokenizer("llama3").decode(chat["input_ids"][0]).startswith(
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nSum the numbers.\n\n2, 3<|eot_id|>")
@@ -167,7 +171,7 @@ def test_sharegpt_layout(tmp_path):
     turns = [{"from": "human", "value": m["content"]} if m["role"] == "user" else {"from": "gpt", "value": m["content"]}
              for m in CHAT]
     out = encode({"conversations": [turns, [{"from": "robot", "value": "x"}]]}, DataConfig(format="sharegpt"), tok)
-    assert (out["input_ids"][0], out["targets"][0]) == expected_tokens(tok, EXPECTED["qwen3", False])
+    assert row(out, 0) == expected_tokens(tok, EXPECTED["qwen3", False])
     assert "'from' must be one of" in out["problem"][1]
     path = write(tmp_path, [{"conversations": [{"from": "system", "value": "You are terse."}, *turns]}])
     src, _ = make_sources(DataConfig(source="file", path=path, format="sharegpt", seq_len=256), 300, save(tmp_path, tok))

@@ -28,8 +28,11 @@ response and EOS are the targets; prompt and response are tokenized apart, as at
 """
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Any
+
+import numpy as np
 
 from megatrain.config import DataConfig
 
@@ -120,8 +123,9 @@ def _sharegpt(conv) -> list[dict] | str:
 
 def encode_chats(convs: list[list[dict] | str], tok) -> dict[str, list]:
     """Conversations as ids and exact assistant masks (see the module's docstring)."""
-    ids: list[list[int]] = [[] for _ in convs]
-    targets: list[list[int]] = [[] for _ in convs]
+    # numpy rows: datasets writes them to Arrow without a Python object per token
+    ids = [np.empty(0, dtype=np.int32) for _ in convs]
+    targets = [np.empty(0, dtype=bool) for _ in convs]
     problems = [c if isinstance(c, str) else "" for c in convs]
     good = [k for k, c in enumerate(convs) if not isinstance(c, str)]
     if not good:
@@ -140,7 +144,8 @@ def encode_chats(convs: list[list[dict] | str], tok) -> dict[str, list]:
         for k in good:
             enc = tok.apply_chat_template(convs[k], tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
-            ids[k], targets[k] = list(enc["input_ids"]), list(enc["assistant_masks"])
+            ids[k] = np.asarray(enc["input_ids"], dtype=np.int32)
+            targets[k] = np.asarray(enc["assistant_masks"], dtype=bool)
         return {"input_ids": ids, "targets": targets, "problem": problems}
     enc = tok([rendered[k] for k in good], add_special_tokens=False, return_offsets_mapping=True)
     special = _special_strings(tok)
@@ -152,7 +157,7 @@ def encode_chats(convs: list[list[dict] | str], tok) -> dict[str, list]:
         except _Unmaskable as e:
             problems[k] = str(e)
             continue
-        ids[k], targets[k] = list(tids), mask
+        ids[k], targets[k] = np.asarray(tids, dtype=np.int32), np.asarray(mask, dtype=bool)
     return {"input_ids": ids, "targets": targets, "problem": problems}
 
 
@@ -185,6 +190,8 @@ def _find(text: str, content: str, start: int, special: set[str]) -> tuple[int, 
 def _mask(messages: list[dict], text: str, ids: list[int], offsets: list[tuple[int, int]],
           special: set[str], special_ids: set[int], tok) -> list[int]:
     mask = [0] * len(ids)
+    starts = [s for s, _ in offsets]
+    ends = [e for _, e in offsets]
     cursor = 0
     for turn, m in enumerate(messages):
         assistant = m["role"] == "assistant"
@@ -201,19 +208,21 @@ def _mask(messages: list[dict], text: str, ids: list[int], offsets: list[tuple[i
         cursor = hi
         if not assistant:
             continue
-        covered = [i for i, (s, e) in enumerate(offsets) if s < hi and e > lo]
-        if not covered:
+        # the tokens overlapping [lo, hi): offsets ascend, so the first and the last one can spill over
+        first = bisect.bisect_right(ends, lo)
+        last = bisect.bisect_left(starts, hi) - 1
+        if first > last:
             raise _Unmaskable(f"message {turn}: no token covers the assistant's content")
-        for i in covered:
+        for i in (first, last):
             s, e = offsets[i]
             if text[s:lo].strip() or text[hi:e].strip():
                 raise _Unmaskable(f"message {turn}: token {i} spans the assistant's content and template text")
-            mask[i] = 1
-        decoded = tok.backend_tokenizer.decode([ids[i] for i in covered], skip_special_tokens=False)
+        mask[first: last + 1] = [1] * (last + 1 - first)
+        decoded = tok.backend_tokenizer.decode(ids[first: last + 1], skip_special_tokens=False)
         if "".join(decoded.split()) != "".join(text[lo:hi].split()):
             raise _Unmaskable(f"message {turn}: the tokens of the assistant's content do not decode to it")
         # the end of turn: whitespace tokens, then the special token the model must learn to emit
-        i = covered[-1] + 1
+        i = last + 1
         while i < len(ids) and ids[i] not in special_ids and not text[offsets[i][0]:offsets[i][1]].strip():
             mask[i] = 1
             i += 1
