@@ -118,8 +118,7 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> N
     if p.host_bytes > host_available:
         shortages.append(Shortage(
             "host", p.host_bytes, host_available,
-            f"store {p.detail['store'] / GiB:.1f} GiB, gradient slabs {p.detail['grad_slabs'] / GiB:.1f} GiB, "
-            f"data {p.detail['data'] / GiB:.1f} GiB; "
+            f"store {p.detail['store'] / GiB:.1f} GiB, gradient slabs {p.detail['grad_slabs'] / GiB:.1f} GiB; "
             + ("clipping keeps a float32 gradient per parameter, optim.max_grad_norm=null saves 4 bytes per "
                "parameter; " if p.clipping else "")
             + "fewer engine.grad_slabs (each holds one layer's float32 gradient), engine.master_dtype=bfloat16, "

@@ -25,6 +25,11 @@ class RunLog:
         out = Path(output_dir) if output_dir else None
         if out:
             out.mkdir(parents=True, exist_ok=True)
+        if out and (out / "metrics.jsonl").is_file():
+            # a resumed run: keep the records up to its state's step, drop those of steps it redoes
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
+            (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
         self.file = open(out / "metrics.jsonl", "a") if out else None
         self.json_lines, self.log_every = json_lines, log_every
         self.tb = None

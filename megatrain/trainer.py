@@ -2,8 +2,12 @@
 
     trainer = Trainer(load_config("run.yaml"))
     trainer.fit()                       # or trainer.train_step([Batch(...), ...])
+    trainer.evaluate()                  # loss and perplexity of the held-out data
     trainer.save_pretrained("out/hf")   # loads with AutoModelForCausalLM.from_pretrained
     trainer.close()
+
+`fit` writes output_dir/metrics.jsonl (runlog.py), evaluates every eval_every steps, and saves the
+state and the model (with its tokenizer) at the end; `plan_report` is `megatrain plan`.
 """
 from __future__ import annotations
 
@@ -123,7 +127,7 @@ class Trainer:
                 if not norm_known:  # read after waiting for the optimizer
                     self.engine.worker.flush()
                     pending["grad_norm"] = self.engine.worker.grad_norms.get(pending["step"] - 1)
-                runlog.step(pending)
+                runlog.step({k: v for k, v in pending.items() if k != "prev_grad_norm"})
                 pending = None
 
         try:
@@ -213,7 +217,7 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     """The start-up summary (and `megatrain plan`'s report)."""
     d, c = cfg.data, shape.config
     model = cfg.model.pretrained or cfg.model.config or f"preset {cfg.model.preset}"
-    lines = [f"model: {c.model_type} from {model}: {shape.total_params() / 1e9:.3f} B parameters, "
+    lines = [f"model: {c.model_type} from {model}: {shape.total_params():,} parameters, "
              f"{shape.num_layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}"]
     if d.source == "file":
         dropped = {k: v for k, v in data.examples.dropped.items() if v}

@@ -155,6 +155,8 @@ def test_resume_with_an_evaluation_split(tmp_path):
 
     expected = run(4, "a")
     run(2, "b")
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a step logged after the last save, then a crash
+        f.write(json.dumps({"kind": "train", "step": 3, "loss": 0.0}) + "\n")
     got = run(4, "b", resume=True)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
@@ -162,7 +164,7 @@ def test_resume_with_an_evaluation_split(tmp_path):
     last = {d: [m for m in evals[d] if m["kind"] == "eval"][-1] for d in "ab"}
     assert last["a"]["step"] == last["b"]["step"] == 4 and last["a"]["eval_loss"] == last["b"]["eval_loss"]
     steps_b = [m["step"] for m in evals["b"] if m["kind"] == "train"]
-    assert steps_b == [1, 2, 3, 4]  # the resumed run appends its steps
+    assert steps_b == [1, 2, 3, 4]  # the resumed run replaces the records of the steps it redoes
 
 
 def test_epochs_set_the_steps(tmp_path):
@@ -184,7 +186,7 @@ def test_plan_and_help(tmp_path, capsys):
                                 "output_dir": str(tmp_path / "out")}))
     assert main(["plan", "--config", str(path)]) == 0
     report = capsys.readouterr().out
-    for part in ("B parameters", "24 examples", "memory plan: host", "data 0.00", "fits this machine", "metrics.jsonl"):
+    for part in (" parameters, 3 layers", "24 examples", "memory plan: host", "data 0.00", "fits this machine", "metrics.jsonl"):
         assert part in report, part
     assert not (tmp_path / "out").exists()  # nothing trained or written
     with pytest.raises(SystemExit):
@@ -196,3 +198,15 @@ def test_plan_and_help(tmp_path, capsys):
         for f in dataclasses.fields(cls):
             if not dataclasses.is_dataclass(f.type) and f.name not in ("model", "engine", "optim", "data"):
                 assert f"  {section}{f.name}: " in text, f.name
+
+
+def test_tensorboard_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    data = setup(tmp_path)
+    trainer = Trainer(config(tmp_path, data, steps=2, output_dir=str(tmp_path / "out"), tensorboard=True,
+                             data={"eval_fraction": 0.25}))
+    try:
+        trainer.fit(progress=False)
+    finally:
+        trainer.close()
+    assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
