@@ -131,8 +131,7 @@ class Trainer:
                 pending = None
 
         try:
-            if self.step == 0:
-                runlog.say(self.describe())
+            runlog.say(self.describe() + (f"\nresuming at step {self.step}" if self.step else ""))
             while self.step < self.total_steps:
                 m = self.train_step(self.next_microbatches())
                 runlog.advance(m)
