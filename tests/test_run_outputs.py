@@ -61,6 +61,8 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path):
     trainer = Trainer(config(tmp_path, data, steps=4, output_dir=str(out), eval_every=2, save_dtype="bfloat16",
                              data={"eval_fraction": 0.25}))
     try:
+        # the examples the run keeps in host memory are in the plan it was admitted with
+        assert trainer.memory_plan.detail["data"] == trainer.data.nbytes + trainer.held_out.nbytes > 0
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the save raises no deprecation warning
             history = trainer.fit(progress=False)
