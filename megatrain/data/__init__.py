@@ -35,10 +35,14 @@ def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
     from megatrain.data import pipeline
     tok = load_tokenizer(cfg.tokenizer or tokenizer_dir)
     pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
-    examples = pipeline.examples(pipeline.tokenize(pipeline.load_rows(cfg.path), cfg, tok), cfg, vocab)
+
+    def read(path: str):
+        return pipeline.examples(pipeline.tokenize(pipeline.load_rows(path), cfg, tok, path), cfg, vocab, path)
+
+    examples = read(cfg.path)
     held = None
     if cfg.eval_path:
-        held = pipeline.examples(pipeline.tokenize(pipeline.load_rows(cfg.eval_path), cfg, tok), cfg, vocab)
+        held = read(cfg.eval_path)
     elif cfg.eval_fraction:
         order = np.random.default_rng(cfg.seed).permutation(len(examples))
         cut = max(1, round(cfg.eval_fraction * len(examples)))

@@ -67,17 +67,18 @@ def load_rows(path: str | Path):
     return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
 
 
-def tokenize(rows, cfg: DataConfig, tok):
-    """`rows` mapped to input_ids, targets and problem, or read from the cache of an earlier run."""
+def tokenize(rows, cfg: DataConfig, tok, path: str):
+    """`rows` (read from `path`) mapped to input_ids, targets and problem, or read from the cache
+    of an earlier run."""
     import datasets
     from datasets.fingerprint import Hasher
     needed = formats.columns(cfg)
     missing = [c for c in needed if c not in rows.column_names]
     if missing:
-        raise ValueError(f"data: {cfg.path} lacks column(s) {missing} needed by format {cfg.format!r}; "
+        raise ValueError(f"data: {path} lacks column(s) {missing} needed by format {cfg.format!r}; "
                          f"it has {rows.column_names}")
     if len(rows) == 0:
-        raise ValueError(f"data: {cfg.path} holds no examples")
+        raise ValueError(f"data: {path} holds no examples")
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
                                              "messages_field", "template", "separator")}
     key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
@@ -100,8 +101,8 @@ def _flat(column) -> tuple[np.ndarray, np.ndarray]:
     return values[offsets[0]: offsets[-1]], offsets - offsets[0]
 
 
-def examples(encoded, cfg: DataConfig, vocab: int) -> Examples:
-    """The tokenised dataset as compact arrays, after the format's rules for what to keep."""
+def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
+    """The tokenised dataset (of `path`) as compact arrays, after the format's rules for what to keep."""
     table = encoded.data.table if hasattr(encoded.data, "table") else encoded.data
     tokens, offsets = _flat(table.column("input_ids"))
     targets, _ = _flat(table.column("targets"))
@@ -113,14 +114,14 @@ def examples(encoded, cfg: DataConfig, vocab: int) -> Examples:
     if cfg.format == "text":  # one stream of documents, cut into full sequences of seq_len
         count = len(tokens) // n
         if count == 0:
-            raise ValueError(f"data: {cfg.path} yields no sequence of {n} tokens")
+            raise ValueError(f"data: {path} yields no sequence of {n} tokens")
         return Examples(tokens, targets, np.arange(count, dtype=np.int64) * n, np.full(count, n, np.int32), {})
     starts, lengths = offsets[:-1], np.diff(offsets).astype(np.int32)
     problems = np.asarray(table.column("problem").to_numpy(zero_copy_only=False), dtype=object)
     bad = np.flatnonzero(problems != "")
     if len(bad) and cfg.unmaskable == "error":
         shown = "; ".join(f"example {k}: {problems[k]}" for k in bad[:5])
-        raise ValueError(f"data: {len(bad)} example(s) of {cfg.path} cannot be labelled exactly ({shown}); "
+        raise ValueError(f"data: {len(bad)} example(s) of {path} cannot be labelled exactly ({shown}); "
                          "fix them, or set data.unmaskable: drop to leave them out")
     keep = problems == ""
     dropped = {"unmaskable": int(len(bad))}
@@ -136,6 +137,6 @@ def examples(encoded, cfg: DataConfig, vocab: int) -> Examples:
     dropped["no_target"] = int(((learned == 0) & keep).sum())
     keep &= learned > 0
     if not keep.any():
-        raise ValueError(f"data: no example of {cfg.path} has a target token within data.seq_len {n} "
+        raise ValueError(f"data: no example of {path} has a target token within data.seq_len {n} "
                          f"(left out: {dropped})")
     return Examples(tokens, targets, starts[keep], lengths[keep], dropped)
