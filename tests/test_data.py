@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatrain.config import DataConfig
-from megatrain.data import EvalSource, FileSource, SyntheticSource, make_sources
+from megatrain.data import SyntheticSource, make_sources
 from megatrain.data.formats import encode, encode_chats
-from megatrain.data.source import collate, pack
+from megatrain.data.source import pack
 from tiny_tokenizer import byte_tokenizer, save_tokenizer
 
 pytest.importorskip("datasets")  # the GPU image lacks it; CI and CPU setups have it
@@ -58,7 +58,7 @@ def row(out: dict, k: int) -> tuple[list[int], list[int]]:
 
 def expected_tokens(tok, marked: str) -> tuple[list[int], list[int]]:
     """Token ids of the render and, token by token, whether it lies inside [[ ]]."""
-    text, spans, at = "", [], 0
+    text, spans = "", []
     for piece in re.split(r"(\[\[.*?\]\])", marked):
         if piece.startswith("[["):
             spans.append((len(text), len(text) + len(piece) - 4))

@@ -16,10 +16,13 @@ special token (the end of its turn; user messages are found the same way, so tha
 taken from a user's text); the tokens covering it are the targets, and the next special
 token too. Each example is checked: a token that spans content and template text (other than
 whitespace), an assistant message not found, or targets that do not decode to the content make
-the example unmaskable (reported with its index), never silently mislabelled. Rendering the whole
-conversation once is what the model sees; diffing renders of growing prefixes is wrong for every
-template that renders an earlier turn differently once later turns follow (Qwen3 drops the think
-block of earlier turns; Mistral v0.3 puts the system message into the last user turn only).
+the example unmaskable (reported with its index), never silently mislabelled; so is a reply the
+template rewrites beyond trimming (Qwen3 takes a `<think>` block out of the turns before the last
+user message). Rendering the whole conversation once is what the model sees; diffing renders of
+growing prefixes is wrong for every template that renders an earlier turn differently once later
+turns follow (Qwen3 adds an empty think block only to the turns after the last user message;
+Mistral v0.3 puts the system message into the last user turn only, so a chat that ends with a
+reply is rendered without it, as the published template does).
 
 Instruction data goes through the chat template (the prompt as the user's turn, the response as
 the assistant's) when the tokenizer has one (data.template: auto or chat), else through the plain
