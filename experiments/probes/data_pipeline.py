@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256, help="sequences per step (the issue's 256-sample step)")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--num-proc", type=int, default=None, help="data.num_proc (default: the pipeline's choice)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="megatrain-data-bench-"))
@@ -91,7 +92,7 @@ def main() -> int:
     for packing in (False, True):
         cfg = DataConfig(source="file", path=str(data), format="instruction", prompt_field="query",
                          response_field="response", template="chat", seq_len=args.seq_len,
-                         batch_size=args.batch, packing=packing)
+                         batch_size=args.batch, packing=packing, num_proc=args.num_proc)
         rss0 = tree_rss_bytes()
         t = time.perf_counter()
         src, _ = make_sources(cfg, 32_000, str(work / "tok"))
@@ -115,7 +116,7 @@ def main() -> int:
               flush=True)
     result["runs"] = runs
     result["config"] = {"seq_len": args.seq_len, "batch_size": args.batch, "steps": args.steps, "template": "qwen2.5 (ChatML)",
-                        "num_proc": "auto (one per core)"}
+                        "num_proc": args.num_proc or "auto"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
