@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--json", action="store_true", help="every step's metrics as a JSON line on stdout")
+    train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
+                       help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
+                            "terminal, e.g. redirected to a file; output_dir/metrics.jsonl has them either way)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatrain: error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.fit(log=sys.stdout if args.json else None, progress=not args.no_progress)
+        json_lines = args.json if args.json is not None else not sys.stdout.isatty()
+        trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
     finally:
         trainer.close()
     return 0

@@ -212,3 +212,20 @@ def test_tensorboard_events(tmp_path):
     finally:
         trainer.close()
     assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_console_and_json_lines(tmp_path, capsys):
+    """The console (stderr) has the start-up summary and summary lines; stdout has one JSON line
+    a step on request (and when redirected), none with --no-json."""
+    data = setup(tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"model": {"pretrained": str(tmp_path / "init")}, "engine": {"device": "cpu"},
+                                "data": {"source": "file", "path": str(data), "format": "chat", "seq_len": 128},
+                                "steps": 4, "log_every": 2}))
+    assert main(["train", "--config", str(path), "--no-progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4] and all(m["grad_norm"] > 0 for m in lines)
+    assert "memory plan: host" in captured.err and "step 2: loss" in captured.err and "step 4: loss" in captured.err
+    assert main(["train", "--config", str(path), "--no-progress", "--no-json"]) == 0
+    assert capsys.readouterr().out == ""
