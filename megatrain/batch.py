@@ -8,7 +8,22 @@ import torch
 
 @dataclass
 class Batch:
-    """One micro-batch on the host: token ids and labels [B, S] (-100: no loss), optional mask [B, S]."""
+    """One micro-batch on the host: token ids and labels [B, S] (-100: no loss), optional mask [B, S].
+
+    Packed rows (data/source.py) carry position_ids [B, S] instead of a mask: positions restart at
+    0 with each example, which keeps examples apart in attention (transformers' masking_utils); the
+    padding after a row's last example has position 0 at every token."""
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def sequence_lengths(self) -> list[int]:
+        """Tokens of each sequence, padding left out (the FLOPs formula counts per sequence)."""
+        if self.position_ids is not None:
+            flat = self.position_ids.reshape(-1)
+            starts = torch.nonzero(flat == 0).reshape(-1).tolist()  # every row starts at position 0
+            ends = starts[1:] + [flat.numel()]
+            return [e - s for s, e in zip(starts, ends) if e - s > 1]  # a sequence of one is padding
+        mask = self.attention_mask if self.attention_mask is not None else torch.ones_like(self.input_ids)
+        return [int(n) for n in mask.sum(dim=1)]

@@ -5,6 +5,7 @@ place at the end, so an interrupted save leaves the previous one intact and no h
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -20,14 +21,21 @@ from megatrain.store import HostStore
 SHARD_BYTES = 4 << 30
 
 
-def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write config.json and safetensors shards that `AutoModelForCausalLM.from_pretrained` loads.
+def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype: torch.dtype = torch.float32,
+                    tokenizer=None) -> None:
+    """Write config.json, generation_config.json, safetensors shards in `dtype` and the tokenizer
+    (if given): a folder that `AutoModelForCausalLM.from_pretrained` loads and generates from.
 
     Shards are written as they fill, so at most one shard is held in host memory besides the store.
     """
+    from transformers import GenerationConfig
     with atomic_dir(path) as tmp:
-        shape.config.torch_dtype = dtype
-        shape.config.save_pretrained(tmp)
+        config = copy.deepcopy(shape.config)  # the run's config stays as it is
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         files: list[tuple[Path, list[str]]] = []
         shard: dict[str, torch.Tensor] = {}
         size = total = 0

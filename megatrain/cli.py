@@ -1,29 +1,41 @@
-"""`megatrain train --config run.yaml [key.sub=value ...]`: a thin entry point."""
+"""`megatrain train --config run.yaml [key.sub=value ...]` and `megatrain plan`: a thin entry point."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from megatrain.config import load_config
+from megatrain.config import load_config, settings_help
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatrain", description="Layer-streaming full-precision LLM training")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model from a YAML run file")
-    train.add_argument("--config", help="YAML run file (see configs/)")
+    keys = "settings (YAML keys, or key.sub=value overrides):\n" + settings_help()
+    train = sub.add_parser("train", help="train a model from a YAML run file", epilog=keys,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan = sub.add_parser("plan", help="print what a run would do and the memory it needs, without training",
+                          epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for p in (train, plan):
+        p.add_argument("--config", help="YAML run file (see configs/)")
+        p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
+    train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
+                       help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
+                            "terminal, e.g. redirected to a file; output_dir/metrics.jsonl has them either way)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from megatrain.trainer import Trainer  # heavy imports only once the config is valid
+        from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid
+        if args.command == "plan":
+            print(plan_report(cfg))
+            return 0
         trainer = Trainer(cfg)
     except ValueError as e:
         print(f"megatrain: error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.fit(progress=not args.no_progress)
+        json_lines = args.json if args.json is not None else not sys.stdout.isatty()
+        trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
     finally:
         trainer.close()
     return 0

@@ -203,17 +203,32 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"
-    path: str | None = None  # json, jsonl, parquet or txt file for source=file
-    format: Literal["text", "instruction", "chat"] = "text"
+    # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
+    # type), or a folder written by datasets' save_to_disk
+    path: str | None = None
+    # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
+    # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
+    # conversations of {from, value} (megatrain/data/formats.py)
+    format: Literal["text", "instruction", "alpaca", "chat", "sharegpt"] = "text"
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    # instruction/alpaca: auto uses the tokenizer's chat template if it has one, else plain
+    # (BOS prompt separator response EOS)
+    template: Literal["auto", "chat", "plain"] = "auto"
+    separator: str = "\n"  # between prompt and response in the plain template
     tokenizer: str | None = None  # local tokenizer directory; default: the pretrained model's
-    seq_len: int = 512
-    batch_size: int = 1  # sequences per micro-batch
+    seq_len: int = 512  # the longest example (or packed row), in tokens
+    overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
+    unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
+    packing: bool = False  # several examples per row, attention and positions kept apart
+    batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
+    num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
+    eval_path: str | None = None  # held-out data in the same format
+    eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
 
     def __post_init__(self):
@@ -221,13 +236,23 @@ class DataConfig:
         if self.source == "file":
             if not self.path:
                 raise ValueError("data.path is required when data.source is file")
-            if not Path(self.path).is_file():
-                raise ValueError(f"data.path {self.path!r} is not a file")
+            if not Path(self.path).exists():
+                raise ValueError(f"data.path {self.path!r} does not exist")
+        elif self.eval_path or self.eval_fraction or self.packing:
+            raise ValueError("data.eval_path, data.eval_fraction and data.packing need data.source: file")
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be at least 1, not {getattr(self, name)}")
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("data: give data.eval_path or data.eval_fraction, not both")
+        if self.eval_path and not Path(self.eval_path).exists():
+            raise ValueError(f"data.eval_path {self.eval_path!r} does not exist")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction must be between 0 and 1, not {self.eval_fraction}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
 
 
 @dataclass
@@ -236,20 +261,37 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    steps: int = 10
+    steps: int | None = None  # optimizer steps; None: from epochs, or 10
+    epochs: float | None = None  # passes over the data instead of steps (data.source file)
     seed: int = 0
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
     save_every: int | None = None  # steps between training-state saves; None: only at the end
     resume: bool = False  # continue from output_dir/state if it exists
+    eval_every: int | None = None  # steps between evaluations of the held-out data; None: at the end only
+    eval_batches: int | None = None  # micro-batches of held-out data per evaluation; None: all of it
+    log_every: int = 10  # steps between the console's summary lines
+    tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard
+    save_dtype: Literal["float32", "bfloat16"] = "float32"  # weights of the saved model (output_dir/model)
 
     def __post_init__(self):
         check_types(self, "")
-        if self.steps < 1:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.epochs is not None and (self.epochs <= 0 or self.data.source != "file"):
+            raise ValueError("epochs must be positive and needs data.source: file")
+        if self.steps is None and self.epochs is None:
+            self.steps = 10
+        if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
-        if self.save_every is not None and self.save_every < 1:
-            raise ValueError("save_every must be at least 1, or null")
-        if (self.save_every or self.resume) and not self.output_dir:
-            raise ValueError("save_every and resume need output_dir")
+        for name in ("save_every", "eval_every", "eval_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, or null")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be at least 1, not {self.log_every}")
+        if (self.save_every or self.resume or self.tensorboard) and not self.output_dir:
+            raise ValueError("save_every, resume and tensorboard need output_dir")
+        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):
+            raise ValueError("eval_every needs held-out data: data.eval_path or data.eval_fraction")
 
 
 def _build(cls, values: Any, where: str):
@@ -314,3 +356,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     if "model" not in tree:
         raise ValueError("config: the model section is required (preset, config or pretrained)")
     return _build(TrainConfig, tree, "")
+
+
+def settings_help() -> str:
+    """Every key of a run file with its type, default and meaning, read from these dataclasses
+    (the meaning is the field's comment in this file, so the help cannot drift from the code)."""
+    import inspect
+    import re
+    lines = []
+    for section, cls in (("", TrainConfig), ("model", ModelConfig), ("engine", EngineConfig),
+                         ("optim", OptimConfig), ("data", DataConfig)):
+        comments, above = {}, []
+        for line in inspect.getsource(cls).splitlines():
+            text = line.strip()
+            if text.startswith("#"):
+                above.append(text.lstrip("# "))
+                continue
+            m = re.match(r"(\w+): [^=]+?(?:=.*?)?(?:\s+#\s*(.*))?$", text)
+            if m and not text.startswith(("def ", "@", "class ")):
+                comments[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
+            above = []
+        hints = get_type_hints(cls)
+        lines.append(f"[{section or 'top level'}]")
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            name = f"{section}.{f.name}" if section else f.name
+            lines.append(f"  {name}: {_type_name(hints[f.name])}; default {default!r}")
+            if comments.get(f.name):
+                lines.append(f"      {comments[f.name]}")
+    return "\n".join(lines)

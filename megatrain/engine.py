@@ -48,7 +48,7 @@ from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
-from megatrain.loss import head_loss_and_grads, shift_labels
+from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.optim import OptimizerWorker, adamw, lr_at
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head,
@@ -170,8 +170,7 @@ class Engine:
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
         moved = [now - then for now, then in zip(self._counters(), before)]
-        lengths = [int(n) for mb in microbatches for n in
-                   (mb.attention_mask if mb.attention_mask is not None else torch.ones_like(mb.input_ids)).sum(dim=1)]
+        lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
         return StepResult(float(step.loss) / n_targets, n_targets, lengths, time.perf_counter() - start, prev, *moved)
 
@@ -193,6 +192,30 @@ class Engine:
         return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d, self.bytes_d2h + self.checkpoints.bytes_d2h,
                 self.streamer.wait_s, self.slabs.wait_s)
 
+    def evaluate(self, microbatches: list[Batch]) -> tuple[float, int]:
+        """Summed loss and target tokens of micro-batches, forward only: the step's streaming
+        forward (embedding, context, layers) and its chunked head, with no gradient or update.
+        Waits for the optimizer first, so the weights are those after the last step."""
+        self.worker.flush()
+        targets = [shift_labels(mb.labels) for mb in microbatches]
+        self.timeline.begin_step()
+        self.streamer.start([*self.layer_units, self.head_unit])
+        with torch.no_grad(), self.dev.on(self.dev.compute):
+            hs = [self._embed(mb.input_ids) for mb in microbatches]
+            ctxs = [self._context(h, mb) for h, mb in zip(hs, microbatches)]
+            for i in range(self.shape.num_layers):
+                w = self.streamer.acquire()
+                hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
+                self.streamer.release()
+            w = self.streamer.acquire()
+            loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
+                                 self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens)
+                       for h, t in zip(hs, targets))
+            self.streamer.release()
+        self.dev.synchronize()
+        self.timeline.end_step()
+        return float(loss), int(sum(int((t != IGNORE).sum()) for t in targets))
+
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
         return {tile: -(-tile.layout.numel // self.slab_numel)
@@ -201,7 +224,7 @@ class Engine:
     # ------------------------------------------------------------------ the ops (schedule.py)
     def _embed_all(self, st: _Step, op: Embed, _) -> None:
         st.hs = [self._embed(mb.input_ids) for mb in st.mbs]
-        st.ctxs = [self._context(h, mb.attention_mask) for h, mb in zip(st.hs, st.mbs)]
+        st.ctxs = [self._context(h, mb) for h, mb in zip(st.hs, st.mbs)]
 
     def _save_checkpoint(self, st: _Step, op: SaveCheckpoint, _) -> None:
         self.checkpoints.put(op.layer, st.hs)
@@ -294,7 +317,7 @@ class Engine:
         shape = (batch_size, seq_len, self.shape.hidden)
         x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
         dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
-        ctx = self._context(x0, None)
+        ctx = self._context(x0, Batch(torch.empty(batch_size, seq_len, dtype=torch.long), None))
         root_only = self.s.checkpoint_every == 1
         times = []
         with dev.on(dev.compute):
@@ -333,12 +356,17 @@ class Engine:
         return module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
                       position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
 
-    def _context(self, h: torch.Tensor, attention_mask: torch.Tensor | None) -> _Context:
+    def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
+        """Masks and rotary embeddings of a micro-batch. Packed rows (Batch) come with their
+        position_ids and no mask, from which the library's masks keep their examples apart."""
         B, S, _ = h.shape
-        position_ids = torch.arange(S, device=self.dev.torch).unsqueeze(0).expand(B, S)
+        if mb.position_ids is not None:
+            position_ids = mb.position_ids.to(self.dev.torch, non_blocking=True)
+        else:
+            position_ids = torch.arange(S, device=self.dev.torch).unsqueeze(0).expand(B, S)
         mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            mask = attention_mask.to(self.dev.torch, non_blocking=True)
+        if mb.attention_mask is not None and not bool(mb.attention_mask.all()):
+            mask = mb.attention_mask.to(self.dev.torch, non_blocking=True)
         masks = self.arch.masks(h, mask, position_ids)
         with torch.no_grad():
             cos, sin = self.rotary(h, position_ids)

@@ -61,8 +61,9 @@ class DoesNotFit(ValueError):
         return next(m for m in ("host", "disk", "device") if m in short)
 
 
-def plan(shape: ModelShape, s: EngineSettings) -> MemoryPlan:
-    """Bytes needed to train `shape` with the resolved settings `s`."""
+def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPlan:
+    """Bytes needed to train `shape` with the resolved settings `s`, and `data_bytes` of
+    tokenised examples held in host memory (data/pipeline.py)."""
     c = 2 if s.compute_dtype == "bfloat16" else 4
     M, tokens, pinned = s.microbatches, s.tokens, s.pinned
     h, v, L, K = shape.hidden, shape.vocab, shape.num_layers, s.checkpoint_every
@@ -79,6 +80,7 @@ def plan(shape: ModelShape, s: EngineSettings) -> MemoryPlan:
         "embedding_staging": pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
         "runtime": HOST_OVERHEAD,
+        "data": data_bytes,
     }
     chunk = min(s.loss_chunk_tokens, tokens)
     device = {

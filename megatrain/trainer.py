@@ -2,14 +2,18 @@
 
     trainer = Trainer(load_config("run.yaml"))
     trainer.fit()                       # or trainer.train_step([Batch(...), ...])
+    trainer.evaluate()                  # loss and perplexity of the held-out data
     trainer.save_pretrained("out/hf")   # loads with AutoModelForCausalLM.from_pretrained
     trainer.close()
+
+`fit` writes output_dir/metrics.jsonl (runlog.py), evaluates every eval_every steps, and saves the
+state and the model (with its tokenizer) at the end; `plan_report` is `megatrain plan`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
+import itertools
+import time
 from pathlib import Path
 
 import torch
@@ -17,15 +21,18 @@ import torch
 from megatrain import checkpoint, memory
 from megatrain.batch import Batch
 from megatrain.config import TrainConfig
-from megatrain.data import make_source
+from megatrain.data import load_tokenizer, make_sources
 from megatrain.device import Device
 from megatrain.engine import Engine
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
+from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
+from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import HostStore
 from megatrain.templates import Architecture
+from megatrain.units import GiB
 
 
 class Trainer:
@@ -39,10 +46,14 @@ class Trainer:
         self.device = Device(cfg.engine.device)
         machine = Machine.of(self.device, cfg.engine)
         self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
-        self.memory_plan = memory.plan(shape, s)
+        # the model is admitted before the data is read, the data before the store is allocated:
+        # a run that cannot fit, or a bad dataset, costs nothing
+        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free)
+        self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
+        data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
+        self.memory_plan = memory.plan(shape, s, data_bytes)
         memory.admit(self.memory_plan, machine.host_available, machine.device_free)
-        # the data source is validated before the store is allocated: a bad dataset costs nothing
-        self.data = make_source(cfg.data, shape.vocab, cfg.model.pretrained)
+        self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
@@ -51,7 +62,7 @@ class Trainer:
             self.store.load_pretrained(cfg.model.pretrained)
         else:
             self.store.init_random(cfg.seed)
-        self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, cfg.steps)
+        self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps)
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
         if cfg.resume and (Path(cfg.output_dir) / "state").exists():
@@ -72,6 +83,7 @@ class Trainer:
         return {
             "step": self.step,
             "loss": r.loss,
+            "lr": lr_at(self.step - 1, self.cfg.optim, self.total_steps),
             "prev_grad_norm": r.prev_grad_norm,
             "tokens": sum(r.seq_lengths),
             "target_tokens": r.target_tokens,
@@ -99,30 +111,82 @@ class Trainer:
     def next_microbatches(self) -> list[Batch]:
         return [self.data.next() for _ in range(self.cfg.data.grad_accum)]
 
-    def fit(self, log=sys.stdout, progress: bool = True) -> list[dict]:
-        """Train to cfg.steps: a progress bar on stderr, one JSON line of metrics per step on `log`."""
-        from tqdm import tqdm
-        out = Path(self.cfg.output_dir) if self.cfg.output_dir else None
-        history = []
-        bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, unit="step", file=sys.stderr)
-        while self.step < self.cfg.steps:
-            m = self.train_step(self.next_microbatches())
-            history.append(m)
-            print(json.dumps(m), file=log, flush=True)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", tflops=f"{m['model_tflops']:.1f}")
-            bar.update(1)
-            if out and self.cfg.save_every and self.step % self.cfg.save_every == 0:
+    def fit(self, log=None, progress: bool = True) -> list[dict]:
+        """Train to the run's steps: metrics to output_dir/metrics.jsonl (and TensorBoard), a
+        progress bar and summary lines on stderr, raw JSON lines on `log` if given; evaluations of
+        the held-out data every eval_every steps and at the end; the state and the model saved."""
+        cfg = self.cfg
+        out = Path(cfg.output_dir) if cfg.output_dir else None
+        runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.tensorboard, log)
+        history: list[dict] = []
+        pending: dict | None = None  # the last step's record, awaiting its gradient norm
+
+        def emit(norm_known: bool = False) -> None:
+            nonlocal pending
+            if pending is not None:
+                if not norm_known:  # read after waiting for the optimizer
+                    self.engine.worker.flush()
+                    pending["grad_norm"] = self.engine.worker.grad_norms.get(pending["step"] - 1)
+                runlog.step({k: v for k, v in pending.items() if k != "prev_grad_norm"})
+                pending = None
+
+        try:
+            runlog.say(self.describe() + (f"\nresuming at step {self.step}" if self.step else ""))
+            while self.step < self.total_steps:
+                m = self.train_step(self.next_microbatches())
+                runlog.advance(m)
+                if pending is not None:
+                    pending["grad_norm"] = m["prev_grad_norm"]
+                    emit(norm_known=True)
+                pending = m
+                history.append(m)
+                last = self.step == self.total_steps
+                if self.held_out and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                    emit()
+                    runlog.evaluation(self.evaluate())
+                if out and cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                    emit()
+                    self.save_state(out / "state")
+            emit()
+            if out:
                 self.save_state(out / "state")
-        bar.close()
-        if out:
-            self.save_state(out / "state")
-            self.save_pretrained(out / "model")
+                self.save_pretrained(out / "model")
+                runlog.say(f"saved: the training state in {out / 'state'}, the model in {out / 'model'}")
+        finally:
+            runlog.close()
+        for m in history:  # the records the log got, norms included
+            m.setdefault("grad_norm", self.engine.worker.grad_norms.get(m["step"] - 1))
         return history
 
+    def evaluate(self) -> dict:
+        """Mean loss and perplexity over the held-out data (eval_batches micro-batches at most),
+        grad_accum micro-batches at a time, through the engine's streaming forward."""
+        if self.held_out is None:
+            raise ValueError("evaluate needs held-out data: data.eval_path or data.eval_fraction")
+        start = time.perf_counter()
+        loss = targets = 0
+        batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
+        for lo in range(0, len(batches), self.cfg.data.grad_accum):
+            part, n = self.engine.evaluate(batches[lo: lo + self.cfg.data.grad_accum])
+            loss, targets = loss + part, targets + n
+        mean = loss / max(1, targets)
+        return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
+                "eval_target_tokens": targets, "eval_time_s": time.perf_counter() - start}
+
+    def describe(self) -> str:
+        """The start-up summary: the model, the data, the memory plan and where things go."""
+        return describe(self.cfg, self.shape, self.settings, self.memory_plan, self.total_steps, self.data, self.held_out)
+
     # ---- saving ----
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
+        """The model as a `transformers` folder: weights in `dtype` (default: save_dtype), the
+        generation config, and the tokenizer where the run has one."""
         self.engine.worker.flush()  # every update of the last step is written
-        checkpoint.save_pretrained(self.store, self.shape, path)
+        tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
+        tokenizer = None
+        if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = load_tokenizer(tok_dir)
+        checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype), tokenizer)
 
     def save_state(self, path: str | Path) -> None:
         self.engine.worker.flush()
@@ -145,3 +209,53 @@ class Trainer:
     def close(self) -> None:
         self.engine.close()
         self.sampler.close()
+
+
+def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, total_steps: int, data,
+             held_out) -> str:
+    """The start-up summary (and `megatrain plan`'s report)."""
+    d, c = cfg.data, shape.config
+    model = cfg.model.pretrained or cfg.model.config or f"preset {cfg.model.preset}"
+    lines = [f"model: {c.model_type} from {model}: {shape.total_params():,} parameters, "
+             f"{shape.num_layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}"]
+    if d.source == "file":
+        dropped = {k: v for k, v in data.examples.dropped.items() if v}
+        lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "
+                     f"{int(data.examples.lengths.sum()):,} tokens, {data.nbytes / GiB:.2f} GiB in host memory"
+                     + (f"; left out: {dropped}" if dropped else "")
+                     + (f"; held out: {len(held_out.examples):,} examples" if held_out else ""))
+        rows = "packed rows" if d.packing else "examples padded to the longest of their batch"
+        epochs = total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()
+        lines.append(f"step: {d.grad_accum} x {d.batch_size} {rows} of at most {d.seq_len} tokens: up to "
+                     f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens per step; {total_steps} steps "
+                     f"({epochs:.2f} epochs)")
+    else:
+        lines.append(f"data: synthetic; step: {d.grad_accum} x {d.batch_size} x {d.seq_len} = "
+                     f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
+    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters, checkpoint every "
+                 f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
+                 f"{s.no_recompute_layers} layers kept from recompute")
+    host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}
+    lines.append(f"memory plan: host {plan.host_bytes / GiB:.2f} GiB ("
+                 + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items())
+                 + f"), device {plan.device_bytes / GiB:.2f} GiB")
+    out = cfg.output_dir
+    lines.append(f"outputs: {out}/metrics.jsonl, {out}/state, {out}/model" if out else "outputs: none (no output_dir)")
+    return "\n".join(lines)
+
+
+def plan_report(cfg: TrainConfig) -> str:
+    """What a run would do and need, without allocating the model: `megatrain plan`."""
+    shape = ModelShape(load_hf_config(cfg.model))
+    device = Device(cfg.engine.device)
+    machine = Machine.of(device, cfg.engine)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+    data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
+    p = memory.plan(shape, s, data.nbytes + (held_out.nbytes if held_out else 0))
+    try:
+        memory.admit(p, machine.host_available, machine.device_free)
+        verdict = "fits this machine"
+    except memory.DoesNotFit as e:
+        verdict = str(e)
+    total = cfg.steps if cfg.steps is not None else data.steps_for(cfg.epochs)
+    return describe(cfg, shape, s, p, total, data, held_out) + "\n" + verdict

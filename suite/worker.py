@@ -62,7 +62,7 @@ def run(spec: RunSpec, out: str) -> dict:
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
             if spec.data is not None:  # padded examples: count the real tokens only
-                lengths = [int(n) for mb in microbatches for n in mb.attention_mask.sum(dim=1)]
+                lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
                 flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden, lengths)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

@@ -76,7 +76,7 @@ def test_missing_dataset_columns(tmp_path):
 
 
 def test_missing_data_file():
-    with pytest.raises(ValueError, match="data.path 'nowhere.jsonl' is not a file"):
+    with pytest.raises(ValueError, match="data.path 'nowhere.jsonl' does not exist"):
         load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"source": "file", "path": "nowhere.jsonl"}})
 
 

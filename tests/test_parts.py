@@ -1,5 +1,5 @@
 """Unit checks of the pieces: the learning-rate schedule, the store's layout, templates and Bind,
-the memory plan, and the data formats."""
+and the memory plan (the data: test_data.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
-from megatrain.data import FileSource, SyntheticSource
 from megatrain.memory import plan
 from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
@@ -19,7 +18,6 @@ from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
 from megatrain.templates import Architecture
 from megatrain.trainer import Trainer
-from tiny_tokenizer import save_tokenizer
 
 
 def shape_of(preset: str, **overrides) -> ModelShape:
@@ -124,58 +122,6 @@ def test_device_tiles_move_bytes_from_host_to_device():
                       torch.device("cpu"))
     assert [t.on_device for t in store.tiles] == [True, True, False, False, False]
     assert store.embed.shadow is None and store.embed.grad is None and store.layers[1].grad is not None
-
-
-def test_synthetic_source_is_deterministic_and_repeatable():
-    cfg = DataConfig(seq_len=8, batch_size=2, seed=3)
-    a, b = SyntheticSource(cfg, 100), SyntheticSource(cfg, 100)
-    first = a.next()
-    assert torch.equal(first.input_ids, b.next().input_ids)
-    assert not torch.equal(first.input_ids, a.next().input_ids)
-    same = SyntheticSource(DataConfig(seq_len=8, batch_size=2, repeat_batch=True), 100)
-    assert torch.equal(same.next().input_ids, same.next().input_ids)
-
-
-def _source(tmp_path, rows, **cfg):
-    pytest.importorskip("datasets")  # the GPU image lacks it; CI and CPU setups have it
-    save_tokenizer(tmp_path / "tok")
-    path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return FileSource(DataConfig(source="file", path=str(path), **cfg), 64, str(tmp_path / "tok"))
-
-
-def test_instruction_masks_the_prompt(tmp_path):
-    src = _source(tmp_path, [{"prompt": "what is two plus three", "response": "five"}],
-                  format="instruction", seq_len=8)
-    b = src.next()
-    ids, labels, mask = b.input_ids[0].tolist(), b.labels[0].tolist(), b.attention_mask[0].tolist()
-    assert ids[:7] == [5, 6, 7, 8, 9, 10, 1] and ids[7] == 0  # prompt, answer, eos, pad
-    assert labels == [-100] * 5 + [10, 1, -100]
-    assert mask == [1] * 7 + [0]
-
-
-def test_chat_labels_only_assistant_turns(tmp_path):
-    src = _source(tmp_path, [{"messages": [{"role": "user", "content": "what is two"},
-                                           {"role": "assistant", "content": "five"}]}], format="chat", seq_len=12)
-    b = src.next()
-    labels = b.labels[0].tolist()
-    # "user: what is two <eos>" is masked; "assistant: five <eos>" is learned
-    assert labels[:5] == [-100] * 5 and labels[5:8] == [4, 10, 1]
-
-
-def test_text_is_packed(tmp_path):
-    src = _source(tmp_path, [{"text": "hello world"}, {"text": "a b c"}], format="text", seq_len=4)
-    assert len(src.examples) == 1  # 7 tokens with the eos tokens: one full sequence of 4
-    assert src.next().input_ids[0].tolist() == [13, 14, 1, 15]
-
-
-def test_token_outside_vocab_is_refused(tmp_path):
-    pytest.importorskip("datasets")
-    save_tokenizer(tmp_path / "tok")
-    path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"text": "c c c c c"}) + "\n")
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        FileSource(DataConfig(source="file", path=str(path), seq_len=4), 10, str(tmp_path / "tok"))
 
 
 def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):

@@ -4,7 +4,9 @@ hyper-parameters trained by each system; exact-match accuracy of greedy answers 
     python -m suite accuracy --out results/h100/accuracy --systems megatrain,native,zero3 --model 100m
 
 Data: generated arithmetic problems (problems.py), or a local MetaMathQA file (`--metamath`,
-rows with `query` and `response`); either split 70/30 with the seed. Model: a seeded random init of
+rows with `query` and `response`); either split 70/30 with the seed. Every system reads the
+training split through megatrain's data pipeline (megatrain/data: tokenised once into datasets'
+cache, the prompt masked, in the plain template that the evaluation prompts with). Model: a seeded random init of
 a llama shape (MODELS) with a tokenizer built from the problems, or a local pretrained checkpoint
 (`--pretrained`, its own tokenizer). Each system trains in its own process through the harness
 (suite.runner) and saves its weights as a `transformers` checkpoint, which is loaded back and
@@ -130,8 +132,9 @@ def evaluate(checkpoint: str | Path, tokenizer_dir: str | Path, test: list[dict]
     correct, samples = 0, []
     for lo in range(0, len(test), batch):
         rows = test[lo: lo + batch]
-        enc = tok([PROMPT.format(query=r["query"]) for r in rows], return_tensors="pt", padding=True,
-                  add_special_tokens=False).to(device)
+        # as trained: BOS (where the tokenizer has one) and the prompt
+        enc = tok([(tok.bos_token or "") + PROMPT.format(query=r["query"]) for r in rows], return_tensors="pt",
+                  padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -180,8 +183,11 @@ def run(s: Settings) -> dict:
         spec = RunSpec(system=system, model={"pretrained": prepared["init"]}, seq_len=s.seq, batch_size=s.batch,
                        grad_accum=1, steps=s.steps, warmup=0, seed=s.seed, lr=s.lr, timeout_s=s.timeout_s,
                        options=s.options.get(system, {}), save_to=str(saved),
+                       # the plain template (BOS, prompt, response, EOS: megatrain/data/formats.py),
+                       # which is what evaluate() prompts with, whatever chat template the tokenizer has
                        data={"path": str(work / "data" / "train.jsonl"), "format": "instruction",
-                             "prompt_field": "prompt", "response_field": "response", "tokenizer": tok_dir})
+                             "prompt_field": "prompt", "response_field": "response", "tokenizer": tok_dir,
+                             "template": "plain", "separator": ""})
         file = out / f"{system}.json"
         result = json.loads(file.read_text()) if file.is_file() else {}
         done = result.get("status") == "ok" and _unlimited(result.get("spec", {})) == _unlimited(spec.to_dict())

@@ -1,0 +1,57 @@
+"""Training data: formats (formats.py), files to compact tokenised examples (pipeline.py),
+batches (source.py), and synthetic tokens (synthetic.py).
+
+    train, held_out = make_sources(cfg, vocab, tokenizer_dir)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from megatrain.config import DataConfig
+from megatrain.data.source import EvalSource, FileSource
+from megatrain.data.synthetic import SyntheticSource
+
+__all__ = ["EvalSource", "FileSource", "SyntheticSource", "load_tokenizer", "make_source", "make_sources"]
+
+
+def load_tokenizer(path: str | None):
+    if path is None:
+        raise ValueError("data.tokenizer: a local tokenizer directory is needed to read text data")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from None
+    if not tok.is_fast:
+        raise ValueError(f"data.tokenizer: {path} has no fast tokenizer (tokenizer.json), which the data needs")
+    return tok
+
+
+def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
+                 ) -> tuple[FileSource | SyntheticSource, EvalSource | None]:
+    """The training source and the held-out set (None without data.eval_path or eval_fraction)."""
+    if cfg.source == "synthetic":
+        return SyntheticSource(cfg, vocab), None
+    from megatrain.data import pipeline
+    tok = load_tokenizer(cfg.tokenizer or tokenizer_dir)
+    pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+
+    def read(path: str):
+        return pipeline.examples(pipeline.tokenize(pipeline.load_rows(path), cfg, tok, path), cfg, vocab, path)
+
+    examples = read(cfg.path)
+    held = None
+    if cfg.eval_path:
+        held = read(cfg.eval_path)
+    elif cfg.eval_fraction:
+        order = np.random.default_rng(cfg.seed).permutation(len(examples))
+        cut = max(1, round(cfg.eval_fraction * len(examples)))
+        if cut >= len(examples):
+            raise ValueError(f"data.eval_fraction {cfg.eval_fraction} leaves no training example of {len(examples)}")
+        held, examples = examples.subset(np.sort(order[:cut])), examples.subset(np.sort(order[cut:]))
+    return FileSource(cfg, examples, pad), (EvalSource(cfg, held, pad) if held is not None else None)
+
+
+def make_source(cfg: DataConfig, vocab: int, tokenizer_dir: str | None) -> FileSource | SyntheticSource:
+    """The training source alone (the harness's systems read it)."""
+    return make_sources(cfg, vocab, tokenizer_dir)[0]

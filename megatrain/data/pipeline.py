@@ -1,0 +1,142 @@
+"""From files to tokenised examples held unpadded in compact arrays.
+
+Rows load through `datasets` (a file, a folder of shards of one type, or a `save_to_disk`
+folder) and are tokenised by `datasets.map`: batched, in `data.num_proc` processes, into datasets'
+on-disk cache under a fingerprint of the rows, the format settings, the tokenizer and this code's
+version, so the next run with the same data and tokenizer reads the cache instead of tokenising.
+The examples then become three flat arrays: every token id (uint16 when the vocabulary allows,
+else int32), a target flag per token (bool), and each example's start and length: about 3-5 bytes a
+token, where padding every example to seq_len as int64 took 16 bytes a position. `Examples.nbytes`
+is what the memory plan counts for the data.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatrain.config import DataConfig
+from megatrain.data import formats
+
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+VERSION = "megatrain-data-2"  # part of the cache key: change it when an encoding changes
+PARALLEL_ROWS = 20_000  # below this many rows one process tokenises faster than several start
+
+
+@dataclass
+class Examples:
+    """Tokenised examples: example k is tokens[starts[k]: starts[k] + lengths[k]] with its targets."""
+    tokens: np.ndarray  # [T] uint16 or int32
+    targets: np.ndarray  # [T] bool: the loss learns this token
+    starts: np.ndarray  # [N] int64
+    lengths: np.ndarray  # [N] int32
+    dropped: dict[str, int]  # examples left out, by reason
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.tokens, self.targets, self.starts, self.lengths))
+
+    def subset(self, index: np.ndarray) -> Examples:
+        """Some of the examples, sharing the token arrays."""
+        return Examples(self.tokens, self.targets, self.starts[index], self.lengths[index], self.dropped)
+
+
+def load_rows(path: str | Path):
+    """A `datasets.Dataset` of the raw rows."""
+    import datasets
+    path = Path(path)
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds and len(ds) != 1:
+                raise ValueError(f"data.path {path} holds the splits {sorted(ds)}; name one folder, or keep a 'train' split")
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return ds
+    files = sorted(p for p in path.iterdir() if p.suffix in LOADERS) if path.is_dir() else [path]
+    kinds = {LOADERS.get(p.suffix) for p in files}
+    if not files or None in kinds:
+        raise ValueError(f"data.path {path}: no data files; use {sorted(LOADERS)} files, a folder of them, "
+                         "or a save_to_disk folder")
+    if len(kinds) > 1:
+        raise ValueError(f"data.path {path} mixes file types {sorted(p.suffix for p in files)}; keep one")
+    return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
+
+
+def tokenize(rows, cfg: DataConfig, tok, path: str):
+    """`rows` (read from `path`) mapped to input_ids, targets and problem, or read from the cache
+    of an earlier run."""
+    import datasets
+    from datasets.fingerprint import Hasher
+    needed = formats.columns(cfg)
+    missing = [c for c in needed if c not in rows.column_names]
+    if missing:
+        raise ValueError(f"data: {path} lacks column(s) {missing} needed by format {cfg.format!r}; "
+                         f"it has {rows.column_names}")
+    if len(rows) == 0:
+        raise ValueError(f"data: {path} holds no examples")
+    settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
+                                             "messages_field", "template", "separator")}
+    key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
+                       tok.bos_token, tok.eos_token])
+    num_proc = cfg.num_proc or (min(os.cpu_count() or 1, 16) if len(rows) >= PARALLEL_ROWS else None)
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "targets": datasets.List(datasets.Value("bool")),
+                                  "problem": datasets.Value("string")})
+    return rows.select_columns(needed).map(
+        formats.encode, fn_kwargs={"cfg": cfg, "tok": tok}, batched=True, batch_size=1000, num_proc=num_proc,
+        remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
+
+
+def _flat(column) -> tuple[np.ndarray, np.ndarray]:
+    """A list column of an Arrow table as its values and per-row offsets [N+1]."""
+    import pyarrow as pa
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0]: offsets[-1]], offsets - offsets[0]
+
+
+def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
+    """The tokenised dataset (of `path`) as compact arrays, after the format's rules for what to keep."""
+    table = encoded.data.table if hasattr(encoded.data, "table") else encoded.data
+    tokens, offsets = _flat(table.column("input_ids"))
+    targets, _ = _flat(table.column("targets"))
+    if tokens.size and int(tokens.max()) >= vocab:
+        raise ValueError(f"data: token id {int(tokens.max())} is outside the model's vocabulary of {vocab}")
+    tokens = tokens.astype(np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32)
+    targets = targets.astype(bool)
+    n = cfg.seq_len
+    if cfg.format == "text":  # one stream of documents, cut into full sequences of seq_len
+        count = len(tokens) // n
+        if count == 0:
+            raise ValueError(f"data: {path} yields no sequence of {n} tokens")
+        return Examples(tokens, targets, np.arange(count, dtype=np.int64) * n, np.full(count, n, np.int32), {})
+    starts, lengths = offsets[:-1], np.diff(offsets).astype(np.int32)
+    problems = np.asarray(table.column("problem").to_numpy(zero_copy_only=False), dtype=object)
+    bad = np.flatnonzero(problems != "")
+    if len(bad) and cfg.unmaskable == "error":
+        shown = "; ".join(f"example {k}: {problems[k]}" for k in bad[:5])
+        raise ValueError(f"data: {len(bad)} example(s) of {path} cannot be labelled exactly ({shown}); "
+                         "fix them, or set data.unmaskable: drop to leave them out")
+    keep = problems == ""
+    dropped = {"unmaskable": int(len(bad))}
+    too_long = lengths > n
+    if cfg.overlong == "drop":
+        dropped["overlong"] = int((too_long & keep).sum())
+        keep &= ~too_long
+    lengths = np.minimum(lengths, n).astype(np.int32)
+    # targets each example keeps (its first token is never predicted): a running count in int32
+    # (no dataset here has 2^31 tokens a file; int64 would double this temporary)
+    running = np.concatenate([[0], np.cumsum(targets, dtype=np.int64 if len(targets) >= 2**31 else np.int32)])
+    learned = running[starts + lengths] - running[np.minimum(starts + 1, starts + lengths)]
+    dropped["no_target"] = int(((learned == 0) & keep).sum())
+    keep &= learned > 0
+    if not keep.any():
+        raise ValueError(f"data: no example of {path} has a target token within data.seq_len {n} "
+                         f"(left out: {dropped})")
+    return Examples(tokens, targets, starts[keep], lengths[keep], dropped)
