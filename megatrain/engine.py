@@ -51,8 +51,9 @@ from megatrain.device import Device
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.optim import OptimizerWorker, adamw, lr_at
-from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head,
-                                PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint)
+from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
+                                PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
+                                evaluation_ops)
 from megatrain.store import HostStore, Layout, Tile
 from megatrain.templates import Architecture
 from megatrain.timeline import Kind, Timeline, Track
@@ -128,9 +129,10 @@ class Engine:
         self.bytes_d2h = 0
         self._packing: Unit | None = None
         self._schedules: dict[int, Schedule] = {}
+        self._units = {**dict(enumerate(self.layer_units)), HEAD: self.head_unit}
         self._handlers = {
             Embed: self._embed_all, SaveCheckpoint: self._save_checkpoint, Forward: self._forward,
-            Head: self._head, TakeCheckpoint: self._take_checkpoint, PrefetchCheckpoint: self._prefetch_checkpoint,
+            Head: self._head, HeadLoss: self._head_loss, TakeCheckpoint: self._take_checkpoint, PrefetchCheckpoint: self._prefetch_checkpoint,
             Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
             EmbeddingGradient: self._embedding_gradient,
         }
@@ -150,19 +152,11 @@ class Engine:
         schedule = self.schedule(len(microbatches))
         self.timeline.begin_step()
         self.worker.begin_step(self._contributions())
-        units = {**dict(enumerate(self.layer_units)), HEAD: self.head_unit}
-        self.streamer.start([units[k] for k in schedule.loads])
         before = self._counters()
         step = _Step(microbatches, targets, 1.0 / n_targets)
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
-            for op in schedule.ops:  # the one loop of a step
-                if op.loads is None:
-                    self._handlers[type(op)](step, op, None)
-                    continue
-                weights = self.streamer.acquire()
-                self._handlers[type(op)](step, op, weights)
-                self.streamer.release()
+            self._run(schedule.ops, step)
             if self._clip_later:
                 self._clip_and_update_device_tiles()
             self.sq_host.copy_(self.sq, non_blocking=True)
@@ -193,28 +187,29 @@ class Engine:
                 self.streamer.wait_s, self.slabs.wait_s)
 
     def evaluate(self, microbatches: list[Batch]) -> tuple[float, int]:
-        """Summed loss and target tokens of micro-batches, forward only: the step's streaming
-        forward (embedding, context, layers) and its chunked head, with no gradient or update.
-        Waits for the optimizer first, so the weights are those after the last step."""
+        """Summed loss and target tokens of micro-batches, forward only: the step's own loop over
+        the evaluation's ops (schedule.evaluation_ops), with no gradient or update. Waits for the
+        optimizer first, so the weights are those after the last step."""
         self.worker.flush()
         targets = [shift_labels(mb.labels) for mb in microbatches]
+        step = _Step(microbatches, targets, 1.0)
         self.timeline.begin_step()
-        self.streamer.start([*self.layer_units, self.head_unit])
         with torch.no_grad(), self.dev.on(self.dev.compute):
-            hs = [self._embed(mb.input_ids) for mb in microbatches]
-            ctxs = [self._context(h, mb) for h, mb in zip(hs, microbatches)]
-            for i in range(self.shape.num_layers):
-                w = self.streamer.acquire()
-                hs = [self._layer(i, w, h, ctx) for h, ctx in zip(hs, ctxs)]
-                self.streamer.release()
-            w = self.streamer.acquire()
-            loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
-                                 self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens)
-                       for h, t in zip(hs, targets))
-            self.streamer.release()
+            self._run(evaluation_ops(self.shape.num_layers), step)
         self.dev.synchronize()
         self.timeline.end_step()
-        return float(loss), int(sum(int((t != IGNORE).sum()) for t in targets))
+        return float(step.loss), int(sum(int((t != IGNORE).sum()) for t in targets))
+
+    def _run(self, ops, step: _Step) -> None:
+        """The one loop: each op's handler, with its weights acquired where it computes."""
+        self.streamer.start([self._units[op.loads] for op in ops if op.loads is not None])
+        for op in ops:
+            if op.loads is None:
+                self._handlers[type(op)](step, op, None)
+                continue
+            weights = self.streamer.acquire()
+            self._handlers[type(op)](step, op, weights)
+            self.streamer.release()
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
@@ -261,6 +256,12 @@ class Engine:
             st.embed_acc = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=dev.torch)
         st.xs = [None] * len(st.mbs)
         st.graphs = [[] for _ in st.mbs]
+
+    def _head_loss(self, st: _Step, op: HeadLoss, w: list[torch.Tensor]) -> None:
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.HEAD):
+            st.loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
+                                    self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens)
+                          for h, t in zip(st.hs, st.targets))
 
     def _take_checkpoint(self, st: _Step, op: TakeCheckpoint, _) -> None:
         st.xs = self.checkpoints.take(op.layer)

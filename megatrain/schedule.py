@@ -18,6 +18,7 @@ kept layer is a block of its own. For M micro-batches:
                                            step gradient returns to the host
       EmbeddingBackward (m)                after layer 0
   EmbeddingGradient                        the embedding's step gradient returns
+An evaluation runs the same loop over Embed, Forward 0..L-1 and HeadLoss (evaluation_ops).
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ class Forward:
 
 @dataclass(frozen=True)
 class Head:
+    loads = HEAD
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """The loss alone, no gradient: an evaluation's head."""
     loads = HEAD
 
 
@@ -102,8 +109,13 @@ class EmbeddingGradient:
     loads = None
 
 
-Op = (Embed | SaveCheckpoint | Forward | Head | TakeCheckpoint | PrefetchCheckpoint | Recompute | Backward
-      | EmbeddingBackward | EmbeddingGradient)
+Op = (Embed | SaveCheckpoint | Forward | Head | HeadLoss | TakeCheckpoint | PrefetchCheckpoint | Recompute
+      | Backward | EmbeddingBackward | EmbeddingGradient)
+
+
+def evaluation_ops(num_layers: int) -> tuple[Op, ...]:
+    """An evaluation: the step's forward (no checkpoints, no graphs kept), then the loss alone."""
+    return (Embed(), *(Forward(i, keep_graph=False) for i in range(num_layers)), HeadLoss())
 
 
 @dataclass(frozen=True)
