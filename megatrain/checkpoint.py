@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.io import atomic_dir
+from megatrain.io import atomic_dir, complete_dir
 from megatrain.shapes import ModelShape
 from megatrain.store import HostStore
 
@@ -79,10 +79,17 @@ def save_state(store: HostStore, path: str | Path, meta: dict) -> None:
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
 
 
+def saved_state(path: str | Path) -> Path | None:
+    """The last complete training state saved at `path` (complete_dir), or None."""
+    path = complete_dir(path)
+    return path if path is not None and (path / "state.json").is_file() else None
+
+
 def load_state(store: HostStore, path: str | Path) -> dict:
-    path = Path(path)
-    if not (path / "state.json").is_file():
+    found = saved_state(path)
+    if found is None:
         raise ValueError(f"resume: no training state at {path}")
+    path = found
     for tile in store.tiles:
         with safe_open(str(path / f"{tile.name}.safetensors"), framework="pt") as f:
             for k in _STATE:

@@ -11,14 +11,17 @@ from pathlib import Path
 
 @contextmanager
 def atomic_dir(target: str | Path):
-    """Yield a temporary directory that replaces `target` only if the block completes."""
+    """Yield a temporary directory that replaces `target` only if the block completes. At every
+    instant a complete copy exists: `target`, or (a kill between the swap's two renames) its
+    `.old`, which `complete_dir` finds and the next save restores first."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    complete_dir(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
         if target.exists():
-            old = target.with_name(f".{target.name}.old")
+            old = _old(target)
             os.replace(target, old)
             os.replace(tmp, target)
             shutil.rmtree(old)
@@ -27,6 +30,23 @@ def atomic_dir(target: str | Path):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def complete_dir(target: str | Path) -> Path | None:
+    """The last complete copy that atomic_dir saves left at `target`, put back in place: `target`
+    itself, or its `.old` where a kill came between the two renames; None if there is none."""
+    target = Path(target)
+    old = _old(target)
+    if old.exists():
+        if target.exists():  # the kill came after the swap: the old copy is stale
+            shutil.rmtree(old)
+        else:
+            os.replace(old, target)
+    return target if target.exists() else None
+
+
+def _old(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class Trainer:
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and cfg.data.seq_len > limit:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
+        self._check_output_dir()
         self.device = Device(cfg.engine.device)
         machine = Machine.of(self.device, cfg.engine)
         self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
@@ -65,8 +67,22 @@ class Trainer:
         self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps)
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
-        if cfg.resume and (Path(cfg.output_dir) / "state").exists():
+        if cfg.resume:
             self.load_state(Path(cfg.output_dir) / "state")
+
+    def _check_output_dir(self) -> None:
+        """Before anything is built: output_dir can be written, and resume has a state to resume."""
+        if not self.cfg.output_dir:
+            return
+        out = Path(self.cfg.output_dir)
+        existing = next((p for p in (out, *out.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"output_dir {out}: {existing} is a file, not a folder")
+        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"output_dir {out}: {existing} cannot be written")
+        if self.cfg.resume and checkpoint.saved_state(out / "state") is None:
+            raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; "
+                             f"leave resume unset to start the run)")
 
     # ---- training ----
     def train_step(self, microbatches: list[Batch]) -> dict:

@@ -66,3 +66,82 @@ def test_resume_equals_uninterrupted(tmp_path, engine):
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     assert (tmp_path / "b" / "model" / "model.safetensors").is_file()
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+class _Killed(BaseException):
+    """Stands for the process dying at this instant (nothing after it runs, no cleanup counts)."""
+
+
+def test_a_save_killed_at_any_point_leaves_a_complete_state(tmp_path, monkeypatch):
+    """Kill a save over an earlier one at each of its file operations (each rename and removal): a
+    resume finds a complete state, the earlier save's or the new one's, never none and never half."""
+    import os
+    import shutil
+
+    from megatrain import checkpoint, io
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    run = tmp_path / "run"
+    trainer = Trainer(config(tmp_path, 4, output_dir=str(run)))
+    state, pristine = run / "state", tmp_path / "first"
+    try:
+        trainer.train_step(random_batches(1, 2, 2, 16, 256, pad=True)[0])
+        trainer.save_state(pristine)
+        first = {k: v.clone() for k, v in store_params(trainer).items()}
+        trainer.train_step(random_batches(1, 2, 2, 16, 256, pad=True, seed=2)[0])
+        trainer.engine.worker.flush()
+        second = store_params(trainer)
+        real_replace, real_rmtree = os.replace, shutil.rmtree
+        point, killed = 0, True
+        while killed:
+            run.mkdir(exist_ok=True)
+            for leftover in run.iterdir():
+                real_rmtree(leftover)
+            shutil.copytree(pristine, state)
+            calls = [0]
+
+            def dying(real):
+                def op(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == point + 1:
+                        raise _Killed
+                    return real(*args, **kwargs)
+                return op
+            monkeypatch.setattr(io.os, "replace", dying(real_replace))
+            monkeypatch.setattr(io.shutil, "rmtree", dying(real_rmtree))
+            try:
+                trainer.save_state(state)
+                killed = False
+            except _Killed:
+                pass
+            finally:
+                monkeypatch.setattr(io.os, "replace", real_replace)
+                monkeypatch.setattr(io.shutil, "rmtree", real_rmtree)
+            assert checkpoint.saved_state(state) is not None, f"no complete state after a kill at operation {point}"
+            resumed = Trainer(config(tmp_path, 4, output_dir=str(run), resume=True))
+            try:
+                got = store_params(resumed)
+            finally:
+                resumed.close()
+            expected = {1: first, 2: second}[resumed.step]
+            assert killed or resumed.step == 2
+            for name, value in expected.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+            point += 1
+    finally:
+        trainer.close()
+    assert point >= 4  # the swap over an earlier save: its operations, each killed once, then a whole save
+
+
+def test_resume_without_a_saved_state_is_refused(tmp_path):
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    with pytest.raises(ValueError, match="resume=true: no saved training state"):
+        Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "never"), resume=True))
+    assert not (tmp_path / "never").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_path):
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    (tmp_path / "file").write_text("x")
+    for where, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is a file")):
+        with pytest.raises(ValueError, match=message):
+            Trainer(config(tmp_path, 2, output_dir=str(where)))
