@@ -266,7 +266,10 @@ class TrainConfig:
     seed: int = 0
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
     save_every: int | None = None  # steps between training-state saves; None: only at the end
-    resume: bool = False  # continue from output_dir/state if it exists
+    resume: bool = False  # continue from output_dir/state (refused if there is none)
+    # resume although settings that change the run's meaning (steps, schedule, data, batch, seed)
+    # differ from the saved run's; each difference is named either way
+    resume_changes: bool = False
     eval_every: int | None = None  # steps between evaluations of the held-out data; None: at the end only
     eval_batches: int | None = None  # micro-batches of held-out data per evaluation; None: all of it
     log_every: int = 10  # steps between the console's summary lines

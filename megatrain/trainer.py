@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import time
 from pathlib import Path
@@ -34,6 +35,27 @@ from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import HostStore
 from megatrain.templates import Architecture
 from megatrain.units import GiB
+
+
+# Settings whose change alters what a resumed run means: the schedule's length and shape, the
+# optimizer, the data and its order, the batch. Engine settings change how, not what.
+MEANING = ("steps", "epochs", "seed", "optim", "data")
+
+
+def meaning_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """`key: saved -> now` for each setting of MEANING that differs from the saved run's config."""
+    now = dataclasses.asdict(cfg)
+    out = []
+    for key in MEANING:
+        a, b = saved.get(key), now[key]
+        pairs = [(f"{key}.{k}", a.get(k), v) for k, v in b.items()] if isinstance(b, dict) and isinstance(a, dict) \
+            else [(key, a, b)]
+        out += [f"{name}: {x!r} -> {y!r}" for name, x, y in pairs if _normal(x) != _normal(y)]
+    return out
+
+
+def _normal(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 class Trainer:
@@ -80,9 +102,15 @@ class Trainer:
             raise ValueError(f"output_dir {out}: {existing} is a file, not a folder")
         if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
             raise ValueError(f"output_dir {out}: {existing} cannot be written")
-        if self.cfg.resume and checkpoint.saved_state(out / "state") is None:
-            raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; "
-                             f"leave resume unset to start the run)")
+        if self.cfg.resume:
+            saved = checkpoint.saved_state(out / "state")
+            if saved is None:
+                raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; "
+                                 f"leave resume unset to start the run)")
+            changes = meaning_changes(json.loads((saved / "state.json").read_text())["config"], self.cfg)
+            if changes and not self.cfg.resume_changes:
+                raise ValueError(f"resume=true: this run's settings differ from the saved run's in {'; '.join(changes)}; "
+                                 f"set resume_changes=true to resume with them anyway")
 
     # ---- training ----
     def train_step(self, microbatches: list[Batch]) -> dict:

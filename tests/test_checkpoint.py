@@ -55,7 +55,10 @@ def test_resume_equals_uninterrupted(tmp_path, engine):
         first.fit(log=open("/dev/null", "w"), progress=False)
     finally:
         first.close()
-    resumed = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "b"), resume=True))
+    with pytest.raises(ValueError, match=r"differ from the saved run's in steps: 2 -> 4; set resume_changes=true"):
+        Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "b"), resume=True))
+    # with warm-up 1 the cosine's first two steps are the 4-step run's: extending it changes nothing done
+    resumed = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "b"), resume=True, resume_changes=True))
     try:
         assert resumed.step == 2 and resumed.data.position == 4
         resumed.fit(log=open("/dev/null", "w"), progress=False)
@@ -117,7 +120,7 @@ def test_a_save_killed_at_any_point_leaves_a_complete_state(tmp_path, monkeypatc
                 monkeypatch.setattr(io.os, "replace", real_replace)
                 monkeypatch.setattr(io.shutil, "rmtree", real_rmtree)
             assert checkpoint.saved_state(state) is not None, f"no complete state after a kill at operation {point}"
-            resumed = Trainer(config(tmp_path, 4, output_dir=str(run), resume=True))
+            resumed = Trainer(config(tmp_path, 4, output_dir=str(run), resume=True))  # the same settings
             try:
                 got = store_params(resumed)
             finally:
@@ -194,3 +197,18 @@ def test_the_command_stops_on_a_non_finite_step_and_saves_nothing(tmp_path, monk
                  "data.seq_len=16", "data.batch_size=2", "steps=2", f"output_dir={tmp_path / 'out'}"])
     assert code == 3 and "error at step 1" in capsys.readouterr().err
     assert not (tmp_path / "out" / "model").exists() and not (tmp_path / "out" / "state").exists()
+
+
+def test_resume_names_each_change_of_meaning(tmp_path):
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r")))
+    try:
+        first.fit(log=open("/dev/null", "w"), progress=False)
+    finally:
+        first.close()
+    cfg = config(tmp_path, 2, output_dir=str(tmp_path / "r"), resume=True)
+    cfg.optim.lr, cfg.data.batch_size = 5e-4, 4
+    with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.0005; data.batch_size: 2 -> 4"):
+        Trainer(cfg)
+    cfg = config(tmp_path, 2, output_dir=str(tmp_path / "r"), resume=True, engine={"checkpoint_every": 1})
+    Trainer(cfg).close()  # how the engine runs is not what the run means

@@ -148,7 +148,7 @@ def test_resume_with_an_evaluation_split(tmp_path):
 
     def run(steps, out, resume=False):
         trainer = Trainer(config(tmp_path, data, steps=steps, output_dir=str(tmp_path / out), eval_every=2,
-                                 resume=resume, data=split))
+                                 resume=resume, resume_changes=resume, data=split))  # extended from 2 steps
         try:
             trainer.fit(progress=False)
             return store_params(trainer)
