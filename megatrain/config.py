@@ -182,7 +182,10 @@ class OptimConfig:
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.0  # decoupled (AdamW); applied to matrices, not to norms and biases
+    weight_decay: float = 0.0  # decoupled (AdamW)
+    # which parameters take weight_decay: matrices (no decay on norms and biases, as the HF Trainer),
+    # or all (torch.optim.AdamW over model.parameters())
+    decay: Literal["matrices", "all"] = "matrices"
     max_grad_norm: float | None = 1.0  # None disables clipping
     warmup_steps: int = 0
     schedule: Literal["cosine", "constant"] = "cosine"

@@ -46,7 +46,7 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
     then refresh that range of the shadow. A device tile's runs on the current stream; its
     `found_inf` (a float32 scalar there, nonzero when the gradient is not finite) makes the kernel
     leave weights and moments as they are, without a host sync."""
-    decay_end = tile.layout.decay_numel
+    decay_end = tile.layout.decay_numel if cfg.decay == "matrices" else tile.layout.numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master.dtype == torch.float32
     if grad_scale != 1.0:

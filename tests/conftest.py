@@ -43,8 +43,8 @@ class Reference:
 
     def __init__(self, model, optim: OptimConfig, total_steps: int):
         self.model = model
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        rest = [p for p in model.parameters() if p.ndim < 2]
+        decay = [p for p in model.parameters() if p.ndim >= 2 or optim.decay == "all"]
+        rest = [p for p in model.parameters() if p.ndim < 2 and optim.decay == "matrices"]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=optim.lr, betas=optim.betas, eps=optim.eps)

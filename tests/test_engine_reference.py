@@ -58,11 +58,11 @@ CASES = {
 }
 
 
-def make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, lr=1e-3, steps=3):
+def make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, lr=1e-3, steps=3, optim=None):
     cfg = load_config(base={
         "model": {"pretrained": str(tmp_path / "init")},
         "engine": {"device": "cpu", "checkpoint_every": K, "loss_chunk_tokens": 7, **engine},
-        "optim": {"lr": lr, "weight_decay": 0.1, "max_grad_norm": clip, "warmup_steps": 1},
+        "optim": {"lr": lr, "weight_decay": 0.1, "max_grad_norm": clip, "warmup_steps": 1, **(optim or {})},
         "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": accum},
         "steps": steps,
     })
@@ -74,6 +74,13 @@ def test_streamed_training_matches_reference(tmp_path, case):
     train_and_compare(tmp_path, *CASES[case])
 
 
+@pytest.mark.parametrize("engine", [{}, {"device_tiles": 2}], ids=["host", "device-tiles"])
+def test_weight_decay_on_every_parameter_is_plain_adamw(tmp_path, engine):
+    """optim.decay: all decays norms and biases too, as torch.optim.AdamW over model.parameters()
+    (the default, matrices, is the reference of every other case)."""
+    train_and_compare(tmp_path, "tiny-qwen2", {}, 2, 2, 0.5, True, engine, optim={"decay": "all", "weight_decay": 0.5})
+
+
 def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
     """The decoder layers' norms over 5-token chunks (lean_norm.CHUNK, 64K tokens in real runs), with
     layers kept from recompute and the chunked MLP: still the reference's training."""
@@ -82,9 +89,9 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
     train_and_compare(tmp_path, "tiny-qwen2", {}, 1, 2, 0.5, True, {"no_recompute_layers": 1, "mlp_chunk_tokens": 7})
 
 
-def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine):
+def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None):
     model = tiny_checkpoint(tmp_path / "init", preset, overrides)
-    cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine)
+    cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, optim=optim)
     reference = Reference(model, cfg.optim, cfg.steps)
     try:
         ref_norms, norms = [], []
