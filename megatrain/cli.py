@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (train, plan):
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
+        p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
                        help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
@@ -30,13 +31,17 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_report(cfg))
             return 0
         trainer = Trainer(cfg)
-    except ValueError as e:
+    except ValueError as e:  # a setting, a file or the memory plan refused the run: nothing was built
+        if args.debug:
+            raise
         print(f"megatrain: error: {e}", file=sys.stderr)
         return 2
     try:
         json_lines = args.json if args.json is not None else not sys.stdout.isatty()
         trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
     except FloatingPointError as e:  # a non-finite step: nothing of it was applied or saved
+        if args.debug:
+            raise
         print(f"megatrain: error at step {trainer.step + 1}: {e}", file=sys.stderr)
         return 3
     finally:

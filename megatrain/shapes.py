@@ -64,7 +64,11 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     values.pop("model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         values.pop(key, None)
-    hf = AutoConfig.for_model(model_type, **values)
+    try:
+        hf = AutoConfig.for_model(model_type, **values)
+    except Exception as e:  # transformers validates the architecture: say which setting it refused
+        cause = e.__cause__ or e
+        raise ValueError(f"model: transformers refuses this {model_type} config: {cause}") from None
     hf._attn_implementation = cfg.attn_implementation
     return hf
 

@@ -194,13 +194,7 @@ class HostStore:
     def load_pretrained(self, directory: str | Path) -> None:
         """Copy a local safetensors checkpoint into the tiles, one tensor at a time."""
         directory = Path(directory)
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(directory.glob("*.safetensors"))]
-        if not files:
-            raise ValueError(f"model.pretrained: no safetensors files in {directory}")
+        files = pretrained_shards(directory)
         where = {}
         for tile in self.tiles:
             for name, view in zip(self.shape.hf_names(tile.name), tile.master_views()):
@@ -210,7 +204,7 @@ class HostStore:
         missing = set(where)
         unexpected = []
         for file in files:
-            with safe_open(str(directory / file), framework="pt") as f:
+            with _shard(file) as f:
                 for name in f.keys():
                     if name not in where:
                         if not (self.shape.tied and name == "lm_head.weight") and "rotary_emb" not in name:
@@ -236,3 +230,34 @@ class HostStore:
             tile.grad.zero_()
         tile.refresh_shadow()
         tile.ready.set()
+
+
+def _shard(path: Path):
+    """A safetensors shard opened for reading, or a ValueError that names it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # a truncated or garbage file: safetensors' own error type
+        raise ValueError(f"model.pretrained: {path} is not a readable safetensors file ({e})") from None
+
+
+def pretrained_shards(directory: Path) -> list[Path]:
+    """The safetensors shards of a local checkpoint, each header read: a missing, truncated or
+    garbage shard is refused by name before anything is allocated."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"model.pretrained: {index} is not a safetensors index ({e})") from None
+        files = [directory / n for n in names]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.pretrained: no safetensors files in {directory}")
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"model.pretrained: {file}, named in the index, does not exist")
+        with _shard(file):
+            pass
+    return files
+

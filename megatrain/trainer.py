@@ -32,7 +32,7 @@ from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
 from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
-from megatrain.store import HostStore
+from megatrain.store import HostStore, pretrained_shards
 from megatrain.templates import Architecture
 from megatrain.units import GiB
 
@@ -67,6 +67,8 @@ class Trainer:
         if limit is not None and cfg.data.seq_len > limit:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
         self._check_output_dir()
+        if cfg.model.pretrained:
+            pretrained_shards(Path(cfg.model.pretrained))
         self.device = Device(cfg.engine.device)
         machine = Machine.of(self.device, cfg.engine)
         self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)

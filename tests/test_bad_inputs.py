@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -129,3 +130,41 @@ def test_numbers_spelled_as_strings_are_converted():
     """YAML reads `1e-3` as a string: a numeric field takes it as the number it spells."""
     cfg = load_config(None, ["optim.lr=1e-3", "engine.checkpoint_every='2'"], base={"model": {"preset": "tiny-qwen2"}})
     assert cfg.optim.lr == 1e-3 and cfg.engine.checkpoint_every == 2
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    """A tiny checkpoint and tokenizer, and one broken copy of each kind of file a run reads."""
+    import shutil
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    save_tokenizer(tmp_path / "tok")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "corrupt.jsonl").write_text('{"text": "a b"}\n{"text": "c d"\n{"text": "e"}\n')
+    shard = next((tmp_path / "init").glob("*.safetensors"))
+    for kind, content in (("trunc", shard.read_bytes()[: shard.stat().st_size // 2]), ("garbage", b"not safetensors" * 9)):
+        shutil.copytree(tmp_path / "init", tmp_path / kind)
+        (tmp_path / kind / shard.name).write_bytes(content)
+    (tmp_path / "badcfg").mkdir()
+    cfg = json.loads((tmp_path / "init" / "config.json").read_text())
+    (tmp_path / "badcfg" / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 3}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.pretrained={d}/init", "data.source=file", "data.path={d}/empty.jsonl", "data.tokenizer={d}/tok"],
+     r"data: .*empty.jsonl is empty"),
+    (["model.pretrained={d}/init", "data.source=file", "data.path={d}/corrupt.jsonl", "data.tokenizer={d}/tok"],
+     r"data: cannot read .*corrupt.jsonl line 2"),
+    (["model.pretrained={d}/trunc"], r"model.pretrained: .*trunc/model.safetensors is not a readable safetensors file"),
+    (["model.pretrained={d}/garbage"], r"model.pretrained: .*garbage/model.safetensors is not a readable safetensors"),
+    (["model.config={d}/badcfg"], r"model: transformers refuses this llama config: .*attention heads"),
+], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses"])
+def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, overrides, message):
+    out = bad_files / "out"
+    args = ["train", "--no-progress", "engine.device=cpu", "data.seq_len=16", "steps=1", f"output_dir={out}"]
+    assert main(args + [o.format(d=bad_files) for o in overrides]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+    assert not out.exists()  # nothing written
+    with pytest.raises(ValueError, match=message):  # --debug shows the traceback instead
+        main(["train", "--debug", *args[1:], *(o.format(d=bad_files) for o in overrides)])

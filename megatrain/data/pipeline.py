@@ -11,6 +11,7 @@ is what the memory plan counts for the data.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,31 @@ def load_rows(path: str | Path):
                          "or a save_to_disk folder")
     if len(kinds) > 1:
         raise ValueError(f"data.path {path} mixes file types {sorted(p.suffix for p in files)}; keep one")
-    return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
+    empty = [str(p) for p in files if p.stat().st_size == 0]
+    if empty:
+        raise ValueError(f"data: {', '.join(empty)} is empty")
+    kind = kinds.pop()
+    try:
+        return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train")
+    except Exception as e:  # datasets wraps the parser's error: name the file and, for JSON lines, the line
+        raise ValueError(f"data: cannot read {_first_bad(files, kind) or path}: {type(e).__name__}: {e}") from None
+
+
+def _first_bad(files: list[Path], kind: str) -> str | None:
+    """`file:line` of the first line of a JSON-lines file that is not JSON, if there is one."""
+    if kind != "json":
+        return None
+    for file in files:
+        if file.suffix != ".jsonl":
+            continue
+        with open(file, errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{file} line {number} ({e.msg})"
+    return None
 
 
 def tokenize(rows, cfg: DataConfig, tok, path: str):
