@@ -121,14 +121,21 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     assert r["median"]["step_time_s"] > 0
 
 
-def test_a_terminated_runner_takes_its_worker_down(tmp_path):
+def _runner_with_its_worker(out):
+    """`python -m suite run` of a long point, once its worker runs: (the runner, the worker's tree)."""
     import psutil
     cli = subprocess.Popen([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
-                            "--seq", "64", "--steps", "100000", "--out", str(tmp_path / "k.json")])
+                            "--seq", "64", "--steps", "100000", "--out", str(out)])
     deadline = time.time() + 60
     while not (workers := psutil.Process(cli.pid).children(recursive=True)) and time.time() < deadline:
         time.sleep(0.2)
     assert workers, "the worker never started"
+    return cli, workers
+
+
+def test_a_terminated_runner_takes_its_worker_down(tmp_path):
+    import psutil
+    cli, workers = _runner_with_its_worker(tmp_path / "k.json")
     cli.send_signal(signal.SIGTERM)
     assert cli.wait(timeout=30) == 128 + signal.SIGTERM
     # reaped before the runner exits, not left to die later of its deleted result folder
@@ -141,12 +148,7 @@ def test_a_killed_runner_leaves_no_orphan_worker(tmp_path):
     """SIGKILL of `python -m suite run` (nothing of it runs any more): its worker is signalled by
     the kernel and dies too, instead of training on and holding the GPU."""
     import psutil
-    cli = subprocess.Popen([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
-                            "--seq", "64", "--steps", "100000", "--out", str(tmp_path / "k.json")])
-    deadline = time.time() + 60
-    while not (workers := psutil.Process(cli.pid).children(recursive=True)) and time.time() < deadline:
-        time.sleep(0.2)
-    assert workers, "the worker never started"
+    cli, workers = _runner_with_its_worker(tmp_path / "k.json")
     cli.kill()
     cli.wait(timeout=30)
     gone, alive = psutil.wait_procs(workers, timeout=20)
