@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from megatrain.io import write_text
 from megatrain.units import GiB
 
 
@@ -28,8 +29,8 @@ class RunLog:
         if out and (out / "metrics.jsonl").is_file():
             # a resumed run: keep the records up to its state's step, drop those of steps it redoes
             lines = (out / "metrics.jsonl").read_text().splitlines()
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
-            (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in lines if _step(line) is not None and _step(line) <= start_step]
+            write_text(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
         self.file = open(out / "metrics.jsonl", "a") if out else None
         self.json_lines, self.log_every = json_lines, log_every
         self.tb = None
@@ -94,3 +95,12 @@ class RunLog:
 
 def perplexity(loss: float) -> float | None:
     return math.exp(loss) if loss < 700 else None  # null rather than Infinity in the JSON
+
+
+def _step(line: str) -> int | None:
+    """A record's step; None for a blank line or one a kill cut short (each record is one write)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
