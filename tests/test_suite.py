@@ -121,6 +121,15 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     assert r["median"]["step_time_s"] > 0
 
 
+def _running(process) -> bool:
+    """Alive and not a zombie (a process gone between listing and asking is not running)."""
+    import psutil
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _runner_with_its_worker(out):
     """`python -m suite run` of a long point, once its worker runs: (the runner, the worker's tree)."""
     import psutil
@@ -134,12 +143,11 @@ def _runner_with_its_worker(out):
 
 
 def test_a_terminated_runner_takes_its_worker_down(tmp_path):
-    import psutil
     cli, workers = _runner_with_its_worker(tmp_path / "k.json")
     cli.send_signal(signal.SIGTERM)
     assert cli.wait(timeout=30) == 128 + signal.SIGTERM
     # reaped before the runner exits, not left to die later of its deleted result folder
-    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in workers if _running(p)]
     r = json.loads((tmp_path / "k.json").read_text())  # the point is a result all the same
     assert r["status"] == "interrupted" and "SIGTERM" in r["reason"]
 
@@ -152,7 +160,7 @@ def test_a_killed_runner_leaves_no_orphan_worker(tmp_path):
     cli.kill()
     cli.wait(timeout=30)
     gone, alive = psutil.wait_procs(workers, timeout=20)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in alive if _running(p)]
 
 
 def test_failures_are_results(tmp_path):
