@@ -138,8 +138,8 @@ class Engine:
         self._units = {**dict(enumerate(self.layer_units)), HEAD: self.head_unit}
         self._handlers = {
             Embed: self._embed_all, SaveCheckpoint: self._save_checkpoint, Forward: self._forward,
-            Head: self._head, HeadLoss: self._head_loss, TakeCheckpoint: self._take_checkpoint, PrefetchCheckpoint: self._prefetch_checkpoint,
-            Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
+            Head: self._head, HeadLoss: self._head_loss, TakeCheckpoint: self._take_checkpoint,
+            PrefetchCheckpoint: self._prefetch_checkpoint, Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
             EmbeddingGradient: self._embedding_gradient,
         }
 
