@@ -25,7 +25,7 @@ import torch.distributed as dist
 from baselines import hf
 from suite.system import System, Unsupported
 
-# what `pip download colossalai` found on 2026-11-21, named when colossalai is not installed at all
+# the latest colossalai release baselines/gemini.md describes, named when colossalai is not installed at all
 LATEST_CHECKED = "0.5.0, which requires torch>=2.2.0,<=2.5.1, transformers==4.51.3"
 _OPTIONS = {"placement_policy", "offload_optim_frac", "offload_param_frac"}
 _PLACEMENTS = ("static", "auto")
