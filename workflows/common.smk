@@ -26,6 +26,16 @@ def point_args(wildcards):
     return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]))
 
 
+def host_memory_env(wildcards):
+    """The host's size as the profile or the user states it (GiB), for every system's admission."""
+    stated = config.get("host_memory_gb")
+    if stated is None:
+        return ""
+    if not isinstance(stated, (int, float)) or isinstance(stated, bool) or stated <= 0:
+        raise ValueError(f"host_memory_gb must be a positive number of GiB, not {stated!r}")
+    return f"MEGATRAIN_HOST_MEMORY_GB={stated} "
+
+
 # `--config partial=true`: tables and figures from the points that have a result, without running
 # the others (their rows say not_run): a grid measured over several sessions, figures on the way.
 PARTIAL = bool(config.get("partial", False))

@@ -3,7 +3,9 @@ rule point:
     memory, timeout, unsupported) is still a result: with --workflow-job the harness exits 0 once
     it has written its JSON. The job's shell is replaced by the harness (exec), which ends as if
     interrupted when Snakemake dies, however it dies: no point trains on after the workflow.
-    The worker's own log lands beside the JSON."""
+    The worker's own log lands beside the JSON. `host_memory_gb` (the profile's config or
+    `--config host_memory_gb=N`) states the host's size to every system's admission
+    (MEGATRAIN_HOST_MEMORY_GB): a host whose MemTotal grows as memory is used reads too small at first."""
     output:
         f"results/{HW}/points/{{experiment}}/{{id}}.json",
     conda:
@@ -12,5 +14,6 @@ rule point:
         f"logs/{HW}/points/{{experiment}}/{{id}}.log",
     params:
         args=point_args,
+        host=host_memory_env,
     shell:
-        "exec python -m suite run {params.args} --workflow-job --out {output} > {log} 2>&1"
+        "{params.host}exec python -m suite run {params.args} --workflow-job --out {output} > {log} 2>&1"
