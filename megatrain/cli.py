@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         json_lines = args.json if args.json is not None else not sys.stdout.isatty()
         trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
+    except FloatingPointError as e:  # a non-finite step: nothing of it was applied or saved
+        if args.debug:
+            raise
+        print(f"megatrain: error at step {trainer.step + 1}: {e}", file=sys.stderr)
+        return 3
     finally:
         trainer.close()
     return 0

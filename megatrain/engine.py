@@ -36,6 +36,7 @@ offset they came from, and the backward reads them from wherever that unit is re
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ from megatrain.store import HostStore, Layout, Tile
 from megatrain.templates import Architecture
 from megatrain.timeline import Kind, Timeline, Track
 from megatrain.unread_mlp import output_unused
+
+
+class NonFiniteStep(FloatingPointError):
+    """A step whose loss or gradient holds a NaN or an infinity: none of it reached the weights."""
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Engine:
         self.grad_units = [*self.layer_units, self.head_unit] + ([] if self.shape.tied else [self.embed_unit])
         self.tile_index = {tile: k for k, tile in enumerate(store.tiles)}
         self.sq_host = torch.zeros(len(store.tiles), dtype=torch.float64, pin_memory=device.is_cuda)
+        self.norms_host = torch.zeros(len(store.tiles), dtype=torch.float64, pin_memory=device.is_cuda)
         numel = max(u.numel for u in [*self.layer_units, self.head_unit])
         self.timeline = Timeline(device, settings.timeline)
         self.streamer = WeightStreamer(device, settings.weight_buffers, numel, self.dtype, self.timeline)
@@ -163,10 +169,16 @@ class Engine:
             self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
+        loss = float(step.loss) / n_targets
+        if not math.isfinite(loss) or not bool(torch.isfinite(self.sq_host).all()):
+            bad = [t.name for t, v in zip(self.store.tiles, self.sq_host.tolist()) if not math.isfinite(v)]
+            raise NonFiniteStep(f"the step's loss is {loss} and its gradient holds a NaN or an infinity in "
+                                f"{', '.join(bad) or 'no tile'}: no tile was updated from a non-finite gradient; "
+                                f"training stops (the last saved state is as it was)")
         moved = [now - then for now, then in zip(self._counters(), before)]
         lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
-        return StepResult(float(step.loss) / n_targets, n_targets, lengths, time.perf_counter() - start, prev, *moved)
+        return StepResult(loss, n_targets, lengths, time.perf_counter() - start, prev, *moved)
 
     def _targets(self, microbatches: list[Batch]) -> tuple[list[torch.Tensor], int]:
         """Each micro-batch's shifted labels and the step's target tokens; a step the engine cannot
@@ -410,26 +422,41 @@ class Engine:
         tile's updates it where it is), and add each tile's squared norm into the step's norms."""
         for tile, offset in unit.segments:
             grad = acc[offset: offset + tile.layout.numel]
-            self.sq[self.tile_index[tile]] += torch.linalg.vector_norm(grad).double().square()
+            index = self.tile_index[tile]
+            norm_sq = torch.linalg.vector_norm(grad).double().square()
+            self.sq[index] += norm_sq
             if tile.on_device:
                 if self.worker.cfg.max_grad_norm is None:
-                    self._update_device_tile(tile, grad)
+                    self._update_device_tile(tile, grad, (~torch.isfinite(norm_sq)).float())
                 else:
                     self._clip_later.append((tile, grad))
                 continue
+            self._norm_to_host(index, norm_sq)
+            norm_host = self.norms_host[index]
             for lo in range(0, tile.layout.numel, self.slab_numel):
                 hi = min(tile.layout.numel, lo + self.slab_numel)
                 slab = self.slabs.acquire()
                 host = slab[: hi - lo]
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
                 self._to_host(grad[lo:hi], host, tile.name, lambda event: self.worker.submit_dense(
-                    tile, lo, hi, host, event, release))
+                    tile, lo, hi, host, event, release, norm_host))
 
-    def _update_device_tile(self, tile: Tile, grad: torch.Tensor) -> None:
+    def _norm_to_host(self, index: int, norm_sq: torch.Tensor) -> None:
+        """A tile's squared gradient norm, on the gradient stream ahead of its pieces: the optimizer
+        applies no piece of a gradient that holds a NaN or an infinity, which its norm shows. The
+        slot is free again: the tile's next gradient comes after its update, which the next
+        forward's load of the tile waits for."""
+        stream = self.dev.compute if self.sync_grads else self.dev.d2h
+        done = self.dev.record(self.dev.compute)
+        with self.dev.on(stream):
+            self.dev.wait(stream, done)
+            self.norms_host[index].copy_(norm_sq, non_blocking=True)
+
+    def _update_device_tile(self, tile: Tile, grad: torch.Tensor, found_inf: torch.Tensor) -> None:
         t = self.worker.steps_begun - 1  # this step's update number
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.UPDATE, tile.name):
             w = self.worker  # the same settings and schedule as the host tiles' updates
-            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, w.cfg, w.total_steps), w.cfg, 1.0)
+            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, w.cfg, w.total_steps), w.cfg, 1.0, found_inf)
         tile.version += 1
         tile.updated = self.dev.record(self.dev.compute)
 
@@ -437,9 +464,10 @@ class Engine:
         """The global norm on the device, as torch's clip_grad_norm_; no host sync."""
         norm = self.sq.sum().sqrt()
         scale = (self.worker.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        found_inf = (~torch.isfinite(norm)).float()
         for tile, grad in self._clip_later:
             grad.mul_(scale)
-            self._update_device_tile(tile, grad)
+            self._update_device_tile(tile, grad, found_inf)
         self._clip_later.clear()
 
     def _to_host(self, src: torch.Tensor, dst: torch.Tensor, tile_name: str, submit) -> None:

@@ -41,9 +41,11 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float, cfg: OptimConfig,
-          grad_scale: float) -> None:
+          grad_scale: float, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW update of elements [lo, hi) of a tile from `grad` (float32, hi - lo elements),
-    then refresh that range of the shadow. A device tile's runs on the current stream."""
+    then refresh that range of the shadow. A device tile's runs on the current stream; its
+    `found_inf` (a float32 scalar there, nonzero when the gradient is not finite) makes the kernel
+    leave weights and moments as they are, without a host sync."""
     decay_end = tile.layout.decay_numel if cfg.decay == "matrices" else tile.layout.numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master.dtype == torch.float32
@@ -59,7 +61,7 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
             torch._fused_adamw_(
                 [param[a - a0: b - a0]], [grad[a - lo: b - lo]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]],
                 [], [torch.full((), float(step), device=param.device)], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
-                eps=cfg.eps, amsgrad=False, maximize=False)
+                eps=cfg.eps, amsgrad=False, maximize=False, found_inf=found_inf)
         if not fp32_master:
             tile.master[a0:b0].copy_(param)
         tile.refresh_shadow(a0, b0)
@@ -72,12 +74,13 @@ class _Begin:
 
 @dataclass(frozen=True)
 class _Dense:
-    landed: object  # device event: the D2H copy into `grad` has completed
+    landed: object  # device event: the D2H copies into `grad` and `norm_sq` have completed
     tile: Tile
     lo: int
     hi: int
     grad: torch.Tensor
     release: Callable[[], None]
+    norm_sq: torch.Tensor  # the whole tile's squared gradient norm: not finite, no piece of it is applied
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,10 @@ class OptimizerWorker:
         self._put(_Begin(dict(expected)))
 
     def submit_dense(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event,
-                     release: Callable[[], None]) -> None:
-        """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes."""
-        self._put(_Dense(event, tile, lo, hi, grad, release))
+                     release: Callable[[], None], norm_sq: torch.Tensor) -> None:
+        """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes,
+        with the tile's squared norm."""
+        self._put(_Dense(event, tile, lo, hi, grad, release, norm_sq))
         self._count(tile)
 
     def finish_step(self, sq_norms: torch.Tensor, event) -> None:
@@ -170,7 +174,9 @@ class OptimizerWorker:
 
     def _do_dense(self, task: _Dense) -> None:
         tile = task.tile
-        if self.cfg.max_grad_norm is None:  # update this range now, from the slab
+        if not math.isfinite(float(task.norm_sq)):  # a NaN or an infinity in the tile's gradient
+            pass  # never applied: the engine stops the run at the step's end
+        elif self.cfg.max_grad_norm is None:  # update this range now, from the slab
             self._update(tile, task.lo, task.hi, task.grad, 1.0)
         else:  # each element's one contribution of the step (a unit returns once per step)
             tile.grad[task.lo:task.hi].copy_(task.grad)
@@ -184,7 +190,8 @@ class OptimizerWorker:
         if self.cfg.max_grad_norm is not None:
             scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             for tile in self.tiles:
-                self._update(tile, 0, tile.layout.numel, tile.grad, scale)
+                if math.isfinite(norm):  # else no tile is updated from a gradient holding a NaN or inf
+                    self._update(tile, 0, tile.layout.numel, tile.grad, scale)
                 self._publish(tile)
         self.updates_done += 1
 

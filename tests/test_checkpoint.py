@@ -148,6 +148,57 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
     for where, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is a file")):
         with pytest.raises(ValueError, match=message):
             Trainer(config(tmp_path, 2, output_dir=str(where)))
+
+
+@pytest.mark.parametrize("clip, engine", [(None, {}), (1.0, {}), (None, {"device_tiles": 2}), (1.0, {"device_tiles": 2})],
+                         ids=["host", "host-clip", "device-tiles", "device-tiles-clip"])
+def test_a_non_finite_step_never_reaches_the_weights(tmp_path, monkeypatch, clip, engine):
+    """The head's gradient made NaN at the second step: the step stops with a clear error, and
+    every tile (updated on the host from slabs, after clipping, or on the device) keeps the
+    weights and moments of the first step: nothing non-finite anywhere."""
+    import megatrain.engine
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    trainer = Trainer(load_config(base={
+        "model": {"pretrained": str(tmp_path / "init")}, "engine": {"device": "cpu", "checkpoint_every": 2, **engine},
+        "optim": {"lr": 1e-3, "max_grad_norm": clip}, "data": {"seq_len": 16, "batch_size": 2, "grad_accum": 2},
+        "steps": 4}))
+    try:
+        trainer.train_step(random_batches(1, 2, 2, 16, 256, pad=True)[0])
+        before = {k: v.clone() for k, v in store_params(trainer).items()}
+        moments = [t.exp_avg_sq.clone() for t in trainer.store.tiles]
+        real = megatrain.engine.head_loss_and_grads
+
+        def poisoned(*args):
+            part, dx = real(*args)
+            return part, dx * float("nan")
+        monkeypatch.setattr(megatrain.engine, "head_loss_and_grads", poisoned)
+        with pytest.raises(FloatingPointError, match="NaN or an infinity in embed, layer.0"):
+            trainer.train_step(random_batches(1, 2, 2, 16, 256, pad=True, seed=2)[0])
+        after = store_params(trainer)
+        for name, value in before.items():
+            if name not in ("model.norm.weight", "lm_head.weight"):  # the head's own gradient stayed finite
+                torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        assert all(bool(torch.isfinite(v).all()) for v in after.values())
+        for tile, m in zip(trainer.store.tiles, moments):
+            if tile.name != "head":
+                assert torch.equal(tile.exp_avg_sq, m), tile.name
+        assert trainer.step == 1
+    finally:
+        trainer.close()
+
+
+def test_the_command_stops_on_a_non_finite_step_and_saves_nothing(tmp_path, monkeypatch, capsys):
+    import megatrain.engine
+    from megatrain.cli import main
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setattr(megatrain.engine, "head_loss_and_grads",
+                        lambda *a: (torch.tensor(float("nan")), torch.full_like(a[0], float("nan"))))
+    code = main(["train", "--no-progress", "--no-json", f"model.pretrained={tmp_path / 'init'}", "engine.device=cpu",
+                 "data.seq_len=16", "data.batch_size=2", "steps=2", f"output_dir={tmp_path / 'out'}"])
+    assert code == 3 and "error at step 1" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "model").exists() and not (tmp_path / "out" / "state").exists()
+
+
 def test_resume_names_each_change_of_meaning(tmp_path):
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r")))
