@@ -1,4 +1,4 @@
-"""Command line of the harness: `python -m suite run | check | table | compare | accuracy`."""
+"""Command line of the harness: `python -m suite run | check | table | compare | accuracy | project`."""
 from __future__ import annotations
 
 import argparse
@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--threshold", type=float, default=0.05, help="relative change that counts (0.05 = 5%%)")
     d.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, of {','.join(METRICS)}")
     d.add_argument("--out", help="also write the comparison as JSON here")
+    j = sub.add_parser("project", help="the step model (suite/projection.py) against every measured point, "
+                                         "and its predictions for the paper's rows")
+    j.add_argument("folders", nargs="+", help="result folders to check against (searched recursively)")
+    j.add_argument("--out", default="results/projection", help="where projection.md and .json go")
     a = sub.add_parser("accuracy", help="Table 3: train one model with each system, exact-match accuracy of each")
     a.add_argument("--out", required=True, help="results: per-system JSON, summary.json")
     a.add_argument("--work", required=True, help="scratch: data, the initial model, the trained checkpoints")
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "table":
         from suite.table import main as table
         return table(args.folders)
+    if args.command == "project":
+        from pathlib import Path
+
+        from suite.projection import write_report
+        print(write_report([Path(f) for f in args.folders], Path(args.out)), end="")
+        return 0
     if args.command == "compare":
         from suite.compare import main as compare
         try:

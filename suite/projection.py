@@ -1,0 +1,265 @@
+"""A model of a MegaTrain step: host bytes, device bytes and step time from the shape, the batch
+and the machine, fitted on no measured step.
+
+Memory is the engine's own admission plan (megatrain.memory.plan) with the `auto` settings
+resolved for the machine's device (megatrain.resolve). Time takes the slowest of four resources,
+each working on its own share of the step while the others run (the engine overlaps them), plus
+the update that the next step waits for:
+
+  GPU        the FLOPs the step executes (Schedule.hardware_flops) at the machine's layer rate: one
+             decoder layer's forward, recompute and backward alone on the device (the single-layer
+             probe, Engine.layer_ceiling), as hardware FLOP/s
+  H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
+             plus offloaded checkpoints, at the probe's pinned link bandwidth
+  CPU        AdamW over the host tiles: OPTIMIZER_BYTES per parameter at the host's memcpy rate
+  tail       the first host tile's update (its gradient arrives last, its weights are read first)
+             less the device tiles' backward that hides it
+
+Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
+model is checked against; `check` compares the model with every measured point, `python -m suite
+project` prints both. A machine of the paper's has assumed constants, named as such.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megatrain import memory
+from megatrain.config import load_config
+from megatrain.metrics import model_flops, recompute_flops
+from megatrain.resolve import Machine, resolve
+from megatrain.schedule import Schedule
+from megatrain.shapes import ModelShape
+from megatrain.store import Layout
+from megatrain.units import GiB
+from suite.spec import RunSpec
+
+# AdamW per parameter on the host: read the gradient, master and both moments (4 B each), write the
+# master, the moments and the bf16 shadow
+OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    name: str
+    device_gib: float  # free device memory at the start of a run
+    host_gib: float  # host memory the run may use
+    h2d_gbps: float  # pinned, large chunks
+    d2h_gbps: float
+    host_copy_gbps: float  # memcpy, bytes read + written
+    layer_tflops: float  # the single-layer probe, model FLOP/s
+    probe: tuple[str, int, int]  # its shape: (preset, batch, seq), checkpoint every layer
+    source: str  # where the constants come from
+    match: tuple[str, int] | None = None  # (GPU name, host cores) of a result's env run on it
+
+
+# Probes of the lent machines (the bandwidth probe, a memcpy, Engine.layer_ceiling), 2026-11.
+MACHINES = {m.name: m for m in (
+    MachineModel("h100", 78.5, 124.0, 54.5, 55.0, 74.0, 421.6, ("qwen2.5-7b", 8, 4096),
+                 "nvidia-h100-x1: bandwidth probe 54-55 GB/s pinned each way, memcpy 74 GB/s, "
+                 "the 7B layer probe at 8 x 4096 (results/h100/speed/7b_16seq_mb8_K1_dt3_guard_after.json)",
+                 ("NVIDIA H100 80GB HBM3", 16)),
+    MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
+                 "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
+                 "layer rate of the x2 host's H200", ("NVIDIA H200", 16)),
+    MachineModel("h200", 139.2, 250.0, 55.1, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
+                 "one H200 of nvidia-h200-x2: 55.1/55.3 GB/s pinned; memcpy not probed on this host, the "
+                 "single-GPU H200 machine's 72 GB/s; the 14B layer probe at 8 x 4096 (432, by hand)",
+                 ("NVIDIA H200", 32)),
+    MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
+                 "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
+                 "(eager) at 4 x 4096: 438", ("NVIDIA H200", 64)),
+    # The paper's machines: assumed, not probed here.
+    MachineModel("gh200-paper", 94.0, 447.0, 450.0, 450.0, 400.0, 421.6, ("qwen2.5-7b", 8, 4096),
+                 "assumed: NVLink-C2C at its 450 GB/s per direction, LPDDR5X memcpy 400 GB/s, the "
+                 "H100 machine's layer rate (its GPU is an H100 with HBM3)"),
+    MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 432.0, ("qwen2.5-14b", 8, 4096),
+                 "assumed: PCIe Gen4 (half the Gen5 links measured here), the x4 host's memcpy, "
+                 "the H200's 14B layer rate"),
+)}
+
+
+@dataclass(frozen=True)
+class Projection:
+    host_bytes: int
+    device_bytes: int
+    step_s: float
+    model_tflops: float
+    terms: dict[str, float]  # seconds of each resource, and what bounds the step
+    bound: str
+
+
+def _engine_inputs(spec: RunSpec):
+    tree = {"model": spec.model, "engine": {"device": "cpu", **spec.options.get("engine", {})},
+            "optim": {"lr": spec.lr, "max_grad_norm": spec.options.get("max_grad_norm")},
+            "data": {"source": "synthetic", "seq_len": spec.seq_len, "batch_size": spec.batch_size,
+                     "grad_accum": spec.grad_accum},
+            "steps": spec.total_steps}
+    cfg = load_config(None, [], base=tree)
+    return cfg, ModelShape(spec.hf_config())
+
+
+def _layer_hw_rate(m: MachineModel) -> float:
+    """The probe's rate as hardware FLOP/s: its layer's model FLOPs plus the recompute less the
+    unread MLP output (a block's last layer at K = 1), over the same time."""
+    preset, batch, seq = m.probe
+    shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config())
+    lens = [seq] * batch
+    model = model_flops(shape.layer_matmul_params(), 1, shape.hidden, lens)
+    unread = shape.mlp_matmul_params() // 3 if shape.gated_mlp else 0
+    hw = model + recompute_flops(shape.layer_matmul_params(), 1, shape.hidden, lens) - 2 * seq * batch * unread
+    return m.layer_tflops * 1e12 * _causal(hw, shape.hidden, 1, 1, lens) / model
+
+
+def _causal(hw: float, hidden: int, layers: int, recomputed: int, lens: list[int]) -> float:
+    """FLOPs the kernels execute: the shared formula counts attention's whole square (12 L h n^2 per
+    sequence, 4 R h n^2 more for the recompute); causal attention computes half of it."""
+    return hw - 0.5 * (12 * layers + 4 * recomputed) * hidden * sum(n * n for n in lens)
+
+
+def _transfers(plan: list, buffers: int) -> list:
+    """The units a step's loads move over the link, as the streamer issues them (buffers.py): a unit
+    used by consecutive ops is loaded once, into slot k mod `buffers`, and not again while that slot
+    still holds it (a block's backward right after its recompute)."""
+    slots: list = [None] * buffers
+    moved = []
+    for k, (unit, _) in enumerate(itertools.groupby(plan)):
+        if slots[k % buffers] != unit:
+            moved.append(unit)
+            slots[k % buffers] = unit
+    return moved
+
+
+def project(spec: RunSpec, m: MachineModel) -> Projection:
+    cfg, shape = _engine_inputs(spec)
+    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB))
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+    s = replace(s, device="cuda")
+    p = memory.plan(shape, s)
+    L, M = shape.num_layers, s.microbatches
+    sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M)
+    lens = [spec.seq_len] * spec.batch_size * M
+    flops = model_flops(shape.matmul_params(), L, shape.hidden, lens)
+    hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens)
+    layer = Layout.of(shape.layer_specs).numel
+    head = Layout.of(shape.head_specs).numel + (shape.vocab * shape.hidden if shape.tied else 0)
+    embed = 0 if shape.tied else shape.vocab * shape.hidden
+    on_device = set(range(s.device_tiles - 1))  # layer indices whose tiles live on the device
+    if shape.tied and s.device_tiles:
+        on_device.add("head")  # the tied embedding is the head's weight
+        head -= shape.vocab * shape.hidden
+    h2d = sum(layer if isinstance(u, int) else head for u in _transfers(sched.loads, s.weight_buffers)
+              if u not in on_device) * 2
+    if s.device_tiles == 0:
+        h2d += M * s.tokens * shape.hidden * 2  # the embedding's rows, gathered on the host
+    host_layers = L - len(on_device - {"head"})
+    d2h = (host_layers * layer + head + (embed if s.device_tiles == 0 else 0)) * 4
+    if s.offload_checkpoints:
+        ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
+        h2d, d2h = h2d + ckpt, d2h + ckpt
+    host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
+    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9)  # seconds per parameter
+    gpu = _causal(hw, shape.hidden, L, sched.recomputed_layers, lens) / _layer_hw_rate(m)
+    first_host = embed or head if s.device_tiles == 0 else layer
+    tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
+    terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),
+             "cpu_optimizer": host_params * rate}
+    bound = max(terms, key=terms.get)
+    step = terms[bound] + tail
+    return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
+                      {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound)
+
+
+def machine_of(env: dict) -> MachineModel | None:
+    """The probed machine a result ran on, by its GPU and host cores."""
+    return next((m for m in MACHINES.values() if m.match == (env.get("gpu"), env.get("cpu_cores"))), None)
+
+
+def measured_points(roots: list[Path]) -> list[tuple[Path, dict]]:
+    """(file, result) of every MegaTrain point that ran (`ok`) under the result folders."""
+    out = []
+    for root in roots:
+        for f in sorted(root.rglob("*.json")):
+            try:
+                r = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(r, dict) and r.get("system") == "megatrain" and r.get("status") == "ok" and r.get("median"):
+                out.append((f, r))
+    return out
+
+
+def check(roots: list[Path]) -> list[dict]:
+    """The model against every measured point: predicted, measured and relative error of each quantity."""
+    rows = []
+    for f, r in measured_points(roots):
+        m = machine_of(r.get("env") or {})
+        spec = r.get("spec")
+        if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}):
+            continue  # a run on an unprobed machine, on a file's data (lengths vary) or a local checkpoint
+        pr = project(RunSpec.from_dict(spec), m)
+        med, peak = r["median"], r.get("peak") or {}
+        row = {"machine": m.name, "point": str(f), "bound": pr.bound}
+        for key, predicted, measured in (
+                ("host_GiB", pr.host_bytes / GiB, (peak.get("host_rss_bytes") or 0) / GiB),
+                ("device_GiB", pr.device_bytes / GiB, (med.get("peak_device_allocated_bytes") or 0) / GiB),
+                ("step_s", pr.step_s, med.get("step_time_s") or 0),
+                ("h2d_GB", pr.terms["h2d_bytes"] / 1e9, (med.get("bytes_h2d") or 0) / 1e9),
+                ("d2h_GB", pr.terms["d2h_bytes"] / 1e9, (med.get("bytes_d2h") or 0) / 1e9)):
+            row[key] = {"projected": predicted, "measured": measured,
+                        "error": (predicted - measured) / measured if measured else None}
+        rows.append(row)
+    return rows
+
+
+# The paper's scale rows (Figure 1: 4096 x 8 x 4 micro-batches), projected on its machines; its
+# printed figure beside each where it prints one (GH200: 284, 264, "above 250").
+PAPER_ROWS = (("gh200-paper", "qwen2.5-7b", "284"), ("gh200-paper", "qwen2.5-14b", "264"),
+              ("gh200-paper", "qwen2.5-32b", "above 250"), ("h200-paper", "qwen2.5-32b", None),
+              ("h200-paper", "qwen2.5-72b", None))
+
+
+def predictions() -> list[dict]:
+    rows = []
+    for machine, preset, paper in PAPER_ROWS:
+        spec = RunSpec(system="megatrain", model={"preset": preset}, seq_len=4096, batch_size=8, grad_accum=4)
+        pr = project(spec, MACHINES[machine])
+        rows.append({"machine": machine, "preset": preset, "host_GiB": pr.host_bytes / GiB,
+                     "device_GiB": pr.device_bytes / GiB, "step_s": pr.step_s, "model_tflops": pr.model_tflops,
+                     "bound": pr.bound, "paper_tflops": paper})
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def write_report(roots: list[Path], out: Path) -> str:
+    """The check against every measured point and the paper rows' predictions, as JSON and Markdown."""
+    from megatrain.io import write_json, write_text
+    rows, preds = check(roots), predictions()
+    keys = ("host_GiB", "device_GiB", "step_s", "h2d_GB", "d2h_GB")
+    lines = ["# The step model against every measured MegaTrain point", "",
+             "Projected / measured, and the projection's error. Machines: " + "; ".join(
+                 f"`{m.name}`: {m.source}" for m in MACHINES.values()), "",
+             "| machine | point | bound | " + " | ".join(keys) + " |", "|---" * (3 + len(keys)) + "|"]
+    for r in rows:
+        cells = [f"{r[k]['projected']:.1f} / {r[k]['measured']:.1f} ({_pct(r[k]['error'])})" for k in keys]
+        lines.append(f"| {r['machine']} | {r['point']} | {r['bound']} | " + " | ".join(cells) + " |")
+    lines += ["", "Error over the points (median, smallest, largest):", ""]
+    for k in keys:
+        errs = sorted(r[k]["error"] for r in rows if r[k]["error"] is not None)
+        if errs:
+            lines.append(f"- {k}: {_pct(errs[len(errs) // 2])}, {_pct(errs[0])}, {_pct(errs[-1])} ({len(errs)} points)")
+    lines += ["", "# Predictions (not measurements): the paper's scale rows on its machines", "",
+              "| machine | model | host GiB | device GiB | step s | model TFLOP/s | bound | paper |", "|---" * 8 + "|"]
+    for p in preds:
+        lines.append(f"| {p['machine']} | {p['preset']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} | {p['step_s']:.1f} "
+                     f"| {p['model_tflops']:.0f} | {p['bound']} | {p['paper_tflops'] or 'not printed'} |")
+    text = "\n".join(lines) + "\n"
+    write_json(out / "projection.json", {"machines": {m.name: m.__dict__ for m in MACHINES.values()},
+                                         "check": rows, "predictions": preds})
+    write_text(out / "projection.md", text)
+    return text

@@ -1,0 +1,37 @@
+"""The step model (suite/projection.py): the streamer's loads as the engine issues them, and the
+model against the committed measurements: link bytes exact, host bytes within 2%."""
+from pathlib import Path
+
+import pytest
+
+from megatrain.schedule import HEAD, Schedule
+from suite.projection import MACHINES, _transfers, check, predictions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_blocks_backward_reuses_its_recomputes_weights():
+    # K = 2, one micro-batch: forward 0..3, the head, then per block recompute a, b and backward b, a.
+    # Two slots still hold a and b for the backward; one slot holds only b and reloads a.
+    plan = Schedule(4, 2, 0, 1).loads
+    assert plan == [0, 1, 2, 3, HEAD, 2, 3, 3, 2, 0, 1, 1, 0]
+    assert _transfers(plan, 2) == [0, 1, 2, 3, HEAD, 2, 3, 0, 1]
+    assert _transfers(plan, 1) == [0, 1, 2, 3, HEAD, 2, 3, 2, 0, 1, 0]
+
+
+def test_the_model_against_every_committed_measurement():
+    rows = check([ROOT / "results" / hw for hw in ("h100", "h200", "h200x4")])
+    assert len(rows) >= 40
+    for r in rows:
+        for key in ("h2d_GB", "d2h_GB"):
+            assert r[key]["error"] == pytest.approx(0, abs=0.005), (r["point"], key, r[key])
+        assert abs(r["host_GiB"]["error"]) < 0.02, (r["point"], r["host_GiB"])
+        assert r["device_GiB"]["error"] > -0.05, (r["point"], r["device_GiB"])  # admission errs high
+    assert {r["machine"] for r in rows} >= {"h100", "h200x4"}
+
+
+def test_predictions_are_for_the_paper_machines_only():
+    rows = predictions()
+    assert rows and all(r["machine"].endswith("-paper") for r in rows)
+    assert all("assumed" in MACHINES[r["machine"]].source for r in rows)
+    assert all(r["model_tflops"] > 0 and r["host_GiB"] > 0 for r in rows)
