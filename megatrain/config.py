@@ -94,7 +94,8 @@ class ModelConfig:
     config: str | None = None  # a local config.json (or a directory holding one)
     pretrained: str | None = None  # a local directory with config.json and safetensors
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # auto: SDPA where transformers has it for the family, else eager (GPT-OSS: attention sinks)
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
 
     def __post_init__(self):
         check_types(self, "model")

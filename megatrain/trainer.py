@@ -123,7 +123,7 @@ class Trainer:
         r = self.engine.step(microbatches)
         self.step += 1
         a = self.shape
-        flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
+        flops = model_flops(a.matmul_params(), a.attention(), r.seq_lengths)
         hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, r.seq_lengths)
         self.sampler.sample()
         return {
