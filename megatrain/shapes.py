@@ -95,8 +95,8 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
     attn = cfg.attn_implementation
-    if attn == "auto":  # as transformers itself falls back: GPT-OSS's sinks have no SDPA kernel
-        attn = "sdpa" if pretrained._supports_sdpa else "eager"
+    if attn == "auto":  # GPT-OSS's sinks have no SDPA kernel; flex attention has them on a GPU only
+        attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if torch.cuda.is_available() else "eager"
     elif attn == "sdpa" and not pretrained._supports_sdpa:
         raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
                          f"(GPT-OSS's attention sinks); set it to eager or auto")
@@ -136,6 +136,11 @@ class ModelShape:
         # the MLP's width a token's activations have: its top-k experts' for a mixture of experts
         expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
         self.ffn = self.top_k * expert_ffn if self.experts else getattr(c, "intermediate_size", 4 * c.hidden_size)
+        # what the MLP keeps per token for its backward, in elements: gate's and up's outputs, the
+        # activation and their product for a dense one; a mixture of experts' grouped experts keep,
+        # per pick, the gathered input and the output (2 h) and about 7 of the expert's width
+        # (saved-tensor hooks on GPT-OSS and Qwen3-MoE layers; docs/moe.md)
+        self.mlp_kept = self.top_k * (2 * c.hidden_size + 7 * expert_ffn) if self.experts else 4 * self.ffn
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.attn_width = c.num_attention_heads * self.head_dim  # queries' and attention output's width
         with torch.device("meta"):
@@ -189,6 +194,14 @@ class ModelShape:
         if self.config.model_type in _SLIDING_ALL and getattr(self.config, "sliding_window", None):
             return "sliding_attention"
         return "full_attention"
+
+    def attention_scores(self, seq_len: int) -> int:
+        """Elements of one score tensor that eager attention materialises for a sequence (every head,
+        every query against every key and GPT-OSS's sink); 0 for SDPA and flex attention, whose
+        memory is linear in the sequence."""
+        if self.config._attn_implementation != "eager":
+            return 0
+        return self.config.num_attention_heads * seq_len * (seq_len + 1)
 
     def window(self, index: int) -> int | None:
         """The keys a layer's query sees at most: the sliding window, or None (the whole sequence)."""
