@@ -101,9 +101,10 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
                          f"(GPT-OSS's attention sinks); set it to eager or auto")
     hf._attn_implementation = attn
-    # the experts' kernel transformers picks by default (torch's grouped GEMM, on the CPU too): the
-    # library's model trained as it is built and the templates compute the same sums
-    hf._experts_implementation = "grouped_mm"
+    if getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
+        # the experts' kernel transformers picks by default (torch's grouped GEMM, on the CPU too):
+        # the library's model trained as it is built and the templates compute the same sums
+        hf._experts_implementation = "grouped_mm"
     return hf
 
 
