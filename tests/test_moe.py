@@ -153,3 +153,16 @@ def test_refusals_name_the_setting():
     from megatrain.templates import Architecture
     with pytest.raises(ValueError, match="engine.mlp_chunk_tokens"):
         Architecture(shape_of("tiny-qwen3-moe"), mlp_chunk=8)
+
+
+def test_hardware_flops_recompute_the_active_weights_of_the_recomputed_layers():
+    """The schedule's hardware FLOPs for a mixture of experts: the model's, plus one forward of each
+    recomputed layer at its active weights and own window; the experts' output is computed in full."""
+    from megatrain.metrics import recompute_flops
+    from megatrain.schedule import Schedule
+    s = shape_of("tiny-gpt-oss")
+    lengths = [16, 9]
+    model = model_flops(s.matmul_params(), s.attention(), lengths)
+    again = recompute_flops(3 * s.layer_matmul_params(), s.attention(range(3)), lengths)  # layers 0-2
+    assert again == sum(n * (2 * 3 * s.layer_matmul_params() + 4 * 64 * (6 + n + 6)) for n in [16, 9])
+    assert Schedule(4, 2, 1, 1).hardware_flops(s, None, lengths) == model + again
