@@ -90,7 +90,7 @@ class Routing:
                 self.prob_sum = self.prob_sum + probs.float().sum(dim=0)
                 self.rows = self.rows + probs.shape[0]
             else:
-                mask = self.mask.to(logits.device)
+                self.mask = mask = self.mask.to(logits.device)  # moved once, at the first layer
                 self.picks = self.picks + zeros().scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(self.top_k))
                 self.prob_sum = self.prob_sum + (probs.float() * mask.unsqueeze(-1)).sum(dim=0)
                 self.rows = self.rows + mask.sum()
@@ -103,6 +103,6 @@ class Routing:
         """(P_sum of a layer, with its graph; the gradient of the step's loss with respect to it)."""
         probs = probabilities(logits).float()
         if self.mask is not None:
-            probs = probs * self.mask.to(logits.device).unsqueeze(-1)
+            probs = probs * self.mask.unsqueeze(-1)
         grad = self.weight * self.experts * (self.picks / self.rows) / self.rows
         return probs.sum(dim=0), grad

@@ -60,7 +60,7 @@ class ParamSpec:
     @property
     def init(self) -> str:
         """How `transformers` initialises it: 'normal' (N(0, initializer_range)), 'ones' or 'zeros'."""
-        if self.matmul or self.name.endswith("sinks"):
+        if self.matmul or self.name.endswith(("sinks", "router.bias")):  # GPT-OSS's sinks and router bias
             return "normal"
         return "zeros" if self.name.endswith("bias") else "ones"
 
