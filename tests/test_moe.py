@@ -166,3 +166,22 @@ def test_hardware_flops_recompute_the_active_weights_of_the_recomputed_layers():
     again = recompute_flops(3 * s.layer_matmul_params(), s.attention(range(3)), lengths)  # layers 0-2
     assert again == sum(n * (2 * 3 * s.layer_matmul_params() + 4 * 64 * (6 + n + 6)) for n in [16, 9])
     assert Schedule(4, 2, 1, 1).hardware_flops(s, None, lengths) == model + again
+
+
+def test_random_init_is_the_librarys_kind():
+    """A preset's seeded init (no checkpoint): matrices, GPT-OSS's sinks and router bias N(0, 0.02),
+    expert and attention biases zero, norms one; the same on every layer's tile."""
+    from megatrain.config import load_config
+    from megatrain.trainer import Trainer
+    trainer = Trainer(load_config(base={"model": {"preset": "tiny-gpt-oss"}, "engine": {"device": "cpu"},
+                                        "data": {"seq_len": 16, "batch_size": 1}, "steps": 1}))
+    try:
+        tile = trainer.store.layers[1]
+        values = dict(zip((s.name for s in tile.layout.specs), tile.master_views()))
+    finally:
+        trainer.close()
+    for name in ("self_attn.sinks", "mlp.router.bias", "mlp.router.weight", "mlp.experts.gate_up_proj"):
+        assert 0.01 < float(values[name].std()) < 0.03, name
+    for name in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "self_attn.q_proj.bias"):
+        assert not values[name].any(), name
+    assert (values["input_layernorm.weight"] == 1).all()
