@@ -19,7 +19,7 @@ def build_model(spec, device: torch.device | str | None = None):
     mc = spec.model_config()
     if mc.pretrained:
         model = AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
-                                                     attn_implementation=mc.attn_implementation)
+                                                     attn_implementation=spec.hf_config()._attn_implementation)
         return model.to(device) if device is not None else model
     torch.manual_seed(spec.seed)
     with torch.device(device) if device is not None else contextlib.nullcontext():

@@ -104,7 +104,7 @@ class Ratel(System):
         self.command = [self.python, ENTRY] + [x for k, v in argv.items() for x in (f"--{k}", str(v))]
         h, layers, seq, batch = (self.shape[k] for k in ("hidden_dim", "num_layers", "max_seq_len", "batch_size"))
         # qkv 3h², out h², MLP 8h² per layer; no LM head: the FLOPs of the model Ratel really runs
-        self.model_flops_per_step = model_flops(12 * h * h * layers, layers, h, [seq] * batch)
+        self.model_flops_per_step = model_flops(12 * h * h * layers, [(h, None)] * layers, [seq] * batch)
         self.rows: list[dict] | None = None
         self.taken = 0
         self.output_tail = ""

@@ -47,7 +47,7 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
             shard.clear()
 
         for tile in store.tiles:
-            for name, view in zip(shape.hf_names(tile.name), tile.master_views()):
+            for name, view in shape.checkpoint_tensors(tile.name, tile.master_views()):
                 nbytes = view.numel() * dtype.itemsize
                 if shard and size + nbytes > SHARD_BYTES:
                     flush()

@@ -94,7 +94,9 @@ class ModelConfig:
     config: str | None = None  # a local config.json (or a directory holding one)
     pretrained: str | None = None  # a local directory with config.json and safetensors
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # auto: SDPA where transformers has it for the family; else (GPT-OSS: attention sinks, which
+    # SDPA lacks) flex attention where a GPU is, eager attention (memory quadratic in the sequence) where not
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention"] = "auto"
 
     def __post_init__(self):
         check_types(self, "model")
@@ -161,6 +163,7 @@ class EngineSettings:
     optimizer_threads: int | None
     timeline: bool
     tokens: int  # per micro-batch (batch_size x seq_len)
+    seq_len: int  # tokens per sequence at most
     microbatches: int  # per step
     clipping: bool  # optim.max_grad_norm is set: the store keeps a float32 gradient per parameter
     pinned: bool  # the host buffers the device copies from are pinned (a GPU run)

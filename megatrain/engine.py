@@ -30,6 +30,9 @@ Device tiles (store.py) skip the return: their update runs on the compute stream
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
 on the device).
 
+A mixture of experts' router loss (moe.py), where the config asks for it, is collected from each
+layer's routing in the forward and enters each layer's backward as a second root beside its output.
+
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
 """
@@ -51,6 +54,7 @@ from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
+from megatrain.moe import Routing, captured
 from megatrain.optim import OptimizerWorker, adamw, lr_at
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
                                 PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
@@ -67,7 +71,7 @@ class NonFiniteStep(FloatingPointError):
 
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy over the step's target tokens
+    loss: float  # mean cross-entropy over the step's target tokens, plus the router's loss if any (moe.py)
     target_tokens: int
     seq_lengths: list[int]  # non-padding tokens of each sequence (for the FLOPs formula)
     step_time_s: float
@@ -100,6 +104,7 @@ class _Step:
     xs: list[torch.Tensor | None] = field(default_factory=list)  # each recompute's input
     graphs: list[list] = field(default_factory=list)  # recomputed graphs awaiting their backward
     accs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> float32 step gradient
+    routing: list[Routing] | None = None  # the router's loss to train on (moe.py), per micro-batch
 
 
 class Engine:
@@ -160,16 +165,21 @@ class Engine:
         self.worker.begin_step(self._contributions())
         before = self._counters()
         step = _Step(microbatches, targets, 1.0 / n_targets)
+        s = self.shape
+        if s.router_aux_coef:
+            step.routing = [Routing(s.experts, s.top_k, s.router_aux_coef / len(microbatches), mb.attention_mask)
+                            for mb in microbatches]
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
             self._run(schedule.ops, step)
+            aux = sum(r.loss() for r in step.routing) if step.routing else 0.0
             if self._clip_later:
                 self._clip_and_update_device_tiles()
             self.sq_host.copy_(self.sq, non_blocking=True)
             self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
-        loss = float(step.loss) / n_targets
+        loss = float(step.loss) / n_targets + float(aux)
         if not math.isfinite(loss) or not bool(torch.isfinite(self.sq_host).all()):
             bad = [t.name for t, v in zip(self.store.tiles, self.sq_host.tolist()) if not math.isfinite(v)]
             raise NonFiniteStep(f"the step's loss is {loss} and its gradient holds a NaN or an infinity in "
@@ -242,9 +252,12 @@ class Engine:
         with torch.no_grad(), self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.FORWARD, f"L{i}"):
             if op.keep_graph:
                 st.kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
-                st.hs = [out.detach() for _, _, out in st.kept[i]]
+                outs = [(out.detach(), logits) for _, _, out, logits in st.kept[i]]
             else:
-                st.hs = [self._layer(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
+                outs = [self._layer(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
+            st.hs = [out for out, _ in outs]
+            for routing, (_, logits) in zip(st.routing or [], outs):
+                routing.add(logits)
 
     def _head(self, st: _Step, op: Head, w: list[torch.Tensor]) -> None:
         """The loss, its gradient, and the gradient flowing into the last layer."""
@@ -294,14 +307,19 @@ class Engine:
         gradients into the layer's float32 step gradient, and return that after the last micro-batch."""
         i, m = op.layer, op.mb
         if op.recomputed:
-            x, leaves, out = st.graphs[m].pop()
+            x, leaves, out, logits = st.graphs[m].pop()
         else:
-            (x, leaves, out), st.kept[i][m] = st.kept[i][m], None
+            (x, leaves, out, logits), st.kept[i][m] = st.kept[i][m], None
         unit = self.layer_units[i]
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.BACKWARD, f"L{i}"):
-            grads = torch.autograd.grad(out, [x, *leaves], st.dhs[m])
+            roots, droots = [out], [st.dhs[m]]
+            if st.routing:  # the router's loss through this layer's probabilities
+                probs, dprobs = st.routing[m].root(logits)
+                roots.append(probs)
+                droots.append(dprobs)
+            grads = torch.autograd.grad(roots, [x, *leaves], droots)
             st.dhs[m] = grads[0]
-            del x, leaves, out
+            del x, leaves, out, logits, roots
             if op.first:
                 st.accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=self.dev.torch)
             for view, grad in zip(unit.views(st.accs[i]), grads[1:], strict=True):
@@ -339,14 +357,14 @@ class Engine:
                 start = time.perf_counter()
                 with torch.no_grad():
                     self._layer(0, w, x0, ctx)
-                x, leaves, out = self._graph(0, w, x0, ctx, root_only=root_only)
+                x, leaves, out, _ = self._graph(0, w, x0, ctx, root_only=root_only)
                 torch.autograd.grad(out, [x, *leaves], dy)
                 del x, leaves, out
                 dev.synchronize()
                 times.append(time.perf_counter() - start)
         self.streamer.release()
         seconds = statistics.median(times[1:])
-        flops = model_flops(self.shape.layer_matmul_params(), 1, self.shape.hidden, [seq_len] * batch_size)
+        flops = model_flops(self.shape.layer_matmul_params(), self.shape.attention(range(1)), [seq_len] * batch_size)
         return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": seq_len * batch_size}
 
     # ------------------------------------------------------------------ pieces
@@ -355,19 +373,24 @@ class Engine:
         """A layer's autograd graph on its own: a fresh leaf as input and fresh leaves as weights,
         whose saved views of the weight buffer the hooks turn into references. `root_only`: the
         output is read by nothing but the backward started from it (a recomputed block's last
-        layer), so its MLP need not compute it (unread_mlp.output_unused)."""
+        layer), so its MLP need not compute it (unread_mlp.output_unused). Returns the input, the
+        weights, the output and the router's logits (None without a router)."""
         leaves = [w.detach().requires_grad_() for w in weights]
         x = x.detach().requires_grad_()
         self._packing = self.layer_units[index]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                 (output_unused() if root_only else contextlib.nullcontext()):
-            out = self._layer(index, leaves, x, ctx)
-        return x, leaves, out
+            out, logits = self._layer(index, leaves, x, ctx)
+        return x, leaves, out, logits
 
-    def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor,
+               ctx: _Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A layer's output, and its router's logits (None without a router)."""
         module = self.arch.template(index).bind(weights)
-        return module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
-                      position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
+        with captured() as logits:
+            out = module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
+                         position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
+        return out, (logits[0] if logits else None)
 
     def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
         """Masks and rotary embeddings of a micro-batch. Packed rows (Batch) come with their

@@ -1,6 +1,7 @@
 """The decoder layers' RMSNorms, keeping only their input for the backward, over token chunks.
 
-The library's RMSNorm (Llama, Qwen2, Qwen3, Mistral) upcasts its input to float32 and autograd
+The library's RMSNorm (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE; GPT-OSS scales by the weight before
+casting back, `float32_scale`) upcasts its input to float32 and autograd
 keeps that copy, and the normalised input in the compute dtype, for the backward: three
 hidden-size tensors of the compute dtype per norm and token, beside the input itself, which the
 graph holds anyway (the layer's input, or the residual sum). Here the forward is the library's
@@ -21,31 +22,34 @@ from torch import nn
 CHUNK = 65536  # tokens
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The library's RMSNorm forward: float32 statistics, scaled in the input's dtype."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool = False) -> torch.Tensor:
+    """The library's RMSNorm forward: float32 statistics, scaled in the input's dtype (or, GPT-OSS's,
+    scaled in float32 and then cast)."""
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)
+    if float32_scale:
+        return (weight * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor):
+def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool, dy: torch.Tensor):
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
     with torch.enable_grad():
-        y = _rms_norm(x, weight, eps)
+        y = _rms_norm(x, weight, eps, float32_scale)
     return torch.autograd.grad(y, (x, weight), dy)
 
 
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, float32_scale: bool):
         ctx.save_for_backward(x, weight)  # the engine's hooks turn the weight into a reference
-        ctx.eps = eps
+        ctx.eps, ctx.float32_scale = eps, float32_scale
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= CHUNK:
-            return _rms_norm(x, weight, eps)
+            return _rms_norm(x, weight, eps, float32_scale)
         out = torch.empty_like(rows)
         for lo in range(0, rows.shape[0], CHUNK):
-            out[lo: lo + CHUNK] = _rms_norm(rows[lo: lo + CHUNK], weight, eps)
+            out[lo: lo + CHUNK] = _rms_norm(rows[lo: lo + CHUNK], weight, eps, float32_scale)
         return out.view(x.shape)
 
     @staticmethod
@@ -53,16 +57,18 @@ class _LeanRMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         if rows.shape[0] <= CHUNK:
-            dx, dw = _grads(x, weight, ctx.eps, dy)
-            return dx, dw, None
+            dx, dw = _grads(x, weight, ctx.eps, ctx.float32_scale, dy)
+            return dx, dw, None, None
         dx = torch.empty_like(rows)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, rows.shape[0], CHUNK):
-            dx[lo: lo + CHUNK], dw_chunk = _grads(rows[lo: lo + CHUNK], weight, ctx.eps, drows[lo: lo + CHUNK])
+            dx[lo: lo + CHUNK], dw_chunk = _grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.float32_scale,
+                                                  drows[lo: lo + CHUNK])
             dw += dw_chunk
-        return dx.view(x.shape), dw.to(weight.dtype), None
+        return dx.view(x.shape), dw.to(weight.dtype), None, None
 
 
-def make_lean(norm: nn.Module) -> None:
-    """Make a decoder layer's RMSNorm keep only its input (its parameters and output unchanged)."""
-    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+def make_lean(norm: nn.Module, float32_scale: bool = False) -> None:
+    """Make a decoder layer's RMSNorm keep only its input (its parameters and output unchanged);
+    `float32_scale`: the family's norm multiplies by its weight before casting back (GPT-OSS)."""
+    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon, float32_scale)

@@ -70,7 +70,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (v * h if shape.tied else 0)
     unit = max(layer, head)
-    ffn = shape.ffn
+    mlp = shape.mlp_kept  # per token, what a layer's MLP (or router and experts) keeps for its backward
+    scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
     store_host, store_device = HostStore.nbytes(shape, s)
@@ -94,15 +95,16 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # and their gradients in flight
         "checkpoints": ((min(2, blocks) if s.offload_checkpoints else blocks) + 2) * M * tokens * h * c,
         # what one layer's graph keeps, per token: ATTN_KEPT h (its input, the norms' outputs, q before
-        # and after rotary, attention out and its copy, the residual sum) and the MLP's 4 of width ffn
-        # (chunked: the MLP's only for one chunk, in its backward)
-        "block_activations": K * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * 4 * ffn) * c,
+        # and after rotary, attention out and its copy, the residual sum) and the MLP's (chunked: only
+        # for one chunk, in its backward); eager attention's softmax over every head's scores
+        "block_activations": K * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * mlp + scores) * c,
         # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
         # backward (a chunked MLP keeps only its input, counted within ATTN_KEPT h)
-        "kept_graphs": N * M * tokens * (ATTN_KEPT * h + (0 if chunk_mlp else 4 * ffn)) * c,
+        "kept_graphs": N * M * (tokens * (ATTN_KEPT * h + (0 if chunk_mlp else mlp)) + scores) * c,
         # a layer's backward beyond its graph: gradients through the rotary embedding and attention,
-        # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py)
-        "backward_temporaries": 4 * tokens * h * c,
+        # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py);
+        # eager attention's scores, masked, with the sinks, their softmax and its gradient
+        "backward_temporaries": (4 * tokens * h + 3 * scores) * c,
         "workspace": DEVICE_WORKSPACE,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm

@@ -1,8 +1,14 @@
 """Throughput and memory measurements shared by the engine and every baseline.
 
-The one FLOPs formula (the MegaTrain paper's, arXiv 2604.05091; docs/harness.md): model FLOPs per token = 6*N + 12*L*h*s, with N the
-matmul weights of the decoder layers plus the LM head (the embedding lookup excluded), L layers,
-h hidden size, s the token's sequence length. Padding tokens are never counted.
+The one FLOPs formula (the MegaTrain paper's, arXiv 2604.05091; docs/harness.md), per token of a
+sequence of s tokens: 6*N + 12 * sum over layers of (a_l * k_l), with
+  N    the matmul weights a token multiplies by: the decoder layers' (attention, MLP; for a mixture
+       of experts the router and the top-k experts' matrices, not all of them) plus the LM head; the
+       embedding lookup, norms, biases and attention sinks excluded;
+  a_l  layer l's attention width (heads x head_dim: the hidden size in the paper's models);
+  k_l  the keys a query of layer l is counted against: s, or min(s, window) for a sliding-window
+       layer (the paper's 12*L*h*s when every layer is full and heads x head_dim = h).
+Causal masking is not halved (the paper's convention). Padding tokens are never counted.
 """
 from __future__ import annotations
 
@@ -10,19 +16,28 @@ import os
 import platform
 import subprocess
 import threading
+from collections.abc import Sequence
 
 import psutil
 import torch
 
-
-def model_flops(matmul_params: int, layers: int, hidden: int, seq_lengths: list[int]) -> float:
-    """Model FLOPs of one step over sequences of the given non-padding lengths."""
-    return float(sum(n * (6 * matmul_params + 12 * layers * hidden * n) for n in seq_lengths))
+# (attention width, window or None for full attention) of each decoder layer
+Attention = Sequence[tuple[int, int | None]]
 
 
-def recompute_flops(decoder_matmul_params: int, layers: int, hidden: int, seq_lengths: list[int]) -> float:
-    """The extra forward of every decoder layer that recomputation costs (one third of 6N + 12Lhs)."""
-    return float(sum(n * (2 * decoder_matmul_params + 4 * layers * hidden * n) for n in seq_lengths))
+def _attention_keys(attention: Attention, n: int) -> int:
+    return sum(width * (n if window is None else min(n, window)) for width, window in attention)
+
+
+def model_flops(matmul_params: int, attention: Attention, seq_lengths: list[int]) -> float:
+    """Model FLOPs of one step over sequences of the given non-padding lengths (ModelShape gives the
+    arguments: `matmul_params()` and `attention()`)."""
+    return float(sum(n * (6 * matmul_params + 12 * _attention_keys(attention, n)) for n in seq_lengths))
+
+
+def recompute_flops(decoder_matmul_params: int, attention: Attention, seq_lengths: list[int]) -> float:
+    """The extra forward of the given decoder layers that recomputation costs (one third of the formula)."""
+    return float(sum(n * (2 * decoder_matmul_params + 4 * _attention_keys(attention, n)) for n in seq_lengths))
 
 
 def tree_rss_bytes(pid: int | None = None) -> int:

@@ -1,6 +1,8 @@
-"""Named model shapes: the paper's Qwen2.5 models and tiny configs of every supported family.
+"""Named model shapes: the paper's Qwen2.5 models, GPT-OSS and Qwen3-MoE, and tiny configs of
+every supported family.
 
-Each entry is a `transformers` config dict (random init: only the shape matters for speed).
+Each entry is a `transformers` config dict (random init: only the shape matters for speed); the
+mixtures of experts carry their published config.json's values.
 """
 from __future__ import annotations
 
@@ -15,6 +17,25 @@ def _qwen25(hidden: int, ffn: int, layers: int, heads: int, kv: int, **extra: An
             "num_attention_heads": heads, "num_key_value_heads": kv, **extra}
 
 
+# openai/gpt-oss-20b and -120b config.json: the same layer but for the experts (32 and 128) and depth
+# (24 and 36); sliding (128 tokens) and full attention alternate, sliding first (the library's default
+# layer_types); YaRN rotary to 131072 positions
+_GPT_OSS = dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_experts_per_tok=4,
+                sliding_window=128, attention_bias=True, rms_norm_eps=1e-5, hidden_act="silu",
+                max_position_embeddings=131072, rope_theta=150000.0, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "original_max_position_embeddings": 4096, "truncate": False},
+                router_aux_loss_coef=0.9, output_router_logits=False, pad_token_id=199999, eos_token_id=200002)
+# Qwen/Qwen3-30B-A3B config.json (intermediate_size is the dense MLP's, which no layer of it has)
+_QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                      max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+                      router_aux_loss_coef=0.001, output_router_logits=False, use_sliding_window=False,
+                      sliding_window=None, max_window_layers=48, bos_token_id=151643, eos_token_id=151645)
+
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu")
 
@@ -26,10 +47,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8),
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8),
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8),
+    "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
+    "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "tiny-llama": {**_TINY, "model_type": "llama", "tie_word_embeddings": False},
     "tiny-qwen2": {**_TINY, "model_type": "qwen2", "tie_word_embeddings": True},
     "tiny-qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
     "tiny-mistral": {**_TINY, "model_type": "mistral", "sliding_window": 8, "tie_word_embeddings": False},
+    # four experts, two per token; the router's auxiliary loss on (weighted 0.1 so that it shows)
+    "tiny-gpt-oss": {**_TINY, "model_type": "gpt_oss", "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 32,
+                     "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                     "output_router_logits": True, "router_aux_loss_coef": 0.1, "tie_word_embeddings": False,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "original_max_position_embeddings": 16, "truncate": False}},
+    "tiny-qwen3-moe": {**_TINY, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32,
+                       "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                       "output_router_logits": True, "router_aux_loss_coef": 0.1, "tie_word_embeddings": True},
 }
 
 

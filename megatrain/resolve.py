@@ -79,7 +79,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         optimizer_threads=engine.optimizer_threads, timeline=engine.timeline,
-        tokens=data.batch_size * data.seq_len, microbatches=data.grad_accum,
+        tokens=data.batch_size * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda)
     bound = machine.device_free
     if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:

@@ -168,9 +168,9 @@ class Schedule:
         """FLOPs the step executes: the model's, plus the recomputed layers' second forward, less the
         MLP projections a recomputed block's last layer leaves out (unread_mlp.py), plus the chunked
         MLP's gate and up projections that every backward runs again (chunked_mlp.py)."""
-        R = self.recomputed_layers
-        flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden, seq_lengths)
-        flops += recompute_flops(shape.layer_matmul_params() * R, R, shape.hidden, seq_lengths)
+        R = self.recomputed_layers  # the first R layers: the last no_recompute_layers keep their graphs
+        flops = model_flops(shape.matmul_params(), shape.attention(), seq_lengths)
+        flops += recompute_flops(shape.layer_matmul_params() * R, shape.attention(range(R)), seq_lengths)
         mlp = shape.mlp_matmul_params()
         unread = mlp if mlp_chunk else (mlp // 3 if shape.gated_mlp else 0)
         flops -= sum(2 * n * unread * self.recomputed_blocks for n in seq_lengths)

@@ -20,8 +20,12 @@ from megatrain.config import ModelConfig
 from megatrain.presets import preset
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
-# layer's MLP output feeds only its residual sum (unread_mlp.output_unused relies on it)
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+# layer's MLP output feeds only its residual sum (unread_mlp.output_unused relies on it). The
+# mixtures of experts (moe.py) replace the MLP by a router and stacked experts.
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe"}
+# families whose every layer attends over the config's sliding_window when it is set (no layer_types)
+_SLIDING_ALL = ("mistral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,28 @@ class ParamSpec:
         return n
 
     @property
+    def matmul(self) -> bool:
+        """A matrix (or a stack of experts' matrices) that multiplies activations; expert biases,
+        stacked to (experts, width), are biases still."""
+        return len(self.shape) >= 2 and not self.name.endswith("bias")
+
+    @property
     def decay(self) -> bool:
-        """Weight decay applies to matrices, not to norm weights and biases (the common recipe)."""
-        return len(self.shape) >= 2
+        """Weight decay applies to matrices, not to norm weights, biases and attention sinks (the
+        common recipe)."""
+        return self.matmul
+
+    @property
+    def expert(self) -> bool:
+        """One slice per expert along the first dimension: a token's top-k experts use k of them."""
+        return ".experts." in f".{self.name}"
+
+    @property
+    def init(self) -> str:
+        """How `transformers` initialises it: 'normal' (N(0, initializer_range)), 'ones' or 'zeros'."""
+        if self.matmul or self.name.endswith(("sinks", "router.bias")):  # GPT-OSS's sinks and router bias
+            return "normal"
+        return "zeros" if self.name.endswith("bias") else "ones"
 
 
 def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -62,14 +85,26 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
             f"model: architecture {model_type!r} is not supported (no layer adapter for it); "
             f"supported model_type values: {sorted(FAMILIES)}")
     values.pop("model_type")
-    for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
-        values.pop(key, None)
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
+        values.pop(key, None)  # a quantized checkpoint's settings: the store holds plain weights
     try:
         hf = AutoConfig.for_model(model_type, **values)
     except Exception as e:  # transformers validates the architecture: say which setting it refused
         cause = e.__cause__ or e
         raise ValueError(f"model: transformers refuses this {model_type} config: {cause}") from None
-    hf._attn_implementation = cfg.attn_implementation
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
+    attn = cfg.attn_implementation
+    if attn == "auto":  # GPT-OSS's sinks have no SDPA kernel; flex attention has them on a GPU only
+        attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if torch.cuda.is_available() else "eager"
+    elif attn == "sdpa" and not pretrained._supports_sdpa:
+        raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
+                         f"(GPT-OSS's attention sinks); set it to eager or auto")
+    hf._attn_implementation = attn
+    if getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
+        # the experts' kernel transformers picks by default (torch's grouped GEMM, on the CPU too):
+        # the library's model trained as it is built and the templates compute the same sums
+        hf._experts_implementation = "grouped_mm"
     return hf
 
 
@@ -87,9 +122,28 @@ class ModelShape:
         self.num_layers = c.num_hidden_layers
         self.hidden = c.hidden_size
         self.vocab = c.vocab_size
-        self.ffn = getattr(c, "intermediate_size", 4 * c.hidden_size)
         self.tied = bool(c.tie_word_embeddings)
         self.padding_idx = c.pad_token_id
+        # experts per layer and per token (0 and 0: a dense MLP); the router's auxiliary loss joins
+        # the training loss where the config asks for it, as in the library's model (moe.py)
+        self.experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        self.top_k = getattr(c, "num_experts_per_tok", 0) if self.experts else 0
+        self.router_aux_coef = (float(c.router_aux_loss_coef)
+                                if self.experts and getattr(c, "output_router_logits", False) else 0.0)
+        if self.experts and (getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1):
+            raise ValueError("model: a mixture of experts with dense layers among its sparse ones (mlp_only_layers, "
+                             "decoder_sparse_step != 1) has layers of two shapes; one tile layout serves every "
+                             "layer here: set overrides.mlp_only_layers: [] and overrides.decoder_sparse_step: 1")
+        # the MLP's width a token's activations have: its top-k experts' for a mixture of experts
+        expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+        self.ffn = self.top_k * expert_ffn if self.experts else getattr(c, "intermediate_size", 4 * c.hidden_size)
+        # what the MLP keeps per token for its backward, in elements: gate's and up's outputs, the
+        # activation and their product for a dense one; a mixture of experts' grouped experts keep,
+        # per pick, the gathered input and the output (2 h) and about 7 of the expert's width
+        # (saved-tensor hooks on GPT-OSS and Qwen3-MoE layers; docs/moe.md)
+        self.mlp_kept = self.top_k * (2 * c.hidden_size + 7 * expert_ffn) if self.experts else 4 * self.ffn
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.attn_width = c.num_attention_heads * self.head_dim  # queries' and attention output's width
         with torch.device("meta"):
             probe = self.layer_class(c, 0)
         self.layer_specs = [ParamSpec(n, tuple(p.shape)) for n, p in probe.named_parameters()]
@@ -106,7 +160,7 @@ class ModelShape:
 
     # ---- names in a `transformers` checkpoint ----
     def hf_names(self, tile: str) -> list[str]:
-        """Checkpoint names of a tile's parameters, in spec order ('embed', 'head' or 'layer.N')."""
+        """Names of a tile's parameters in the library's model, in spec order ('embed', 'head' or 'layer.N')."""
         if tile == "embed":
             return ["model.embed_tokens.weight"]
         if tile == "head":
@@ -114,27 +168,67 @@ class ModelShape:
         index = int(tile.split(".")[1])
         return [f"model.layers.{index}.{s.name}" for s in self.layer_specs]
 
+    def checkpoint_tensors(self, tile: str, views: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors a published checkpoint stores for a tile, each a view of the tile's parameter
+        `views`. Qwen3-MoE stores one tensor per expert and projection (the library fuses them on
+        loading and splits them again on saving): `experts.E.gate_proj.weight` is the first half
+        of the fused `experts.gate_up_proj[E]`, `up_proj` its second, `down_proj` `experts.down_proj[E]`."""
+        out = []
+        for name, view in zip(self.hf_names(tile), views, strict=True):
+            stem, _, leaf = name.rpartition(".experts.")
+            if self.family != "qwen3_moe" or not stem:
+                out.append((name, view))
+            elif leaf == "gate_up_proj":
+                half = view.shape[1] // 2
+                for e in range(view.shape[0]):
+                    out += [(f"{stem}.experts.{e}.gate_proj.weight", view[e, :half]),
+                            (f"{stem}.experts.{e}.up_proj.weight", view[e, half:])]
+            else:
+                out += [(f"{stem}.experts.{e}.{leaf}.weight", view[e]) for e in range(view.shape[0])]
+        return out
+
     def layer_type(self, index: int) -> str:
         """Which attention mask a layer uses: 'full_attention' or 'sliding_attention'."""
         types = getattr(self.config, "layer_types", None)
         if types:
             return types[index]
-        if self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None):
+        if self.config.model_type in _SLIDING_ALL and getattr(self.config, "sliding_window", None):
             return "sliding_attention"
         return "full_attention"
 
+    def attention_scores(self, seq_len: int) -> int:
+        """Elements of one score tensor that eager attention materialises for a sequence (every head,
+        every query against every key and GPT-OSS's sink); 0 for SDPA and flex attention, whose
+        memory is linear in the sequence."""
+        if self.config._attn_implementation != "eager":
+            return 0
+        return self.config.num_attention_heads * seq_len * (seq_len + 1)
+
+    def window(self, index: int) -> int | None:
+        """The keys a layer's query sees at most: the sliding window, or None (the whole sequence)."""
+        return self.config.sliding_window if self.layer_type(index) == "sliding_attention" else None
+
     # ---- sizes ----
-    def layer_matmul_params(self) -> int:
-        """Matmul weights of one decoder layer."""
-        return sum(s.numel for s in self.layer_specs if s.decay)
+    def layer_matmul_params(self, active: bool = True) -> int:
+        """Matmul weights of one decoder layer: all of them, or (`active`) those one token multiplies
+        by: of stacked experts' matrices, top-k of the experts."""
+        dense = sum(s.numel for s in self.layer_specs if s.matmul and not s.expert)
+        experts = sum(s.numel for s in self.layer_specs if s.matmul and s.expert)
+        return dense + (experts * self.top_k // self.experts if active and self.experts else experts)
 
     def mlp_matmul_params(self) -> int:
         """Matmul weights of one decoder layer's gated MLP (gate, up and down projections)."""
         return 3 * self.hidden * self.ffn
 
-    def matmul_params(self) -> int:
-        """Matmul weights of the decoder layers plus the LM head (the FLOPs formula's N)."""
-        return self.layer_matmul_params() * self.num_layers + self.vocab * self.hidden
+    def matmul_params(self, active: bool = True) -> int:
+        """Matmul weights of the decoder layers plus the LM head, all of them or (`active`) those a
+        token multiplies by (the FLOPs formula's N; the same for a dense model)."""
+        return self.layer_matmul_params(active) * self.num_layers + self.vocab * self.hidden
+
+    def attention(self, layers: range | None = None) -> list[tuple[int, int | None]]:
+        """(attention width, window) of each decoder layer (of `layers`): the FLOPs formula's
+        attention term (metrics.model_flops)."""
+        return [(self.attn_width, self.window(i)) for i in (range(self.num_layers) if layers is None else layers)]
 
     def total_params(self) -> int:
         per_layer = sum(s.numel for s in self.layer_specs)

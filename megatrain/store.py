@@ -176,7 +176,8 @@ class HostStore:
 
     # ---- filling the store ----
     def init_random(self, seed: int) -> None:
-        """Seeded init in the `transformers` manner: N(0, initializer_range) matrices, unit norms, zero biases.
+        """Seeded init in the `transformers` manner (ParamSpec.init): N(0, initializer_range) matrices
+        and attention sinks, unit norms, zero biases.
 
         Each tile draws from its own generator, so the result does not depend on tile order.
         """
@@ -185,9 +186,9 @@ class HostStore:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
             tile.master.zero_()
             for spec, view in zip(tile.layout.specs, tile.master_views()):
-                if spec.decay:
+                if spec.init == "normal":
                     view.copy_(torch.empty(spec.shape).normal_(0.0, std, generator=gen))
-                elif not spec.name.endswith("bias"):
+                elif spec.init == "ones":
                     view.fill_(1.0)
             self._reset_state(tile)
 
@@ -197,7 +198,7 @@ class HostStore:
         files = pretrained_shards(directory)
         where = {}
         for tile in self.tiles:
-            for name, view in zip(self.shape.hf_names(tile.name), tile.master_views()):
+            for name, view in self.shape.checkpoint_tensors(tile.name, tile.master_views()):
                 where[name] = view
         for tile in self.tiles:
             tile.master.zero_()

@@ -1,8 +1,8 @@
 """The runtime side of a model family: stateless layer templates, Bind, masks and rotary.
 
 A template is the library's own decoder-layer module with every parameter removed: it holds the
-kernels (attention, MLP, norms) and the per-layer behaviour that is not a weight (layer type,
-sliding window), never a weight. `Template.bind` points its weight slots at zero-copy views into
+kernels (attention, MLP or router and experts, norms) and the per-layer behaviour that is not a
+weight (layer type, sliding window), never a weight. `Template.bind` points its weight slots at zero-copy views into
 a streaming buffer, so running layer i is: bind(views of buffer), call.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
+from megatrain.moe import capture_logits, is_router
 from megatrain.shapes import ModelShape
 from megatrain.unread_mlp import skip_unread_down
 
@@ -64,7 +65,9 @@ class Architecture:
             module.train()
             for sub in module.modules():
                 if isinstance(sub, self._norm_cls):
-                    make_lean(sub)
+                    make_lean(sub, float32_scale=s.family == "gpt_oss")
+                elif is_router(sub):  # its logits feed the auxiliary loss (moe.py)
+                    capture_logits(sub)
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
             elif s.gated_mlp:

@@ -123,7 +123,7 @@ class Trainer:
         r = self.engine.step(microbatches)
         self.step += 1
         a = self.shape
-        flops = model_flops(a.matmul_params(), a.num_layers, a.hidden, r.seq_lengths)
+        flops = model_flops(a.matmul_params(), a.attention(), r.seq_lengths)
         hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, r.seq_lengths)
         self.sampler.sample()
         return {
@@ -263,7 +263,10 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     d, c = cfg.data, shape.config
     model = cfg.model.pretrained or cfg.model.config or f"preset {cfg.model.preset}"
     lines = [f"model: {c.model_type} from {model}: {shape.total_params():,} parameters, "
-             f"{shape.num_layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}"]
+             f"{shape.num_layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}"
+             + (f"; {shape.experts} experts, {shape.top_k} per token: {shape.matmul_params():,} matmul "
+                f"parameters per token" + (f", router loss x {shape.router_aux_coef}" if shape.router_aux_coef else "")
+                if shape.experts else "")]
     if d.source == "file":
         dropped = {k: v for k, v in data.examples.dropped.items() if v}
         lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "

@@ -106,17 +106,19 @@ def _layer_hw_rate(m: MachineModel) -> float:
     unread MLP output (a block's last layer at K = 1), over the same time."""
     preset, batch, seq = m.probe
     shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config())
-    lens = [seq] * batch
-    model = model_flops(shape.layer_matmul_params(), 1, shape.hidden, lens)
+    lens, one = [seq] * batch, shape.attention(range(1))
+    model = model_flops(shape.layer_matmul_params(), one, lens)
     unread = shape.mlp_matmul_params() // 3 if shape.gated_mlp else 0
-    hw = model + recompute_flops(shape.layer_matmul_params(), 1, shape.hidden, lens) - 2 * seq * batch * unread
-    return m.layer_tflops * 1e12 * _causal(hw, shape.hidden, 1, 1, lens) / model
+    hw = model + recompute_flops(shape.layer_matmul_params(), one, lens) - 2 * seq * batch * unread
+    return m.layer_tflops * 1e12 * _causal(hw, shape, 1, 1, lens) / model
 
 
-def _causal(hw: float, hidden: int, layers: int, recomputed: int, lens: list[int]) -> float:
-    """FLOPs the kernels execute: the shared formula counts attention's whole square (12 L h n^2 per
-    sequence, 4 R h n^2 more for the recompute); causal attention computes half of it."""
-    return hw - 0.5 * (12 * layers + 4 * recomputed) * hidden * sum(n * n for n in lens)
+def _causal(hw: float, shape: ModelShape, layers: int, recomputed: int, lens: list[int]) -> float:
+    """FLOPs the kernels execute: the shared formula counts a full-attention layer's whole square
+    (12 w n^2 per sequence, 4 w n^2 more when recomputed); causal attention computes half of it."""
+    def square(count: int) -> float:
+        return sum(w for w, window in shape.attention(range(count)) if window is None) * sum(n * n for n in lens)
+    return hw - 0.5 * (12 * square(layers) + 4 * square(recomputed))
 
 
 def _transfers(plan: list, buffers: int) -> list:
@@ -141,7 +143,7 @@ def project(spec: RunSpec, m: MachineModel) -> Projection:
     L, M = shape.num_layers, s.microbatches
     sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M)
     lens = [spec.seq_len] * spec.batch_size * M
-    flops = model_flops(shape.matmul_params(), L, shape.hidden, lens)
+    flops = model_flops(shape.matmul_params(), shape.attention(), lens)
     hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens)
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (shape.vocab * shape.hidden if shape.tied else 0)
@@ -161,7 +163,7 @@ def project(spec: RunSpec, m: MachineModel) -> Projection:
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9)  # seconds per parameter
-    gpu = _causal(hw, shape.hidden, L, sched.recomputed_layers, lens) / _layer_hw_rate(m)
+    gpu = _causal(hw, shape, L, sched.recomputed_layers, lens) / _layer_hw_rate(m)
     first_host = embed or head if s.device_tiles == 0 else layer
     tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),

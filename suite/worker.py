@@ -48,8 +48,7 @@ def medians(rows: list[dict]) -> dict:
 def run(spec: RunSpec, out: str) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shape = ModelShape(spec.hf_config())
-    flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden,
-                        [spec.seq_len] * (spec.batch_size * spec.grad_accum))
+    flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * (spec.batch_size * spec.grad_accum))
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": []}
     write_json(out, result)
@@ -63,7 +62,7 @@ def run(spec: RunSpec, out: str) -> dict:
             microbatches = [data.next() for _ in range(spec.grad_accum)]
             if spec.data is not None:  # padded examples: count the real tokens only
                 lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
-                flops = model_flops(shape.matmul_params(), shape.num_layers, shape.hidden, lengths)
+                flops = model_flops(shape.matmul_params(), shape.attention(), lengths)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain.shapes import load_hf_config
+from megatrain.shapes import ParamSpec, load_hf_config
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.batch import Batch
 from megatrain.optim import lr_at
@@ -39,12 +39,15 @@ def random_batches(steps: int, accum: int, batch: int, seq: int, vocab: int, pad
 
 
 class Reference:
-    """A fully resident `transformers` model trained with torch.optim.AdamW: the ground truth."""
+    """A fully resident `transformers` model trained with torch.optim.AdamW: the ground truth. A
+    mixture of experts whose config asks for the router's loss (output_router_logits) adds the
+    model's own `aux_loss`, weighted as its `loss` weighs it, to each micro-batch's share."""
 
     def __init__(self, model, optim: OptimConfig, total_steps: int):
         self.model = model
-        decay = [p for p in model.parameters() if p.ndim >= 2 or optim.decay == "all"]
-        rest = [p for p in model.parameters() if p.ndim < 2 and optim.decay == "matrices"]
+        matrices = {n for n, p in model.named_parameters() if ParamSpec(n, tuple(p.shape)).decay}
+        decay = [p for n, p in model.named_parameters() if n in matrices or optim.decay == "all"]
+        rest = [p for n, p in model.named_parameters() if n not in matrices and optim.decay == "matrices"]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=optim.lr, betas=optim.betas, eps=optim.eps)
@@ -56,17 +59,22 @@ class Reference:
         self.opt.zero_grad()
         n = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in microbatches)
         total = 0.0
+        aux_coef = getattr(self.model.config, "router_aux_loss_coef", 0.0)
         for mb in microbatches:
-            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
+            out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+            logits = out.logits.float()
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
                 ignore_index=-100, reduction="sum")
-            (loss / n).backward()
-            total += loss.item()
+            share = loss / n
+            if getattr(out, "aux_loss", None) is not None:
+                share = share + aux_coef * out.aux_loss / len(microbatches)
+            share.backward()
+            total += share.item()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm or float("inf"))
         self.opt.step()
         self.sched.step()
-        return total / n, float(norm)
+        return total, float(norm)
 
 
 def store_params(trainer) -> dict[str, torch.Tensor]:

@@ -51,6 +51,17 @@ CASES = {
                                                       {"no_recompute_layers": 3, "device_tiles": 2}),
     "mistral-kept-chunked-mlp-device-tiles": ("tiny-mistral", {}, 3, 1, 0.5, True,
                                               {"no_recompute_layers": 1, "mlp_chunk_tokens": 5, "device_tiles": 2}),
+    # mixtures of experts (4 experts, 2 per token): router, experts and their biases, attention
+    # sinks, sliding and full layers alternating (GPT-OSS), the router's auxiliary loss (both tiny
+    # presets ask for it); tests/test_moe.py checks that these batches route to every expert
+    "gpt-oss-K3-of-4-accum-clip-pad": ("tiny-gpt-oss", {}, 3, 2, 0.5, True, {}),
+    "gpt-oss-K2-divides-kept-device-tiles-noclip": ("tiny-gpt-oss", {}, 2, 1, None, True,
+                                                    {"no_recompute_layers": 1, "device_tiles": 2}),
+    "gpt-oss-no-aux-K1-offloaded-accum-clip": ("tiny-gpt-oss", {"output_router_logits": False}, 1, 2, 0.5, True,
+                                               {"offload_checkpoints": True}),
+    "qwen3-moe-tied-K2-of-3-accum-clip-pad": ("tiny-qwen3-moe", {}, 2, 2, 0.5, True, {}),
+    "qwen3-moe-sliding-K3-divides-kept-noclip": ("tiny-qwen3-moe", {"use_sliding_window": True, "sliding_window": 6},
+                                                 3, 1, None, True, {"no_recompute_layers": 1}),
     # both chosen by the plan against a stated device: every tile on the device, every layer kept
     "llama-auto-tiles-auto-kept-clip-accum": ("tiny-llama", {}, 1, 2, 0.5, True,
                                               {"device_tiles": "auto", "no_recompute_layers": "auto",

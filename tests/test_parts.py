@@ -370,7 +370,7 @@ def test_hardware_flops_count_the_recompute_the_schedule_runs():
     from megatrain.schedule import Schedule
     shape = shape_of("tiny-llama", num_hidden_layers=4)
     lengths = [16, 9]
-    model = model_flops(shape.matmul_params(), 4, shape.hidden, lengths)
+    model = model_flops(shape.matmul_params(), shape.attention(), lengths)
     layer = sum(n * (2 * shape.layer_matmul_params() + 4 * shape.hidden * n) for n in lengths)
     mlp = sum(2 * n * shape.mlp_matmul_params() for n in lengths)  # one forward of the MLP's three projections
     s = Schedule(4, checkpoint_every=2, no_recompute_layers=1, microbatches=1)  # blocks [0, 2) [2, 3) [3]

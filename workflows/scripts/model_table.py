@@ -45,12 +45,12 @@ def computed_row(model: str) -> dict:
 
     shape = ModelShape(load_hf_config(ModelConfig(preset=name)))
     c = shape.config
-    total, matmul = shape.total_params(), shape.matmul_params()
+    total, matmul = shape.total_params(), shape.matmul_params(active=False)
     return {"source": "computed", "model": model, "preset": name, "status": "ok", "reason": None,
             "model_type": c.model_type, "layers": shape.num_layers, "hidden_size": shape.hidden,
             "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
             "head_dim": getattr(c, "head_dim", None) or shape.hidden // c.num_attention_heads,
-            "ffn_size": c.intermediate_size, "vocab_size": shape.vocab, "tied_embeddings": shape.tied,
+            "ffn_size": getattr(c, "moe_intermediate_size", None) or c.intermediate_size, "vocab_size": shape.vocab, "tied_embeddings": shape.tied,
             "total_params": total, "total_params_B": total / 1e9,
             "matmul_params": matmul, "matmul_params_B": matmul / 1e9}
 
