@@ -220,15 +220,18 @@ def check(roots: list[Path]) -> list[dict]:
 # printed figure beside each where it prints one (GH200: 284, 264, "above 250").
 PAPER_ROWS = (("gh200-paper", "qwen2.5-7b", "284"), ("gh200-paper", "qwen2.5-14b", "264"),
               ("gh200-paper", "qwen2.5-32b", "above 250"), ("h200-paper", "qwen2.5-32b", None),
-              ("h200-paper", "qwen2.5-72b", None))
+              ("h200-paper", "qwen2.5-72b", None), ("h200-paper", "gpt-oss-120b", None))
 
 
 def predictions() -> list[dict]:
     rows = []
     for machine, preset, paper in PAPER_ROWS:
         spec = RunSpec(system="megatrain", model={"preset": preset}, seq_len=4096, batch_size=8, grad_accum=4)
-        pr = project(spec, MACHINES[machine])
-        rows.append({"machine": machine, "preset": preset, "host_GiB": pr.host_bytes / GiB,
+        m = MACHINES[machine]
+        pr = project(spec, m)
+        short = [f"{what} {need / GiB:.0f} > {have:.0f} GiB" for what, need, have in
+                 (("host", pr.host_bytes, m.host_gib), ("device", pr.device_bytes, m.device_gib)) if need > have * GiB]
+        rows.append({"machine": machine, "preset": preset, "fits": "; ".join(short) or "yes", "host_GiB": pr.host_bytes / GiB,
                      "device_GiB": pr.device_bytes / GiB, "step_s": pr.step_s, "model_tflops": pr.model_tflops,
                      "bound": pr.bound, "paper_tflops": paper})
     return rows
@@ -256,9 +259,9 @@ def write_report(roots: list[Path], out: Path) -> str:
         if errs:
             lines.append(f"- {k}: {_pct(errs[len(errs) // 2])}, {_pct(errs[0])}, {_pct(errs[-1])} ({len(errs)} points)")
     lines += ["", "# Predictions (not measurements): the paper's scale rows on its machines", "",
-              "| machine | model | host GiB | device GiB | step s | model TFLOP/s | bound | paper |", "|---" * 8 + "|"]
+              "| machine | model | fits | host GiB | device GiB | step s | model TFLOP/s | bound | paper |", "|---" * 9 + "|"]
     for p in preds:
-        lines.append(f"| {p['machine']} | {p['preset']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} | {p['step_s']:.1f} "
+        lines.append(f"| {p['machine']} | {p['preset']} | {p['fits']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} | {p['step_s']:.1f} "
                      f"| {p['model_tflops']:.0f} | {p['bound']} | {p['paper_tflops'] or 'not printed'} |")
     text = "\n".join(lines) + "\n"
     write_json(out / "projection.json", {"machines": {m.name: m.__dict__ for m in MACHINES.values()},
