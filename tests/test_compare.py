@@ -162,6 +162,16 @@ def test_hardware_figure(base, tmp_path):
     assert png.stat().st_size > 0 and pdf.stat().st_size > 0
     labels, by_hw = hardware_compare.collect({"h100": str(base), "h200": str(other)})
     assert len(labels) == 2 and by_hw["h200"]["native qwen2.5-3b s4096 b4x1"]["status"] == "oom_device"
+    # a long label wraps beside its group; the legend names each machine as its results say
+    write(other, "z", result("megatrain", 4, options={"engine": {"checkpoint_every": 1, "device_tiles": 20,
+                                                                 "grad_slabs": 12, "no_recompute_layers": "auto"}}))
+    labels, by_hw = hardware_compare.collect({"h100": str(base), "h200": str(other)})
+    fig, ax = hardware_compare.figure(labels, by_hw, "t")
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert ticks[:2] == ["megatrain qwen2.5-3b s4096 b4x1", "native qwen2.5-3b s4096 b4x1"]  # on both first
+    assert max(len(line) for t in ticks for line in t.split("\n")) <= 48
+    assert "only" not in ax.get_title() and "2 of 3 points ran on every machine" in ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()][0].startswith("h100: test")
 
 
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "cpu_cores": 16, "host_memory_bytes": 135148564480,
