@@ -56,8 +56,8 @@ OTHER_NO_VALUE = ("X", "purple", "failed ({})")
 SETTINGS_CHANGE = "settings-change"  # gid of the dotted segment between points of differing settings
 # one colour per system in every figure; a second series of a system (fewer layers) takes the next
 # marker and a colour of its own
-SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C3", "zero_infinity": "C4",
-                 "gemini": "C5", "ratel": "C6"}
+SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
+                 "gemini": "C8", "ratel": "C6"}  # red is kept for the points without a value
 SPARE_COLORS = ("C7", "C8", "C9", "olive", "teal", "navy")
 MEASURED = dict(linestyle="-")
 PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
@@ -156,7 +156,7 @@ def settings(row: pd.Series, spec: Experiment) -> dict[str, str]:
 def setting_changes(a: dict[str, str], b: dict[str, str]) -> str:
     """The settings that differ from `a` to `b`, e.g. "engine.device_tiles 20->3, batch 4->8"."""
     keys = sorted(set(a) | set(b), key=lambda k: (k not in SETTING_COLUMNS, k))
-    return ", ".join(f"{k} {a.get(k, '-')}->{b.get(k, '-')}" for k in keys if a.get(k) != b.get(k))
+    return ", ".join(f"{k} {a.get(k, 'default')}->{b.get(k, 'default')}" for k in keys if a.get(k) != b.get(k))
 
 
 def runs(g: pd.DataFrame, spec: Experiment) -> list[pd.DataFrame]:
@@ -221,10 +221,10 @@ def _floor(ax, top: float, band: bool) -> None:
     ax.set_ylim(-BAND * top if band else 0, top)
     if band:
         ax.axhspan(-BAND * top, 0, color="0.92", zorder=0, lw=0)
-        # named where the tick labels are, so that it covers no marker
-        ax.text(-0.012, -BAND * top / 2, "no value", transform=ax.get_yaxis_transform(), fontsize=6,
-                color="0.4", va="center", ha="right")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: "" if v < 0 else f"{v:g}"))
+        # named as a tick of its own, so that the layout makes room for it and it covers no marker
+        ticks = [t for t in ax.get_yticks() if 0 <= t <= top]
+        ax.set_yticks([*ticks, -BAND * top / 2], [f"{t:g}" for t in ticks] + ["no value"])
+        ax.get_yticklabels()[-1].set(fontsize=6, color="0.4")
 
 
 def _draw_paper(ax, ref: pd.DataFrame, label: str, marker: str) -> None:
@@ -275,7 +275,9 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     fig, axes = plt.subplots(1, len(spec.panels), figsize=(4.7 * len(spec.panels), 4.4), squeeze=False)
     axes = list(axes[0])
     ok_all = ours[(ours["status"] == "ok") & ours["x"].notna()]
-    names = sorted(set(_series(ok_all, spec))) if len(ok_all) else []
+    # a system's full-depth series first, so that it takes the system's own colour
+    names = sorted(set(_series(ok_all, spec)), key=lambda n: (n.split(" (")[0], "(all layers)" not in n, n)) \
+        if len(ok_all) else []
     style = series_styles(names)
     paper_markers: dict[str, str] = {}
     notes: list[str] = []
@@ -316,9 +318,11 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         _floor(ax, top, band=len(bad) > 0)
         _no_value(ax, ours, top)
         ylabel = YLABELS[y]
-        if spec.paper_quantity.get(y) and ref is not None and len(ref):
-            ylabel = f"{TITLES[y].lower()} (GiB)\nmeasured: peak allocated; paper: as in the legend"
+        if spec.paper_quantity.get(y) and ref is not None and len(ref):  # two quantities: say which is which
+            ylabel = f"{TITLES[y].lower()} (GiB)\nours: peak allocated; paper: {spec.paper_quantity[y].split(' (')[0]}"
         ax.set(xlabel=spec.label, ylabel=ylabel, title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
+        if "\n" in ylabel:
+            ax.yaxis.label.set_size(9)
         if spec.log_x and ax.has_data() and (ours["x"].dropna() > 0).all():
             ax.set_xscale("log")
             _log_ticks(ax, ours, paper, spec)
