@@ -151,15 +151,14 @@ def describe(env: dict | None) -> str:
     return ", ".join(parts)
 
 
-# Verdicts of a pair run on different machines: the machines' difference, not the code's.
-MACHINE_VERDICTS = {(True, "better"): "faster on new machine", (True, "worse"): "slower on new machine",
-                    (False, "better"): "less on new machine", (False, "worse"): "more on new machine"}
-
-
 def _machine_verdict(verdict: str, m: Metric) -> str:
-    if m.unit == "s":  # a time: lower is faster
-        return {"better": "faster on new machine", "worse": "slower on new machine"}.get(verdict, verdict)
-    return MACHINE_VERDICTS.get((m.higher_is_better, verdict), verdict)
+    """`better`/`worse` of a pair run on different machines, worded as the machines' difference: a
+    rate or a time is faster or slower there, memory more or less."""
+    if verdict not in ("better", "worse"):
+        return verdict
+    if m.higher_is_better or m.unit == "s":
+        return ("faster" if verdict == "better" else "slower") + " on new machine"
+    return ("less" if verdict == "better" else "more") + " on new machine"
 
 
 def _value(r: dict, m: Metric) -> float | None:

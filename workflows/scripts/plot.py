@@ -178,8 +178,7 @@ def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
         k = used.get(system, 0)
         used[system] = k + 1
         color = SYSTEM_COLORS.get(system) if k == 0 else None
-        style[name] = (MEASURED_MARKERS[(k + (0 if system in SYSTEM_COLORS else len(style))) % len(MEASURED_MARKERS)],
-                       color or next(spare))
+        style[name] = (MEASURED_MARKERS[k % len(MEASURED_MARKERS)], color or next(spare))
     return style
 
 
@@ -326,6 +325,9 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         if spec.log_x and ax.has_data() and (ours["x"].dropna() > 0).all():
             ax.set_xscale("log")
             _log_ticks(ax, ours, paper, spec)
+            xs = set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper and len(paper) else set())
+            if len(xs) == 1:  # one x (the CPU's one tiny model): centred, not at the frame
+                ax.set_xlim(min(xs) / 3, min(xs) * 3)
     return fig, axes, [(f"settings differ (dotted): {n}", "0.25") for n in notes]
 
 
