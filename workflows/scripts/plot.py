@@ -62,7 +62,7 @@ SPARE_COLORS = ("C7", "C8", "C9", "olive", "teal", "navy")
 MEASURED = dict(linestyle="-")
 PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
 LEGEND_COLUMNS = 3
-BAND = 0.1  # the "no value" band under zero, as a fraction of the axis' top
+BAND = 0.14  # the "no value" band under zero, as a fraction of the axis' top
 YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak host memory (GiB)",
            "peak_device_GiB": "peak device memory, allocated (GiB)"}
 TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
