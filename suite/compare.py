@@ -7,6 +7,11 @@ still meet. Each metric has a direction (TFLOP/s: higher is better; memory: lowe
 a change beyond the threshold in the bad direction is a regression, as is a point that ran (`ok`)
 in BASE and not in NEW. Exit status 1 on any regression, else 0 (TorchBench's regression detector,
 reduced to medians and one relative threshold).
+
+Each pair's environments (the result's `env`) are compared too: the machine (GPU, CPU, cores, host
+memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the commit. Every
+difference is listed, and a pair run on different machines is said to be one: its verdicts are
+worded as the machines' difference ("faster on NEW's machine") and are never a regression of the code.
 """
 from __future__ import annotations
 
@@ -36,6 +41,19 @@ METRICS = {
 }
 DEFAULT_METRICS = ("model_tflops", "peak_host", "peak_device")
 KEY_FIELDS = ("system", "model", "seq_len", "batch_size", "grad_accum", "options")
+
+# The fields of a result's `env` that tell where and with what a point ran, by what a difference means:
+# another machine, other software under the same code, or other code.
+MACHINE_FIELDS = ("gpu", "gpu_count", "gpu_memory_bytes", "cpu", "cpu_cores", "host_memory_bytes",
+                  "pcie_generation", "pcie_width")
+SOFTWARE_FIELDS = ("driver", "cuda", "torch", "transformers", "python")
+CODE_FIELDS = ("git_commit", "git_dirty")
+ENV_FIELDS = MACHINE_FIELDS + SOFTWARE_FIELDS + CODE_FIELDS
+# The OS's reading of host memory moves by a few percent between boots of one machine (and grows on
+# some lent machines as it is used): within this it is the same memory.
+HOST_MEMORY_TOLERANCE = 0.05
+SHORT = {"gpu_memory_bytes": "gpu memory", "host_memory_bytes": "host memory", "cpu_cores": "cores",
+         "git_commit": "commit", "git_dirty": "dirty", "pcie_generation": "pcie gen", "pcie_width": "pcie width"}
 
 
 def is_result(r) -> bool:
@@ -94,6 +112,55 @@ def load(folder: str | Path) -> tuple[dict[str, tuple[Path, dict]], list[str]]:
     return found, notes
 
 
+def _same(field: str, a, b) -> bool:
+    if field == "host_memory_bytes" and isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and b:
+        return abs(a - b) <= HOST_MEMORY_TOLERANCE * max(a, b)
+    return a == b
+
+
+def env_differences(base_env: dict | None, new_env: dict | None) -> dict[str, tuple]:
+    """{field: (base value, new value)} for each ENV_FIELDS field the two environments differ in
+    (a field one side lacks counts as a difference only where the other has it)."""
+    b, n = base_env or {}, new_env or {}
+    return {f: (b.get(f), n.get(f)) for f in ENV_FIELDS
+            if (f in b or f in n) and not _same(f, b.get(f), n.get(f))}
+
+
+def _shown_env(field: str, v) -> str:
+    if v is None:
+        return "?"
+    if field.endswith("_bytes") and isinstance(v, (int, float)):
+        return f"{v / GiB:.1f} GiB"
+    if field == "git_commit":
+        return str(v)[:7]
+    return str(v)
+
+
+def commit(env: dict | None) -> str:
+    e = env or {}
+    return _shown_env("git_commit", e.get("git_commit")) + ("+dirty" if e.get("git_dirty") else "")
+
+
+def describe(env: dict | None) -> str:
+    """One line: the machine and software a result ran on, e.g. `NVIDIA H200 x1, 32 cores, 251.8 GiB
+    host, driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130` (the commit apart: commit())."""
+    e = env or {}
+    parts = [f"{e.get('gpu', 'no GPU')} x{e.get('gpu_count', '?')}" if e.get("gpu") else "no GPU",
+             f"{e.get('cpu_cores', '?')} cores", f"{_shown_env('host_memory_bytes', e.get('host_memory_bytes'))} host",
+             f"driver {e.get('driver', '?')}", f"CUDA {e.get('cuda', '?')}", f"torch {e.get('torch', '?')}"]
+    return ", ".join(parts)
+
+
+def _machine_verdict(verdict: str, m: Metric) -> str:
+    """`better`/`worse` of a pair run on different machines, worded as the machines' difference: a
+    rate or a time is faster or slower there, memory more or less."""
+    if verdict not in ("better", "worse"):
+        return verdict
+    if m.higher_is_better or m.unit == "s":
+        return ("faster" if verdict == "better" else "slower") + " on new machine"
+    return ("less" if verdict == "better" else "more") + " on new machine"
+
+
 def _value(r: dict, m: Metric) -> float | None:
     v = (r.get(m.section) or {}).get(m.field)
     return float(v) if isinstance(v, (int, float)) else None
@@ -123,12 +190,15 @@ def compare(base: str | Path, new: str | Path, threshold: float = 0.05,
     rows = []
     for key in sorted(set(b) & set(n), key=lambda k: point_label(b[k][1]["spec"])):
         (bp, br), (np_, nr) = b[key], n[key]
-        common = dict(point=point_label(br["spec"]), base_file=str(bp), new_file=str(np_))
+        diff = env_differences(br.get("env"), nr.get("env"))
+        machine = any(f in MACHINE_FIELDS for f in diff)
+        common = dict(point=point_label(br["spec"]), base_file=str(bp), new_file=str(np_),
+                      env=sorted(diff, key=ENV_FIELDS.index), machine_differs=machine)
         if br["status"] != nr["status"] or br["status"] != "ok":
             moved = br["status"] != nr["status"]
+            verdict = ("status differs on new machine" if machine else "status changed") if moved else "same"
             rows.append(dict(common, metric="status", unit=None, base=br["status"], new=nr["status"], change=None,
-                             verdict="status changed" if moved else "same",
-                             regression=moved and br["status"] == "ok"))
+                             verdict=verdict, regression=moved and br["status"] == "ok" and not machine))
             continue  # a point that did not run has no medians to compare
         for name in metrics:
             m = METRICS[name]
@@ -136,10 +206,24 @@ def compare(base: str | Path, new: str | Path, threshold: float = 0.05,
             if bv is None and nv is None:
                 continue
             change, verdict = _verdict(bv, nv, m, threshold) if None not in (bv, nv) else (None, "missing")
-            rows.append(dict(common, metric=name, unit=m.unit, base=bv, new=nv, change=change, verdict=verdict,
-                             regression=verdict == "worse"))
+            rows.append(dict(common, metric=name, unit=m.unit, base=bv, new=nv, change=change,
+                             verdict=_machine_verdict(verdict, m) if machine else verdict,
+                             regression=verdict == "worse" and not machine))
+    env_diffs: dict[str, list[list]] = {}
+    for key in sorted(set(b) & set(n), key=lambda k: point_label(b[k][1]["spec"])):
+        for field, pair in env_differences(b[key][1].get("env"), n[key][1].get("env")).items():
+            if list(pair) not in env_diffs.setdefault(field, []):
+                env_diffs[field].append(list(pair))
     return {
         "base": str(base), "new": str(new), "threshold": threshold, "metrics": list(metrics),
+        # each side's environments (describe()), and over the matched pairs, field -> [[base, new], ...]
+        "base_env": sorted({describe(r.get("env")) for _, r in b.values()}),
+        "new_env": sorted({describe(r.get("env")) for _, r in n.values()}),
+        "base_commits": sorted({commit(r.get("env")) for _, r in b.values()}),
+        "new_commits": sorted({commit(r.get("env")) for _, r in n.values()}),
+        "env_differences": {f: env_diffs[f] for f in ENV_FIELDS if f in env_diffs},
+        "machine_pairs": sum(any(f in MACHINE_FIELDS for f in env_differences(b[k][1].get("env"), n[k][1].get("env")))
+                             for k in set(b) & set(n)),
         "rows": rows,
         "only_base": sorted(point_label(b[k][1]["spec"]) for k in set(b) - set(n)),
         "only_new": sorted(point_label(n[k][1]["spec"]) for k in set(n) - set(b)),
@@ -158,16 +242,43 @@ def _shown(v, metric: str) -> str:
     return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"  # tiny CPU points keep their digits
 
 
+def _env_block(report: dict) -> list[str]:
+    """Where each side ran and, over the matched pairs, what differs: said before the rows."""
+    lines = []
+    for side in ("base", "new"):
+        commits = report[f"{side}_commits"]
+        lines.append(f"{side:<4} ran on: {'; '.join(report[f'{side}_env']) or '-'} "
+                     f"(commit{'s' * (len(commits) != 1)} {', '.join(commits) or '-'})")
+    if set(report["base_env"]) != set(report["new_env"]):
+        lines.append("the two folders ran on different machines or software" + (
+            "" if report["matched"] else "; no point ran on both with one spec (the grids' `shared` experiment does)"))
+    diffs = report["env_differences"]
+    if not diffs:
+        return lines + [f"environments of the matched pairs: {'the same' if report['matched'] else 'no pair matched'}", ""]
+    lines.append("environments of the matched pairs differ (base -> new):")
+    for field, pairs in diffs.items():
+        kind = "machine" if field in MACHINE_FIELDS else "software" if field in SOFTWARE_FIELDS else "code"
+        shown = "; ".join(f"{_shown_env(field, a)} -> {_shown_env(field, b)}" for a, b in pairs)
+        lines.append(f"  {SHORT.get(field, field)} ({kind}): {shown}")
+    if report["machine_pairs"]:
+        lines.append(f"DIFFERENT MACHINES: {report['machine_pairs']} of {report['matched']} pairs ran on different "
+                     "machines; their verdicts compare the machines, not the code, and none is a regression.")
+    return lines + [""]
+
+
 def render(report: dict) -> str:
     rows = report["rows"]
     width = max([len(r["point"]) for r in rows] + [5])
-    lines = [f"{'point':{width}}  {'metric':<20} {'base':>12} {'new':>12} {'change %':>9}  verdict"]
+    lines = _env_block(report)
+    lines.append(f"{'point':{width}}  {'metric':<20} {'base':>12} {'new':>12} {'change %':>9}  {'verdict':<22} env differs")
     for r in rows:
         metric = r["metric"] + (f" ({r['unit']})" if r["unit"] else "")
         change = f"{100 * r['change']:+.1f}" if r["change"] is not None else "-"
+        env = ",".join(SHORT.get(f, f) for f in r.get("env", [])) or "-"
         lines.append(f"{r['point']:{width}}  {metric:<20} {_shown(r['base'], r['metric']):>12} "
-                     f"{_shown(r['new'], r['metric']):>12} {change:>9}  {r['verdict']}")
+                     f"{_shown(r['new'], r['metric']):>12} {change:>9}  {r['verdict']:<22} {env}")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("worse", "better", "status changed")}
+    counts |= {"differing by machine": sum(r.get("machine_differs", False) and r["verdict"] != "same" for r in rows)}
     lines.append("")
     lines.append(f"{report['matched']} points matched (threshold {100 * report['threshold']:.1f}%): "
                  + ", ".join(f"{c} {v}" for v, c in counts.items()))
@@ -178,7 +289,12 @@ def render(report: dict) -> str:
     if report["skipped"]:
         lines.append(f"not compared ({len(report['skipped'])}):")
         lines += [f"  {s}" for s in report["skipped"]]
-    lines.append("REGRESSION" if report["regressed"] else "no regression")
+    if report["regressed"]:
+        lines.append("REGRESSION")
+    elif report["machine_pairs"] and report["machine_pairs"] == report["matched"]:
+        lines.append("no regression can be concluded: every pair ran on different machines")
+    else:
+        lines.append("no regression")
     return "\n".join(lines)
 
 

@@ -162,3 +162,66 @@ def test_hardware_figure(base, tmp_path):
     assert png.stat().st_size > 0 and pdf.stat().st_size > 0
     labels, by_hw = hardware_compare.collect({"h100": str(base), "h200": str(other)})
     assert len(labels) == 2 and by_hw["h200"]["native qwen2.5-3b s4096 b4x1"]["status"] == "oom_device"
+    # a long label wraps beside its group; the legend names each machine as its results say
+    write(other, "z", result("megatrain", 4, options={"engine": {"checkpoint_every": 1, "device_tiles": 20,
+                                                                 "grad_slabs": 12, "no_recompute_layers": "auto"}}))
+    labels, by_hw = hardware_compare.collect({"h100": str(base), "h200": str(other)})
+    fig, ax = hardware_compare.figure(labels, by_hw, "t")
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert ticks[:2] == ["megatrain qwen2.5-3b s4096 b4x1", "native qwen2.5-3b s4096 b4x1"]  # on both first
+    assert max(len(line) for t in ticks for line in t.split("\n")) <= 48
+    assert "only" not in ax.get_title() and "2 of 3 points ran on every machine" in ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()][0].startswith("h100: test")
+
+
+H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "cpu_cores": 16, "host_memory_bytes": 135148564480,
+        "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0+cu130", "git_commit": "78abc87" + "0" * 33}
+H200 = {**H100, "gpu": "NVIDIA H200", "cpu_cores": 32, "host_memory_bytes": 270334464000, "git_commit": "a4bc0bd" + "0" * 33}
+
+
+def test_env_differences_by_kind():
+    assert compare.env_differences(H100, H100) == {}
+    # the OS's reading of host memory moving by a few percent is the same memory
+    assert compare.env_differences(H100, {**H100, "host_memory_bytes": int(135148564480 * 1.02)}) == {}
+    diff = compare.env_differences(H100, H200)
+    assert set(diff) == {"gpu", "cpu_cores", "host_memory_bytes", "git_commit"}
+    assert diff["gpu"] == ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    assert set(compare.env_differences(H100, {**H100, "torch": "2.12.0", "driver": "590.1"})) == {"driver", "torch"}
+    assert "NVIDIA H200 x1, 32 cores, 251.8 GiB host" in compare.describe(H200)
+
+
+def test_a_pair_on_another_machine_says_so_and_is_no_regression(base, tmp_path, capsys):
+    """A point run on an H200 against the same point on an H100: the verdict is the machines', the
+    GPU, cores, host memory and commit are named, and the exit status does not call it a regression."""
+    b, n = tmp_path / "b", tmp_path / "n"
+    write(b, "a", result("megatrain", 4, tflops=300.0) | {"env": H100})
+    write(b, "c", result("native", 4, tflops=300.0) | {"env": H100})
+    write(n, "a", result("megatrain", 4, tflops=400.0, host_gib=60.0) | {"env": H200})
+    write(n, "c", result("native", 4, status="oom_device") | {"env": H200})
+    report = compare.compare(b, n)
+    v = verdicts(report)
+    assert v[("megatrain", "model_tflops")] == "faster on new machine"
+    assert v[("megatrain", "peak_host")] == "more on new machine"
+    assert v[("native", "status")] == "status differs on new machine"
+    assert not report["regressed"] and report["machine_pairs"] == 2
+    assert all(r["machine_differs"] and "gpu" in r["env"] for r in report["rows"])
+    assert report["env_differences"]["gpu"] == [["NVIDIA H100 80GB HBM3", "NVIDIA H200"]]
+    assert compare.main(str(b), str(n), 0.05, compare.DEFAULT_METRICS) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERENT MACHINES: 2 of 2 pairs" in out and "gpu (machine): NVIDIA H100 80GB HBM3 -> NVIDIA H200" in out
+    assert "cores (machine): 16 -> 32" in out and "commit (code): 78abc87 -> a4bc0bd" in out
+    table = out.split("env differs\n")[1].split("\n\n")[0]
+    assert "better" not in table and "worse" not in table and "REGRESSION" not in out
+
+
+def test_same_machine_other_commit_is_a_code_comparison(base, tmp_path, capsys):
+    b, n = tmp_path / "b", tmp_path / "n"
+    write(b, "a", result("megatrain", 4, tflops=300.0) | {"env": H100})
+    write(n, "a", result("megatrain", 4, tflops=250.0) | {"env": {**H100, "git_commit": "1" * 40, "torch": "2.12.0"}})
+    report = compare.compare(b, n)
+    row = next(r for r in report["rows"] if r["metric"] == "model_tflops")
+    assert row["verdict"] == "worse" and row["regression"] and not row["machine_differs"]
+    assert row["env"] == ["torch", "git_commit"]  # said, so a reader sees torch moved too
+    assert compare.main(str(b), str(n), 0.05, compare.DEFAULT_METRICS) == 1
+    out = capsys.readouterr().out
+    assert "torch (software): 2.11.0+cu130 -> 2.12.0" in out and "DIFFERENT MACHINES" not in out

@@ -29,8 +29,8 @@ def test_grid_is_valid_and_ids_unique(path):
     # on that machine (`--config grid=`). Both write under results/<hardware>/.
     machine, _, purpose = path.stem.partition("-")
     assert g["hardware"] == machine
-    if not purpose:  # a machine's grid holds the paper's experiments
-        assert set(g["experiments"]) <= {"scale", "ratel", "depth", "width", "context", "ablations", "devices"}
+    if not purpose:  # a machine's grid holds the paper's experiments, and the points every machine shares
+        assert set(g["experiments"]) <= {"scale", "ratel", "depth", "width", "context", "ablations", "devices", "shared"}
     # A not-runnable point is data with a reason, never a job of its experiment.
     for n in g.get("not_runnable", []):
         assert n["experiment"] in g["experiments"] and len(n["reason"]) >= 10
@@ -78,6 +78,20 @@ def test_a_point_is_defined_once_per_machine():
             for (experiment, point_id), p in grid.points(g).items():
                 if "trace" in p["options"]:
                     assert p["options"]["trace"] == f"results/{hardware}/points/{experiment}/{point_id}.trace.json"
+
+
+GPU_GRIDS = [p for p in GRIDS if "-" not in p.stem and p.stem not in ("cpu", "shared")]
+
+
+@pytest.mark.parametrize("path", GPU_GRIDS, ids=lambda p: p.stem)
+def test_every_gpu_grid_runs_the_shared_points(path):
+    """Every GPU machine runs shared.yaml's points with the same specs (ids, steps, timeout and all), so
+    that any two machines' results pair up point by point in `python -m suite compare`."""
+    shared = grid.points(grid.load(ROOT / "workflows" / "grids" / "shared.yaml"))
+    mine = {k: {f: v for f, v in p.items() if f != "expect"} for k, p in grid.points(grid.load(path)).items()
+            if k[0] == "shared"}
+    assert mine == shared and len(shared) >= 3
+    assert not any(p.get("expect") for k, p in grid.points(grid.load(path)).items() if k[0] == "shared")
 
 
 def test_identity_ignores_what_only_adds_a_measurement():

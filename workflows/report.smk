@@ -48,6 +48,7 @@ for _experiment in EXPERIMENTS:
         params:
             hardware=HW,
             experiment=_experiment,
+            smoke="--smoke-test" if GRID.get("smoke_test") else "",
         shell:
             "python -m workflows.scripts.plot --csv {input} --experiment {params.experiment} "
-            "--hardware {params.hardware} --png {output.png} --pdf {output.pdf} > {log} 2>&1"
+            "--hardware {params.hardware} {params.smoke} --png {output.png} --pdf {output.pdf} > {log} 2>&1"

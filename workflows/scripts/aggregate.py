@@ -22,16 +22,55 @@ from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq",
-                    "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
+                    "options", "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
 INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "params", "hidden_size"]
 
 
 def _size_b(model) -> float | None:
-    """ "7B" or "Qwen2.5-14B" -> 7.0, 14.0 (billion parameters)."""
-    m = re.search(r"([\d.]+)\s*B\b", str(model))
+    """ "7B", "Qwen2.5-14B" or "qwen2.5-32b" -> 7.0, 14.0, 32.0 (the nominal billions of parameters)."""
+    m = re.search(r"([\d.]+)\s*B\b", str(model), re.IGNORECASE)
     return float(m.group(1)) if m else None
+
+
+_PARAMS_B: dict[str, float | None] = {}
+
+
+def model_params_b(model) -> float | None:
+    """The parameters (billions) of the paper's model as we count them: "7B" (a Qwen2.5 model, Table 2)
+    -> the qwen2.5-7b preset's 7.62, so that the paper's point sits at the x of our run of the same
+    model; the nominal size where there is no preset or no engine to count with."""
+    size = _size_b(model)
+    if size is None:
+        return None
+    key = f"qwen2.5-{size:g}b"
+    if key not in _PARAMS_B:
+        try:
+            from megatrain.presets import PRESETS
+            from workflows.scripts.grid import params
+            _PARAMS_B[key] = params({"preset": key}) / 1e9 if key in PRESETS else None
+        except ImportError:  # the workflow scripts also run without the engine installed
+            _PARAMS_B[key] = None
+    return _PARAMS_B[key] or size
+
+
+def _words(options: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out += _words(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def options_text(options: dict | None) -> str:
+    """A run's options as sorted `key=value` words (nested or dotted keys alike; the diagnostic ones,
+    which only add a measurement, left out): what a figure compares to tell runs of different
+    settings apart."""
+    from workflows.scripts.grid import DIAGNOSTIC_OPTIONS
+    return " ".join(sorted(_words({k: v for k, v in (options or {}).items() if k not in DIAGNOSTIC_OPTIONS})))
 
 
 def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
@@ -53,32 +92,48 @@ class Experiment:
     paper_x: object = None  # Callable[[DataFrame], Series] over the paper's rows
     paper_y: dict = field(default_factory=dict)
     paper_hardware: str = "GH200"
+    # what the paper's column of a panel measures, where it is not what we measure (our device memory
+    # is the allocator's peak; Tables 5 and 6 print a device allocation)
+    paper_quantity: dict = field(default_factory=dict)
+    # columns that change along a line by design (Table 7's batch per context): a change of any other
+    # setting between two points of a line is marked on the figure
+    varies: tuple[str, ...] = ()
+    # bars: the ids of our full configuration and a text of the paper's; each bar is then drawn
+    # relative to its own side's full configuration
+    reference: tuple[str, ...] = ()
+    paper_reference: str | None = None
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "scale": Experiment(("figure1_scale",), "params_B", "model size (billion parameters)", log_x=True,
-                        paper_x=lambda r: r["model"].map(_size_b), paper_y={"model_tflops": "tflops"}),
+                        paper_x=lambda r: r["model"].map(model_params_b), paper_y={"model_tflops": "tflops"}),
     # Tables 5 and 6 print MegaTrain's device memory; Figures 5 and 6 each system's throughput and host
     # memory where the text states them
     "depth": Experiment(("table5_depth", "figure5_depth"), "layers", "decoder layers",
                         paper_x=lambda r: r["layers"],
                         paper_y={"model_tflops": "tflops", "peak_host_GiB": "host_memory_GB",
-                                 "peak_device_GiB": "device_alloc_GB"}),
+                                 "peak_device_GiB": "device_alloc_GB"},
+                        paper_quantity={"peak_device_GiB": "device allocation (Table 5)"}),
     "width": Experiment(("table6_width", "figure6_width"), "width", "width multiplier (x the preset's hidden size)",
                         paper_x=lambda r: r["width_scale"],
                         paper_y={"model_tflops": "tflops", "peak_host_GiB": "host_memory_GB",
-                                 "peak_device_GiB": "device_alloc_GB"}),
+                                 "peak_device_GiB": "device_alloc_GB"},
+                        paper_quantity={"peak_device_GiB": "device allocation (Table 6)"}),
     "context": Experiment(("table7_context",), "seq", "sequence length (tokens)", log_x=True,
                           paper_x=lambda r: pd.to_numeric(r["context_K"], errors="coerce") * 1024,
-                          paper_y={"model_tflops": "tflops", "peak_device_GiB": "mem_GB"}),
+                          paper_y={"model_tflops": "tflops", "peak_device_GiB": "mem_GB"},
+                          paper_quantity={"peak_device_GiB": "\"Mem\" (Table 7; device, inferred)"},
+                          varies=("batch", "accum")),
     "ablations": Experiment(("table4_ablations",), "id", "configuration", kind="bars",
                             panels=("model_tflops", "peak_device_GiB"),
                             paper_x=lambda r: r["configuration"],
                             paper_y={"model_tflops": "tflops", "peak_device_GiB": "device_mem_GB"},
-                            paper_hardware="GH200 (not stated; inferred)"),
+                            paper_quantity={"peak_device_GiB": "\"Device Mem\" (Table 4)"},
+                            paper_hardware="GH200 (not stated; inferred)",
+                            reference=("full", "base", "base_K1"), paper_reference="(full)"),
     # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
     "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
-                        panels=("model_tflops",), paper_x=lambda r: r["model"].map(_size_b),
+                        panels=("model_tflops",), paper_x=lambda r: r["model"].map(model_params_b),
                         paper_y={"model_tflops": "tflops"}),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
     "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
@@ -128,6 +183,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "preset": model.get("preset") or model.get("config"),
         "layers": (model.get("overrides") or {}).get("num_hidden_layers"),
         "batch": spec["batch_size"], "accum": spec["grad_accum"], "seq": spec["seq_len"],
+        "options": options_text(spec.get("options")),
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,
         "model_tflops": med.get("model_tflops"), "step_time_s": med.get("step_time_s"),

@@ -3,23 +3,25 @@
     python -m workflows.scripts.hardware_compare --title T --png F.png --pdf F.pdf h100=DIR h200=DIR ...
 
 Each DIR is a folder of harness results (e.g. results/<hardware>/points/<experiment>). Points pair
-up across machines by what was run (suite.compare.point_key), not by file name. One group of bars
-per point, one bar per machine: its median model TFLOP/s. A point that did not run there
-(out of memory, timeout, unsupported) is a hatched stub on the floor with its status, its height a
-marker and not a value; a point the machine has no result for is marked "n/a".
+up across machines by what was run (suite.compare.point_key), not by file name. One group of
+horizontal bars per point (those every machine ran first), one bar per machine: its median model
+TFLOP/s; the legend names each machine as its results' env does (GPU, cores, host memory). A point
+that did not run there (out of memory, timeout, unsupported) is a hatched stub with its status, its
+length a marker and not a value; a point the machine has no result for is marked "n/a".
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import sys
+import textwrap
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on the workflow's machines
 import matplotlib.pyplot as plt
 
-from suite.compare import load, point_label
+from suite.compare import describe, load, point_label
 
 from megatrain.io import save_figure
 
@@ -55,32 +57,61 @@ def collect(folders: dict[str, str]) -> tuple[list[str], dict[str, dict[str, dic
     return labels, by_hw
 
 
+def _wrapped(label: str, width: int = 48) -> str:
+    """A point's label over lines of `width` characters, broken between its words."""
+    return "\n".join(textwrap.wrap(label, width, break_long_words=False)) or label
+
+
+def _machine(results: dict[str, dict]) -> str:
+    """What a machine's results say it is (the GPU, cores, host memory), for the legend."""
+    envs = sorted({describe(r.get("env")).split(", driver")[0] for r in results.values()})
+    return "; ".join(envs) if envs else "no results"
+
+
 def figure(labels: list[str], by_hw: dict[str, dict[str, dict]], title: str):
-    n = len(by_hw)
-    width = 0.8 / max(n, 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 + len(labels) * (0.35 + 0.3 * n)), 4.8))
+    """Horizontal bars: one group per point (the points every machine ran first), one bar per machine,
+    the point's label wrapped beside its group."""
+    n = max(len(by_hw), 1)
+    shared = [lab for lab in labels if all(lab in res for res in by_hw.values())]
+    ordered = shared + [lab for lab in labels if lab not in shared]
+    wrapped = [_wrapped(lab) for lab in ordered]
+    heights = [max(0.22 * n, 0.14 * w.count("\n") + 0.16) + 0.12 for w in wrapped]  # inches per group
+    fig, ax = plt.subplots(figsize=(10.0, sum(heights) + 2.0))
+    centres, y = [], 0.0
+    for h in heights:
+        centres.append(y + h / 2)
+        y += h
     top = max([(r.get("median") or {}).get("model_tflops") or 0 for res in by_hw.values() for r in res.values()]
               + [1e-9])
-    stub = 0.03 * top
+    stub = 0.02 * top
+    bar = min(heights) * 0.8 / n
     for i, (hw, results) in enumerate(by_hw.items()):
-        xs = [j - 0.4 + width * (i + 0.5) for j in range(len(labels))]
         color = f"C{i}"
-        ok_x, ok_y = [], []
-        for x, label in zip(xs, labels):
+        ys = [c - bar * n / 2 + bar * (i + 0.5) for c in centres]
+        ok_y, ok_x = [], []
+        for yy, label in zip(ys, ordered):
             r = results.get(label)
             if r is None:
-                ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, color="grey", rotation=90)
+                ax.text(0, yy, f" n/a on {hw}", va="center", fontsize=6, color="grey")
             elif r["status"] != "ok" or not (r.get("median") or {}).get("model_tflops"):
-                ax.bar(x, stub, width, fill=False, hatch="///", edgecolor=color)
-                ax.text(x, stub, f" {r['status']}", ha="center", va="bottom", fontsize=7, color=color, rotation=90)
+                ax.barh(yy, stub, bar, fill=False, hatch="///", edgecolor=color)
+                ax.text(stub, yy, f" {r['status']} on {hw}", va="center", fontsize=6, color=color)
             else:
-                ok_x.append(x)
-                ok_y.append(r["median"]["model_tflops"])
-        bars = ax.bar(ok_x, ok_y, width, color=color, label=hw)
-        ax.bar_label(bars, fmt="%.0f" if top >= 10 else "%.2g", fontsize=7, padding=1)
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set(ylabel="model TFLOP/s", title=title, ylim=(0, top * 1.25))
-    ax.legend(title="hardware")
+                ok_y.append(yy)
+                ok_x.append(r["median"]["model_tflops"])
+        bars = ax.barh(ok_y, ok_x, bar, color=color, label=f"{hw}: {_machine(results)}")
+        ax.bar_label(bars, fmt="%.0f" if top >= 10 else "%.2g", fontsize=6, padding=2)
+    ax.set_yticks(centres, wrapped, fontsize=6.5)
+    ax.set_ylim(y, 0)
+    if shared and len(shared) < len(ordered):
+        ax.axhline(sum(heights[:len(shared)]), color="black", lw=0.6, ls="--")
+    ax.set(xlabel="model TFLOP/s (median step)", xlim=(0, top * 1.2))
+    on_all = (f"{len(shared)} of {len(ordered)} points ran on every machine (above the dashed line)"
+              if shared else "no point ran on every machine with one spec: bars of one machine only "
+                             "(the grids' `shared` experiment pairs them)")
+    ax.set_title("\n".join(textwrap.fill(t, 110) for t in (title, on_all)), fontsize=9)
+    ax.legend(title="hardware (as its results' env says)", fontsize=7, title_fontsize=7, loc="best")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig, ax
 

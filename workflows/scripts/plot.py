@@ -1,18 +1,30 @@
 """One experiment's table (workflows.scripts.aggregate's CSV) -> a PNG and a PDF figure.
 
-    python -m workflows.scripts.plot --csv T.csv --experiment E --hardware H --png F.png --pdf F.pdf
+    python -m workflows.scripts.plot --csv T.csv --experiment E --hardware H --png F.png --pdf F.pdf [--smoke-test]
 
 How an experiment is drawn comes from aggregate.EXPERIMENTS (x axis, its label, line or bars, the
 panels and the paper's matching columns); an unknown experiment gets bars of TFLOP/s per point id.
-Measured points are filled markers with solid lines, labelled "measured (<hardware>)"; the paper's
-are open black markers with dashed lines, a marker shape per system (or hatched open bars), labelled
-"paper (<its hardware>)[: <system>]".
-Points that did not run (out of memory, timeout, unsupported) are red crosses on the axis floor
-with their status. The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
+- Measured points are filled markers with solid lines, labelled "measured (<hardware>): <system>";
+  the paper's are open black markers with dashed lines, labelled "paper (<its hardware>)[: <system>]".
+  No two legend entries share a marker and colour.
+- A line is solid only between points run with the same settings (options, batch, accumulation,
+  sequence length, but what the experiment varies by design); where they differ the two points are
+  joined by a dotted segment and the note under the figure says what changed.
+- The paper's lower bounds ("above 250") are carets with an upward arrow, apart from its line; its
+  marked or qualified values carry their mark.
+- A point without a value sits in a grey "no value" band under the axis' zero, never at zero: a
+  marker per status, "refused (oom_host)" apart from "not attempted (no result file)".
+- Where our quantity and the paper's differ (our device memory is the allocator's peak, the
+  paper's Tables 5 and 6 print an allocation), the legend and the axis label say which is which.
+- Ablation bars (aggregate.Experiment.reference): each bar relative to its own side's full
+  configuration, ours to ours and the paper's to the paper's.
+- --smoke-test (the CPU grid): the figure says it is a smoke test, without the paper's points.
+The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 
 import matplotlib
@@ -22,18 +34,41 @@ matplotlib.use("Agg")  # files only; no display on the workflow's machines
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from megatrain.io import save_figure
 from megatrain.units import GB_PER_GiB
-from workflows.scripts.aggregate import Experiment, experiment
+from workflows.scripts.aggregate import Experiment, _size_b, experiment
 
-MEASURED = dict(marker="o", linestyle="-")
-PAPER = dict(marker="s", linestyle="--", markerfacecolor="none", color="black")
-PAPER_MARKERS = ("s", "^", "D", "v", "P", "X")  # one per system the paper prints in a panel
+# Marker shapes: measured series (filled, coloured), the paper's (open, black) and its bounds, and the
+# points without a value; the sets are disjoint, so a shape names one kind of entry.
+MEASURED_MARKERS = ("o", "D", "p", "h", "8", "H")
+PAPER_MARKERS = ("s", "<", ">", "P", "d", "*")
+BOUND_MARKERS = {"lower": "^", "upper": "v"}
+NO_VALUE = {  # status -> (marker, colour, legend label)
+    "oom_host": ("x", "red", "refused (oom_host)"),
+    "oom_device": ("+", "red", "out of device memory (oom_device)"),
+    "timeout": ("X", "darkorange", "timed out (timeout)"),
+    "unsupported": ("1", "darkorange", "unsupported"),
+    "not_run": ("$?$", "grey", "not attempted (no result file)"),
+}
+OTHER_NO_VALUE = ("X", "purple", "failed ({})")
+SETTINGS_CHANGE = "settings-change"  # gid of the dotted segment between points of differing settings
+# one colour per system in every figure; a second series of a system (fewer layers) takes the next
+# marker and a colour of its own
+SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
+                 "gemini": "C8", "ratel": "C6"}  # red is kept for the points without a value
+SPARE_COLORS = ("C7", "C8", "C9", "olive", "teal", "navy")
+MEASURED = dict(linestyle="-")
+PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
 LEGEND_COLUMNS = 3
+BAND = 0.14  # the "no value" band under zero, as a fraction of the axis' top
 YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak host memory (GiB)",
-           "peak_device_GiB": "peak device memory (GiB)"}
+           "peak_device_GiB": "peak device memory, allocated (GiB)"}
 TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
+SMOKE_TITLE = "CPU smoke test: not a performance result"
+LOWER = ("above", "over", "more than", "at least", ">")
+UPPER = ("below", "under", "less than", "at most", "<")
 
 
 def _tick(value: float, _) -> str:
@@ -47,31 +82,48 @@ def _split(df: pd.DataFrame):
     return df[df["source"] == "measured"], df[df["source"] == "paper"]
 
 
-def _paper_y(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.Series | None:
-    """The paper's value of measured column `y` (GB converted to GiB), or None if it prints none."""
+def no_value_style(status: str) -> tuple[str, str, str]:
+    """(marker, colour, legend label) of a point with `status` and no value."""
+    if status in NO_VALUE:
+        return NO_VALUE[status]
+    marker, color, label = OTHER_NO_VALUE
+    return marker, color, label.format(status)
+
+
+def _bound(qualifier, printed) -> str | None:
+    """"lower"/"upper" where the paper's qualifier ("above") or printed value (">250") gives a bound."""
+    for text in (qualifier, printed):
+        if isinstance(text, str):
+            t = text.strip().lower()
+            if t.startswith(LOWER):
+                return "lower"
+            if t.startswith(UPPER):
+                return "upper"
+    return None
+
+
+def _number(v) -> float:
+    """A printed cell as a number: 284 -> 284.0, ">250" -> 250.0, "OOM" or "–" -> NaN."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*[<>≥≤~]?\s*([\d.]+)\s*", v)
+        return float(m.group(1)) if m else np.nan
+    return float(v) if v is not None and not pd.isna(v) else np.nan
+
+
+def paper_points(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.DataFrame | None:
+    """The paper's rows of measured column `y` with `y` (GB converted to GiB), `bound` (lower/upper
+    or None) and `mark` (a footnote mark or a qualifier that is no bound); None if it prints none."""
     col = spec.paper_y.get(y)
     if col is None or col not in paper or "x" not in paper:
         return None
-    v = pd.to_numeric(paper[col], errors="coerce")  # "OOM", "–" -> NaN: printed, not plotted
-    return v / GB_PER_GiB if y.endswith("_GiB") else v
-
-
-def _failed(ax, rows: pd.DataFrame):
-    """A red cross at zero for each point that did not run; `_failed_note` says which and why."""
-    bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
-    if len(bad):
-        ax.scatter(bad["x"], [0] * len(bad), marker="x", color="red", zorder=3,
-                   label="did not run (see the note below)")
-
-
-def _failed_note(rows: pd.DataFrame, label: str) -> str:
-    """One line per system and status of the points that did not run, with their x values."""
-    bad = rows[rows["status"] != "ok"]
-    parts = []
-    for (system, status), g in bad.groupby(["system", "status"], sort=True):
-        xs = ", ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in g["x"])
-        parts.append(f"{system} {status} at {xs}")
-    return f"did not run (x: {label}): " + "; ".join(parts) if parts else ""
+    v = pd.Series([_number(c) for c in paper[col]], index=paper.index, dtype=float)  # "OOM", "–": NaN
+    qualifier = paper["qualifier"] if "qualifier" in paper else pd.Series(None, index=paper.index, dtype=object)
+    bound = [_bound(q, p) for q, p in zip(qualifier, paper[col])]
+    marks = paper["mark"] if "mark" in paper else pd.Series(None, index=paper.index, dtype=object)
+    mark = [m if isinstance(m, str) and m else (q if isinstance(q, str) and b is None else None)
+            for m, q, b in zip(marks, qualifier, bound)]
+    out = paper.assign(y=v / GB_PER_GiB if y.endswith("_GiB") else v, bound=bound, mark=mark)
+    return out.dropna(subset=["x", "y"])
 
 
 def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
@@ -84,110 +136,340 @@ def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
     return rows["system"] + " (" + depth + ")"
 
 
+SETTING_COLUMNS = ("seq", "batch", "accum", "options")
+
+
+def settings(row: pd.Series, spec: Experiment) -> dict[str, str]:
+    """What a point was run with, but the x axis and what the experiment varies by design."""
+    out = {}
+    for col in SETTING_COLUMNS:
+        if col == spec.x or col in spec.varies or col not in row:
+            continue
+        v = row[col]
+        if col == "options":
+            out.update(w.split("=", 1) for w in (v.split() if isinstance(v, str) else ()))
+        elif not pd.isna(v):
+            out[col] = str(int(v)) if isinstance(v, (int, float, np.integer)) else str(v)
+    return out
+
+
+def setting_changes(a: dict[str, str], b: dict[str, str]) -> str:
+    """The settings that differ from `a` to `b`, e.g. "engine.device_tiles 20->3, batch 4->8"."""
+    keys = sorted(set(a) | set(b), key=lambda k: (k not in SETTING_COLUMNS, k))
+    return ", ".join(f"{k} {a.get(k, 'default')}->{b.get(k, 'default')}" for k in keys if a.get(k) != b.get(k))
+
+
+def runs(g: pd.DataFrame, spec: Experiment) -> list[pd.DataFrame]:
+    """A series' points (sorted by x) cut where the settings change: each piece is one solid line."""
+    pieces, start = [], 0
+    s = [settings(r, spec) for _, r in g.iterrows()]
+    for i in range(1, len(g) + 1):
+        if i == len(g) or s[i] != s[i - 1]:
+            pieces.append(g.iloc[start:i])
+            start = i
+    return pieces
+
+
+def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
+    """Series name ("megatrain" or "megatrain (7 layers)") -> (marker, colour), no two alike."""
+    style, used, spare = {}, {}, iter(SPARE_COLORS * 4)
+    for name in names:
+        system = name.split(" (")[0]
+        k = used.get(system, 0)
+        used[system] = k + 1
+        color = SYSTEM_COLORS.get(system) if k == 0 else None
+        style[name] = (MEASURED_MARKERS[k % len(MEASURED_MARKERS)], color or next(spare))
+    return style
+
+
+def _fmt(x) -> str:
+    return f"{x:.3g}" if isinstance(x, (float, np.floating)) else str(x)
+
+
+def _failed_note(rows: pd.DataFrame, label: str) -> str:
+    """One line per system and status of the points without a value, with their x values."""
+    bad = rows[rows["status"] != "ok"]
+    parts = []
+    for (system, status), g in bad.groupby(["system", "status"], sort=True):
+        parts.append(f"{system} {status} at {', '.join(_fmt(x) for x in sorted(g['x'].dropna()))}")
+    return f"no value (x: {label}): " + "; ".join(parts) if parts else ""
+
+
+def _axis_top(values) -> float:
+    """The y axis' top over these values (a zero floor, so a 0.4 MB difference stays small)."""
+    vals = [v for v in values if v is not None and np.isfinite(v)]
+    top = max(vals) if vals else 0.0
+    return top * 1.12 if top > 0 else 1.0
+
+
+def _no_value(ax, rows: pd.DataFrame, top: float) -> None:
+    """The points without a value in the grey band under zero: a marker per status, its own entry."""
+    bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
+    if bad.empty:
+        return
+    statuses = sorted(bad["status"].unique(), key=lambda s: (s == "not_run", s))
+    for k, status in enumerate(statuses):
+        marker, color, label = no_value_style(status)
+        xs = bad[bad["status"] == status]["x"]
+        y = -BAND * top * (k + 1) / (len(statuses) + 1)
+        ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=color, markersize=7,
+                label=label, zorder=3, clip_on=False)
+
+
+def _floor(ax, top: float, band: bool) -> None:
+    ax.set_ylim(-BAND * top if band else 0, top)
+    if band:
+        ax.axhspan(-BAND * top, 0, color="0.92", zorder=0, lw=0)
+        # named as a tick of its own, so that the layout makes room for it and it covers no marker
+        ticks = [t for t in ax.get_yticks() if 0 <= t <= top]
+        ax.set_yticks([*ticks, -BAND * top / 2], [f"{t:g}" for t in ticks] + ["no value"])
+        ax.get_yticklabels()[-1].set(fontsize=6, color="0.4")
+
+
+def _draw_paper(ax, ref: pd.DataFrame, label: str, marker: str) -> None:
+    exact = ref[ref["bound"].isna()].sort_values("x")
+    if len(exact):
+        ax.plot(exact["x"], exact["y"], label=label, marker=marker, **PAPER)
+    for kind in ("lower", "upper"):
+        b = ref[ref["bound"] == kind]
+        if b.empty:
+            continue
+        words = "lower bound (\"above\")" if kind == "lower" else "upper bound (\"below\")"
+        ax.plot(b["x"], b["y"], linestyle="none", marker=BOUND_MARKERS[kind], markerfacecolor="none",
+                color="black", markersize=8, label=f"{label}, {words}")
+        for x, y in zip(b["x"], b["y"]):
+            ax.annotate("", xy=(x, y), xytext=(0, 16 if kind == "lower" else -16), textcoords="offset points",
+                        arrowprops=dict(arrowstyle="<-", color="black", lw=1))
+    for x, y, mark in ref.dropna(subset=["mark"])[["x", "y", "mark"]].itertuples(index=False):
+        ax.annotate(str(mark), (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6)
+
+
+def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) -> None:
+    """Ticks at the measured x values and at the paper's away from ours, thinned so that no two
+    labels overprint; a model size axis names the model under its parameter count."""
+    xs = sorted(set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper else set()))
+    ticks: list[float] = []
+    for x in xs:
+        if x > 0 and all(abs(np.log(x / t)) > 0.25 for t in ticks):
+            ticks.append(x)
+    ax.set_xticks(ticks if len(ticks) <= 10 else ticks[:: -(-len(ticks) // 10)])
+    names = {}
+    if spec.x == "params_B":
+        for frame, col in ((ours, "preset"), (paper, "model")):
+            if col in frame:
+                for x, m in zip(frame["x"], frame[col]):
+                    if pd.notna(x) and _size_b(m) is not None:
+                        names.setdefault(x, f"{_size_b(m):g}B")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, p: _tick(v, p) + (f"\n({names[v]})" if v in names else "")))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
-    """One panel per quantity; one line per system over the experiment's x."""
+    """One panel per quantity; one line per system over the experiment's x. Returns the figure, the
+    axes and the note's lines (settings that changed along a line)."""
     ours, paper = _split(df)
     ours = ours.assign(x=pd.to_numeric(ours["x"], errors="coerce"))
     paper = paper.assign(x=pd.to_numeric(paper["x"], errors="coerce")) if "x" in paper else paper
-    fig, axes = plt.subplots(1, len(spec.panels), figsize=(4.7 * len(spec.panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=(4.7 * len(spec.panels), 4.4), squeeze=False)
     axes = list(axes[0])
-    named = paper["system"].dropna().unique() if "system" in paper else ()
-    markers = {"": PAPER_MARKERS[0]} | {s: PAPER_MARKERS[i % len(PAPER_MARKERS)] for i, s in enumerate(named)}
+    ok_all = ours[(ours["status"] == "ok") & ours["x"].notna()]
+    # a system's full-depth series first, so that it takes the system's own colour
+    names = sorted(set(_series(ok_all, spec)), key=lambda n: (n.split(" (")[0], "(all layers)" not in n, n)) \
+        if len(ok_all) else []
+    style = series_styles(names)
+    paper_markers: dict[str, str] = {}
+    notes: list[str] = []
     for ax, y in zip(axes, spec.panels):
-        ok = ours[(ours["status"] == "ok") & ours[y].notna() & ours["x"].notna()].sort_values("x")
-        for system, g in ok.groupby(_series(ok, spec)):
-            ax.plot(g["x"], g[y], label=f"measured ({hardware}): {system}", **MEASURED)
-        _failed(ax, ours)
-        ref_y = _paper_y(paper, spec, y)
-        if ref_y is not None:
-            ref = paper.assign(y=ref_y).dropna(subset=["x", "y"]).sort_values("x")
+        ok = ok_all[ok_all[y].notna()].sort_values("x")
+        for system, g in ok.groupby(_series(ok, spec), sort=False):
+            marker, color = style[system]
+            pieces = runs(g, spec)
+            for k, piece in enumerate(pieces):
+                ax.plot(piece["x"], piece[y], marker=marker, color=color,
+                        label=f"measured ({hardware}): {system}" if k == 0 else "_nolegend_", **MEASURED)
+                if k:
+                    a, b = pieces[k - 1].iloc[-1], piece.iloc[0]
+                    ax.plot([a["x"], b["x"]], [a[y], b[y]], linestyle=":", color=color, alpha=0.7,
+                            gid=SETTINGS_CHANGE, label="_nolegend_")
+                    note = (f"{system} {_fmt(a['x'])}->{_fmt(b['x'])}: "
+                            f"{setting_changes(settings(a, spec), settings(b, spec))}")
+                    if note not in notes:
+                        notes.append(note)
+        ref = paper_points(paper, spec, y)
+        values = list(ok[y])
+        if ref is not None and len(ref):
+            quantity = spec.paper_quantity.get(y)
             systems = ref["system"].fillna("") if "system" in ref else pd.Series("", index=ref.index)
             for system, g in ref.groupby(systems, sort=False):
-                label = f"paper ({spec.paper_hardware})" + (f": {system}" if system else "")
-                ax.plot(g["x"], g["y"], label=label, **{**PAPER, "marker": markers[system]})
-        ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
-        if spec.log_x and (ax.has_data() and (ours["x"].dropna() > 0).all()):
+                label = f"paper ({spec.paper_hardware})" + (f": {system}" if system else "") + \
+                        (f", {quantity}" if quantity else "")
+                marker = paper_markers.setdefault(label, PAPER_MARKERS[len(paper_markers) % len(PAPER_MARKERS)])
+                _draw_paper(ax, g, label, marker)
+            values += list(ref["y"])
+        top = _axis_top(values)
+        bad = ours[(ours["status"] != "ok") & ours["x"].notna()]
+        if not values:  # the CPU has no device memory: say so rather than draw an empty 0-1 frame
+            ax.text(0.5, 0.55, "no value measured", transform=ax.transAxes, ha="center", color="0.4")
+            if ours["x"].notna().any():  # the other panels' x range
+                lo, hi = ours["x"].min(), ours["x"].max()
+                ax.set_xlim(*((lo / 1.5, hi * 1.5) if spec.log_x else (lo - 0.05 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)))
+        _floor(ax, top, band=len(bad) > 0)
+        _no_value(ax, ours, top)
+        ylabel = YLABELS[y]
+        if spec.paper_quantity.get(y) and ref is not None and len(ref):  # two quantities: say which is which
+            ylabel = f"{TITLES[y].lower()} (GiB)\nours: peak allocated; paper: {spec.paper_quantity[y].split(' (')[0]}"
+        ax.set(xlabel=spec.label, ylabel=ylabel, title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
+        if "\n" in ylabel:
+            ax.yaxis.label.set_size(9)
+        if spec.log_x and ax.has_data() and (ours["x"].dropna() > 0).all():
             ax.set_xscale("log")
-            # ticks at the measured x values (a log axis over 3-33 would label only 10), and at the
-            # paper's where none of ours is near (its 7B beside our 7.62 would overprint)
-            ticks = set(ours["x"].dropna())
-            theirs = paper["x"].dropna() if "x" in paper else ()
-            ticks = sorted(ticks | {x for x in theirs if all(abs(np.log(x / t)) > 0.15 for t in ticks)})
-            ax.set_xticks(ticks if len(ticks) <= 12 else ticks[:: -(-len(ticks) // 12)])
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tick))
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    return fig, axes
+            _log_ticks(ax, ours, paper, spec)
+            xs = set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper and len(paper) else set())
+            if len(xs) == 1:  # one x (the CPU's one tiny model): centred, not at the frame
+                ax.set_xlim(min(xs) / 3, min(xs) * 3)
+    return fig, axes, [(f"settings differ (dotted): {n}", "0.25") for n in notes]
+
+
+def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
+    """The row of `rows` that is its side's full configuration, or None."""
+    for i, v in zip(rows.index, rows[column].astype(str)):
+        if match(v):
+            return rows.loc[i]
+    return None
 
 
 def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One horizontal bar per measured point (labelled by the experiment's x), then the paper's
-    rows as open hatched bars below; a point that did not run is a red status note at zero."""
+    rows as open hatched bars below; a point that did not run is a red status note at zero. With
+    the experiment's `reference`, each bar is its change against its own side's full configuration."""
     ours, paper = _split(df)
-    labels = [f"measured: {i}" if str(x) == str(i) else f"measured: {x} ({i})" for x, i in zip(ours["x"], ours["id"])]
+    if spec.reference:  # our full configuration first, as the paper's table puts its own
+        ours = ours.assign(_first=~ours["id"].isin(spec.reference)).sort_values(["_first", "id"], kind="stable")
     n = len(ours)
-    paper_rows = pd.concat([paper.assign(_y=_paper_y(paper, spec, y)) for y in spec.panels]) if len(paper) else paper
-    keep = paper_rows.dropna(subset=["_y"]).index.unique() if len(paper_rows) else []
-    paper = paper.loc[keep] if len(paper) else paper
+    kept = [paper_points(paper, spec, y) for y in spec.panels] if len(paper) else []
+    keep = set().union(*(r.index for r in kept if r is not None))
+    paper = paper.loc[paper.index.isin(keep)] if len(paper) else paper
+    ref_ours = _reference(ours[ours["status"] == "ok"], "id", lambda v: v in spec.reference) if spec.reference else None
+    ref_paper = (_reference(paper, "x", lambda v: spec.paper_reference in v)
+                 if spec.paper_reference and len(paper) else None)
+    relative = ref_ours is not None
+    labels = [f"measured: {i}" if str(x) == str(i) else f"measured: {x} ({i})" for x, i in zip(ours["x"], ours["id"])]
     labels += [f"paper: {v}" for v in paper["x"].astype(str)] if len(paper) else []
-    fig, axes = plt.subplots(1, len(spec.panels), figsize=(5.5 * len(spec.panels), 0.35 * len(labels) + 1.8),
+    if relative:
+        labels = [lab + ("  [full: 0%]" if i == ref_ours.name else "") for i, lab in zip(ours.index, labels[:n])] + \
+                 [lab + ("  [full: 0%]" if ref_paper is not None and i == ref_paper.name else "")
+                  for i, lab in zip(paper.index, labels[n:])]
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=(5.8 * len(spec.panels), 0.35 * len(labels) + 1.9),
                              squeeze=False, sharey=True)
     axes = list(axes[0])
+    unit = {"model_tflops": "TFLOP/s", "peak_host_GiB": "GiB", "peak_device_GiB": "GiB"}
     for ax, y in zip(axes, spec.panels):
         vals = pd.to_numeric(ours[y], errors="coerce").where(ours["status"] == "ok")
-        ax.barh(range(n), vals.fillna(0), label=f"measured ({hardware})")
-        for i, (status, v) in enumerate(zip(ours["status"], vals)):
+        pts = paper_points(paper, spec, y) if len(paper) else None
+        pvals = pts["y"].reindex(paper.index) if pts is not None else pd.Series(np.nan, index=paper.index)
+        if relative:
+            base = ref_ours[y]
+            pbase = pvals.get(ref_paper.name) if ref_paper is not None else np.nan
+            shown = 100 * (vals / base - 1)
+            pshown = 100 * (pvals / pbase - 1) if pd.notna(pbase) else pvals * np.nan
+        else:
+            shown, pshown = vals, pvals
+        ax.barh(range(n), shown.fillna(0), label=f"measured ({hardware})")
+        for i, (status, v, raw) in enumerate(zip(ours["status"], shown, vals)):
             if status != "ok":
                 ax.annotate(status, (0, i), xytext=(3, 0), textcoords="offset points", va="center",
                             fontsize=7, color="red")
-        ref_y = _paper_y(paper, spec, y)
-        if ref_y is not None and len(paper):
-            ax.barh(range(n, n + len(paper)), ref_y.fillna(0), fill=False, hatch="//", edgecolor="black",
+            elif relative and pd.notna(v):
+                ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, i), xytext=(3 if v >= 0 else -3, 0),
+                            textcoords="offset points", va="center", ha="left" if v >= 0 else "right", fontsize=6)
+        if len(paper) and pshown.notna().any():
+            ax.barh(range(n, n + len(paper)), pshown.fillna(0), fill=False, hatch="//", edgecolor="black",
                     label=f"paper ({spec.paper_hardware})")
-        ax.set(xlabel=YLABELS[y], title=TITLES[y])
+            if relative:
+                for i, (v, raw) in enumerate(zip(pshown, pvals)):
+                    if pd.notna(v):
+                        ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, n + i), xytext=(3 if v >= 0 else -3, 0),
+                                    textcoords="offset points", va="center", ha="left" if v >= 0 else "right",
+                                    fontsize=6)
+        if shown.isna().all() and pshown.isna().all():
+            ax.text(0.5, 0.5, "no value measured", transform=ax.transAxes, ha="center", color="0.4")
+            ax.set_xticks([])
+        if relative:
+            ax.axvline(0, color="black", lw=0.8)
+            lo, hi = min([0, *shown.dropna(), *pshown.dropna()]), max([0, *shown.dropna(), *pshown.dropna()])
+            pad = max(hi - lo, 10) * 0.45  # room for the value labels
+            ax.set_xlim(lo - pad, hi + pad)
+            what = TITLES[y].lower()
+            ax.set(xlabel=f"{what}: change vs its own full configuration (%)", title=f"{TITLES[y]}, relative")
+        else:
+            ax.set(xlabel=YLABELS[y], title=TITLES[y])
     axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
     axes[0].invert_yaxis()
     axes[0].set_ylabel(spec.label)
-    return fig, axes
+    note = []
+    if relative:
+        theirs = f", the paper's against \"{ref_paper['x']}\"" if ref_paper is not None else ""
+        note.append((f"each bar against its own side's full configuration: ours against {ref_ours['id']}{theirs}",
+                     "0.25"))
+    return fig, axes, note
 
 
-def figure(df: pd.DataFrame, name: str, hardware: str):
+def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
     spec = experiment(name)
     if "x" not in df:  # a table from before aggregate wrote `x`
         df = df.assign(x=df[spec.x] if spec.x in df else df["id"])
-    fig, axes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
+    if smoke:  # the paper's GPU numbers beside a CPU smoke test would only set the scale
+        df = df[df["source"] == "measured"]
+    fig, axes, notes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
     entries: dict = {}  # one legend for the figure, below the panels (inside one, it covered data)
+    changed = False
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
+        changed |= any(ln.get_gid() == SETTINGS_CHANGE for ln in ax.get_lines())
         ax.grid(alpha=0.3)
+    if changed:
+        entries["settings differ between the joined points (note)"] = Line2D([], [], linestyle=":", color="grey")
     width, height = fig.get_figwidth(), fig.get_figheight()  # inches
     # the texts wrapped to the width (about 13 characters an inch at size 10, 19 at size 7)
-    fig.suptitle(textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
-                               "measured here", int(13 * width)), fontsize=10)
-    note = _failed_note(df[df["source"] == "measured"], spec.label) if spec.kind != "bars" else ""
-    note_lines = textwrap.wrap(note, int(19 * width))
+    if smoke:
+        title = SMOKE_TITLE + "\n" + textwrap.fill(f"{name}: tiny models on {hardware}, checking the workflow end "
+                                                    "to end; no paper overlay", int(13 * width))
+    else:
+        title = textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
+                              "measured here", int(13 * width))
+    fig.suptitle(title, fontsize=10)
+    if spec.kind != "bars":
+        notes = [(_failed_note(df[df["source"] == "measured"], spec.label), "red"), *notes]
+    note_lines = [(w, color) for n, color in notes if n for w in textwrap.wrap(n, int(19 * width))]
     note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
     legend_in = 0.17 * -(-len(entries) // LEGEND_COLUMNS) + 0.1
-    fig.set_figheight(height + note_in + legend_in)
+    title_in = 0.2 if smoke else 0
+    fig.set_figheight(height + note_in + legend_in + title_in)
     total = fig.get_figheight()
     if entries:
         fig.legend(list(entries.values()), list(entries), loc="lower center", bbox_to_anchor=(0.5, note_in / total),
                    ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, (note_in + legend_in) / total, 1, 1))
-    if note_lines:
-        fig.text(0.01, 0.01, "\n".join(note_lines), fontsize=7, color="red", va="bottom")
+    line_in = 0.13 / total  # one note line, as a fraction of the figure's height
+    for k, (text, color) in enumerate(reversed(note_lines)):
+        fig.text(0.01, 0.01 + k * line_in, text, fontsize=7, color=color, va="bottom")
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workflows.scripts.plot", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m workflows.scripts.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--csv", required=True)
     p.add_argument("--experiment", required=True)
     p.add_argument("--hardware", required=True)
     p.add_argument("--png", required=True)
     p.add_argument("--pdf", required=True)
+    p.add_argument("--smoke-test", action="store_true",
+                   help="a smoke test's numbers (the CPU grid): say so, without the paper's points")
     a = p.parse_args(argv)
-    fig = figure(pd.read_csv(a.csv), a.experiment, a.hardware)
+    fig = figure(pd.read_csv(a.csv), a.experiment, a.hardware, smoke=a.smoke_test)
     save_figure(fig, a.png, a.pdf)
     plt.close(fig)
     return 0
