@@ -1,0 +1,181 @@
+"""Data-parallel ranks (megatrain/distributed.py) on the CPU through gloo, launched by torchrun.
+
+Exactness: 2 ranks with a global batch of B rows train as 1 rank with B rows. Each rank's
+gradient sums its B/2 rows and the ranks' sums are added by the reduce-scatter, where one rank's
+matmuls sum all B rows at once: the same terms in another order, so float32 rounding differs.
+Losses and gradient norms: rtol 1e-5 (the reference test's, tests/test_engine_reference.py). Weights
+after 3 AdamW steps at lr 1e-3: atol 2e-5 for the same reason as there (an element whose gradient
+is rounding noise, e.g. the key biases', moves by a few percent of lr in either run; a wrong
+reduction or a part updated twice moves whole lr-sized steps, 1e-3).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_batches, store_params, tiny_checkpoint
+from megatrain.config import load_config
+from megatrain.distributed import Ranks, check, part
+from megatrain.trainer import Trainer
+
+SEQ, BATCH, ACCUM, STEPS = 16, 4, 2, 3
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+
+
+def settings(tmp_path, **top) -> dict:
+    return {"model": {"pretrained": str(tmp_path / "init")},
+            "engine": {"device": "cpu", "checkpoint_every": 2, "loss_chunk_tokens": 7},
+            "optim": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 1},
+            "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
+
+
+def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1) -> list[dict]:
+    """Run tests/dp_rank.py under torchrun, 2 ranks per "host", `nodes` hosts on this machine (each
+    its own torchrun, as on separate hosts); the ranks' reports."""
+    out = tmp_path / name
+    out.mkdir()
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out)}))
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    if nodes == 1:
+        commands = [run + ["--standalone", str(HERE / "dp_rank.py"), str(spec)]]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        commands = [run + ["--nnodes", str(nodes), "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), str(HERE / "dp_rank.py"), str(spec)] for k in range(nodes)]
+    procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
+
+
+def one_rank(tmp_path, tree: dict, batches) -> tuple[list[float], list[float], dict]:
+    trainer = Trainer(load_config(base=tree))
+    try:
+        losses = [trainer.train_step(mbs)["loss"] for mbs in batches]
+        trainer.engine.worker.flush()
+        norms = [trainer.engine.worker.grad_norms[k] for k in range(len(batches))]
+        return losses, norms, store_params(trainer)
+    finally:
+        trainer.close()
+
+
+@pytest.fixture
+def model_and_batches(tmp_path):
+    model = tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    batches = random_batches(STEPS, ACCUM, BATCH, SEQ, model.config.vocab_size, pad=True)
+    torch.save(batches, tmp_path / "batches.pt")
+    return batches
+
+
+def assert_same_training(reports, params, reference):
+    losses, norms, weights = reference
+    for report in reports:
+        torch.testing.assert_close(report["losses"], losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close(report["grad_norms"], norms, rtol=1e-5, atol=0)
+    for name, expected in weights.items():
+        torch.testing.assert_close(params[name], expected, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batches):
+    """Grad accumulation (2 micro-batches), clipping (by the global norm), right-padded rows, an
+    untied head; and the two ranks' store is one shared mapping, not two copies."""
+    tree = settings(tmp_path)
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
+    params = torch.load(tmp_path / "two" / "params-host0.pt")
+    assert_same_training(reports, params, one_rank(tmp_path, tree, model_and_batches))
+    # one file, mapped by both: its pages are counted once over the two processes (PSS), while
+    # each maps all of them (RSS)
+    assert len({f for r in reports for f in r["files"]}) == 1
+    store = reports[0]["store_bytes"]
+    assert sum(r["pss_bytes"] for r in reports) <= 1.1 * store
+    assert all(r["rss_bytes"] >= 0.5 * store for r in reports)
+    assert not list(Path("/dev/shm").glob("megatrain-*")), "shared store files left behind"
+
+
+def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
+    """4 ranks as 2 "hosts" (two torchruns, --nnodes 2): each host its own shared store, the
+    gradients reduced within and across hosts; both hosts' stores end equal to the one rank's."""
+    tree = settings(tmp_path)
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "hosts", nodes=2)
+    reference = one_rank(tmp_path, tree, model_and_batches)
+    for host in (0, 1):
+        assert_same_training(reports, torch.load(tmp_path / "hosts" / f"params-host{host}.pt"), reference)
+    files = [set(r["files"]) for r in reports]
+    assert files[0] == files[1] and files[2] == files[3] and not files[0] & files[2]
+
+
+def test_resume_after_a_two_rank_run(tmp_path):
+    """2 ranks train 2 steps (fit, synthetic data: the sampler's rows split by rank) and save;
+    1 rank resumes for 2 more: the same as 1 rank for 4 steps."""
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
+    data = {"seq_len": SEQ, "batch_size": 2, "grad_accum": 2}
+    whole = settings(tmp_path, steps=4, data=data)
+    trainer = Trainer(load_config(base=whole))
+    try:
+        trainer.fit(log=open("/dev/null", "w"), progress=False)
+        expected = store_params(trainer)
+    finally:
+        trainer.close()
+    torchrun(tmp_path, settings(tmp_path, steps=2, data=data, output_dir=str(tmp_path / "run")), None, "first")
+    resumed = Trainer(load_config(base=settings(tmp_path, steps=4, data=data, output_dir=str(tmp_path / "run"),
+                                                resume=True, resume_changes=True)))
+    try:
+        assert resumed.step == 2
+        resumed.fit(log=open("/dev/null", "w"), progress=False)
+        got = store_params(resumed)
+    finally:
+        resumed.close()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_parts_cover_every_tile_once():
+    for numel in (64, 128, 4096 + 64, 1_000_064):
+        for n in (1, 2, 3, 8):
+            spans = [part(numel, n, k)[:2] for k in range(n)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(lo % 64 == 0 for lo, _ in spans)
+
+
+@pytest.mark.parametrize("ranks, batch, device, gpus, message", [
+    (Ranks(0, 4, 0, 4), 8, "cuda", 2, r"4 ranks on this host but 2 GPU\(s\)"),
+    (Ranks(0, 2, 0, 2), 3, "cpu", 0, r"data.batch_size 3 .* does not split over 2 ranks"),
+    (Ranks(0, 4, 0, 2, 0), 6, "cpu", 0, r"does not split over 4 ranks"),
+])
+def test_bad_combinations_are_refused(ranks, batch, device, gpus, message):
+    with pytest.raises(ValueError, match=message):
+        check(ranks, batch, device, gpus)
+
+
+def test_a_global_batch_that_does_not_split_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tree = settings(tmp_path, data={"seq_len": SEQ, "batch_size": 3})
+    with pytest.raises(ValueError, match="data.batch_size 3"):
+        Trainer(load_config(base=tree))
+
+
+def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch):
+    """The plan counts the store once per host and the rest per rank; /dev/shm too small is refused."""
+    import megatrain.trainer
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(megatrain.trainer, "shared_memory_free", lambda: 4096)
+    with pytest.raises(ValueError, match=r"host memory: .*/dev/shm"):
+        Trainer(load_config(base=settings(tmp_path)))
