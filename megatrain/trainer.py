@@ -316,7 +316,7 @@ def _rank_device(name: str, ranks: Ranks) -> str:
     if not ranks.distributed or name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return name
     check_ranks(ranks, 0, "cuda", torch.cuda.device_count())  # more ranks than GPUs: refused by name
-    if name not in ("auto", "cuda"):
+    if name not in ("auto", "cuda", f"cuda:{ranks.local_rank}"):
         raise ValueError(f"engine.device {name!r} names one GPU; under torchrun each rank takes the GPU of its "
                          f"LOCAL_RANK: set engine.device to auto or cuda")
     return f"cuda:{ranks.local_rank}"

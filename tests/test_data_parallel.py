@@ -179,3 +179,47 @@ def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch)
     monkeypatch.setattr(megatrain.trainer, "shared_memory_free", lambda: 4096)
     with pytest.raises(ValueError, match=r"host memory: .*/dev/shm"):
         Trainer(load_config(base=settings(tmp_path)))
+
+
+def test_the_plan_counts_the_shared_store_once_per_host():
+    """Two ranks on a host: the store once, the per-rank buffers and runtime twice, each rank's
+    device memory for its half of the micro-batch."""
+    from megatrain import memory
+    from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
+    from megatrain.resolve import Machine, resolve
+    from megatrain.shapes import ModelShape, load_hf_config
+    shape = ModelShape(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    data, machine = DataConfig(seq_len=4096, batch_size=4), Machine(True, 80 << 30, 1 << 40, gpus=2)
+    one = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine))
+    two = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine, Ranks(0, 2, 0, 2)))
+    assert two.detail["store"] <= one.detail["store"]  # no power-of-two pinned blocks in the shared file
+    assert two.detail["runtime"] == 2 * one.detail["runtime"]
+    assert two.detail["grad_slabs"] == 2 * one.detail["grad_slabs"]
+    assert two.device_bytes < one.device_bytes
+    assert two.host_bytes < 1.1 * one.host_bytes
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(system="native", gpus=2), "only megatrain runs data-parallel"),
+    (dict(system="megatrain", gpus=3), "batch_size 2 does not split over gpus 3"),
+])
+def test_the_harness_refuses_what_cannot_run_data_parallel(bad, message):
+    from suite.spec import RunSpec
+    with pytest.raises(ValueError, match=message):
+        RunSpec(model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, **bad)
+
+
+def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
+    """The worker under torchrun (suite/runner.py), the first rank writing the result: the same
+    losses as the point on one rank, the host peak counting the shared store once."""
+    from suite.runner import run_point
+    from suite.spec import RunSpec
+    results = {}
+    for gpus in (1, 2):
+        spec = RunSpec(system="megatrain", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=2,
+                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus)
+        results[gpus] = run_point(spec, tmp_path / f"{gpus}.json")
+        assert results[gpus]["status"] == "ok", results[gpus].get("log_tail")
+    torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
+                               rtol=1e-5, atol=0)
+    assert results[2]["spec"]["gpus"] == 2
