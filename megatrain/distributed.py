@@ -21,6 +21,8 @@ Where the state lives (docs/data-parallel.md):
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import time
 import uuid
@@ -144,29 +146,50 @@ class Flags:
 
     A writer bumps its counter after its part of the tile (master, moments, shadow) is written and
     before it sets the tile's own `ready`; a reader, once its own part is ready, waits until every
-    local rank's counter has reached its own. x86-64 keeps stores in order (TSO), so the shadow's
-    bytes are visible before the counter that announces them."""
+    local rank's counter has reached its own. The counters are read and written as sequentially
+    consistent atomics (libatomic): the shadow's bytes are visible to another process before the
+    counter that announces them, on aarch64 (GH200) as on x86-64."""
 
     def __init__(self, counters: torch.Tensor, names: list[str], local_rank: int):
         self.counters = counters.view(torch.int64).view(len(names), -1)  # [tile, local rank]
         self.index = {name: k for k, name in enumerate(names)}
         self.local_rank = local_rank
+        self._base = self.counters.data_ptr()
+        self._width = self.counters.shape[1]
+        self._load, self._store = _atomics()
 
     @staticmethod
     def nbytes(tiles: int, local_world: int) -> int:
         return tiles * local_world * 8
 
+    def _at(self, name: str, rank: int) -> int:
+        return self._base + 8 * (self.index[name] * self._width + rank)
+
     def mark(self, name: str) -> None:
-        self.counters[self.index[name], self.local_rank] += 1
+        at = self._at(name, self.local_rank)
+        self._store(at, self._load(at, _SEQ_CST) + 1, _SEQ_CST)
 
     def ready(self, name: str) -> bool:
         """Every local rank has published as many updates of the tile as this one."""
-        row = self.counters[self.index[name]]
-        return int(row.min()) >= int(row[self.local_rank])
+        own = self._load(self._at(name, self.local_rank), _SEQ_CST)
+        return all(self._load(self._at(name, r), _SEQ_CST) >= own for r in range(self._width))
 
     def wait(self, name: str) -> None:
         while not self.ready(name):
             time.sleep(POLL_S)
+
+
+@functools.cache
+def _atomics():
+    """libatomic's 8-byte load and store (getattr: a name with two leading underscores); loaded
+    by the first Flags, so a single-rank run does not need the library."""
+    lib = ctypes.CDLL("libatomic.so.1")
+    load, store = getattr(lib, "__atomic_load_8"), getattr(lib, "__atomic_store_8")
+    load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_uint64
+    store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    return load, store
+
+_SEQ_CST = 5  # __ATOMIC_SEQ_CST
 
 
 class Comm:

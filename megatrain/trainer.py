@@ -248,8 +248,11 @@ class Trainer:
         loss = targets = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
         for lo in range(0, len(batches), self.cfg.data.grad_accum):
-            part, n = self.engine.evaluate([self._rows(mb) for mb in batches[lo: lo + self.cfg.data.grad_accum]])
-            loss, targets = loss + part, targets + n
+            # the last batch may have fewer rows than there are ranks: a rank may get none
+            mine = [mb for mb in map(self._rows, batches[lo: lo + self.cfg.data.grad_accum]) if mb.input_ids.shape[0]]
+            if mine:
+                part, n = self.engine.evaluate(mine)
+                loss, targets = loss + part, targets + n
         loss, targets = self.comm.sum(torch.tensor([loss, targets], dtype=torch.float64)).tolist()
         mean = loss / max(1, targets)
         return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
@@ -345,7 +348,9 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
                      f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
     lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters, checkpoint every "
                  f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
-                 f"{s.no_recompute_layers} layers kept from recompute")
+                 f"{s.no_recompute_layers} layers kept from recompute"
+                 + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
+                    f"{d.batch_size // s.ranks} rows of each micro-batch per rank" if s.ranks > 1 else ""))
     host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}
     lines.append(f"memory plan: host {plan.host_bytes / GiB:.2f} GiB ("
                  + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items())

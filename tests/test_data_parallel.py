@@ -223,3 +223,21 @@ def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
     torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
                                rtol=1e-5, atol=0)
     assert results[2]["spec"]["gpus"] == 2
+
+
+def test_a_tile_is_ready_once_every_owner_has_published_its_update():
+    """Flags: the reader's own part published is not enough; the peer's counter must reach it."""
+    import threading
+    import time
+    from megatrain.distributed import Flags
+    memory = torch.zeros(Flags.nbytes(2, 2), dtype=torch.uint8)
+    mine, peer = Flags(memory, ["embed", "layer.0"], 0), Flags(memory, ["embed", "layer.0"], 1)
+    assert mine.ready("layer.0")
+    mine.mark("layer.0")
+    assert not mine.ready("layer.0") and peer.ready("layer.0") and mine.ready("embed")
+    later = threading.Timer(0.2, peer.mark, ["layer.0"])
+    later.start()
+    start = time.perf_counter()
+    mine.wait("layer.0")
+    assert time.perf_counter() - start > 0.1 and mine.ready("layer.0")
+    later.join()
