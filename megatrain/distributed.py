@@ -195,9 +195,10 @@ _SEQ_CST = 5  # __ATOMIC_SEQ_CST
 class Comm:
     """The collectives of a step: the gradient reduction, the step's sums, barriers."""
 
-    def __init__(self, ranks: Ranks, local=None, cross=None):
+    def __init__(self, ranks: Ranks, local=None, cross=None, device: torch.device = torch.device("cpu")):
         self.ranks = ranks
         self.local, self.cross = local, cross  # this host's ranks; the same local rank on every host
+        self.device = device  # where the collectives' tensors live (NCCL: the GPU)
 
     @staticmethod
     def single() -> "Comm":
@@ -227,7 +228,7 @@ class Comm:
             group = dist.new_group(members)
             if lr == ranks.local_rank:
                 cross = group
-        return Comm(ranks, local, cross)
+        return Comm(ranks, local, cross, device)
 
     @property
     def distributed(self) -> bool:
@@ -249,6 +250,13 @@ class Comm:
         if self.distributed:
             dist.all_reduce(tensor)
         return tensor
+
+    def sum_values(self, *values: float) -> list[float]:
+        """Host numbers summed over every rank (through the collectives' device: NCCL takes no
+        host tensor); a host sync."""
+        if not self.distributed:
+            return list(values)
+        return self.sum(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
 
     def sum_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place, over this host's ranks (the owners of a tile's parts)."""

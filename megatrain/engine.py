@@ -183,7 +183,7 @@ class Engine:
         """Each micro-batch's shifted labels and the step's target tokens; a step the engine cannot
         take is refused before it starts."""
         targets = [shift_labels(mb.labels) for mb in microbatches]
-        n_targets = int(self.comm.sum(torch.tensor(sum(int((t != -100).sum()) for t in targets))))
+        n_targets = int(self.comm.sum_values(sum(int((t != -100).sum()) for t in targets))[0])
         if n_targets == 0:
             raise ValueError("the step has no target tokens (every label is -100)")
         for mb in microbatches:

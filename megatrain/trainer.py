@@ -88,6 +88,8 @@ class Trainer:
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
+        elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
         self.arena = flags = None
         if ranks.distributed:  # one store per host, in shared memory, filled by the host's first rank
@@ -253,7 +255,7 @@ class Trainer:
             if mine:
                 part, n = self.engine.evaluate(mine)
                 loss, targets = loss + part, targets + n
-        loss, targets = self.comm.sum(torch.tensor([loss, targets], dtype=torch.float64)).tolist()
+        loss, targets = self.comm.sum_values(loss, targets)
         mean = loss / max(1, targets)
         return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
                 "eval_target_tokens": targets, "eval_time_s": time.perf_counter() - start}
