@@ -87,10 +87,16 @@ def assert_same_training(reports, params, reference):
         torch.testing.assert_close(params[name], expected, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batches):
-    """Grad accumulation (2 micro-batches), clipping (by the global norm), right-padded rows, an
-    untied head; and the two ranks' store is one shared mapping, not two copies."""
+@pytest.mark.parametrize("engine, clip", [({}, 0.5), ({"device_tiles": 2, "no_recompute_layers": 1}, None)],
+                         ids=["host-tiles-clip", "device-tiles-noclip"])
+def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batches, engine, clip):
+    """Grad accumulation (2 micro-batches), right-padded rows, an untied head; clipping by the
+    global norm (the updates at the step's end), or none (each part updated as its gradient
+    returns) with the embedding and layer 0 on each GPU, summed whole; and the two ranks' store is
+    one shared mapping, not two copies."""
     tree = settings(tmp_path)
+    tree["engine"].update(engine)
+    tree["optim"]["max_grad_norm"] = clip
     reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
     params = torch.load(tmp_path / "two" / "params-host0.pt")
     assert_same_training(reports, params, one_rank(tmp_path, tree, model_and_batches))
@@ -116,28 +122,35 @@ def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
 
 
 def test_resume_after_a_two_rank_run(tmp_path):
-    """2 ranks train 2 steps (fit, synthetic data: the sampler's rows split by rank) and save;
-    1 rank resumes for 2 more: the same as 1 rank for 4 steps."""
+    """2 ranks train 2 steps (fit, synthetic data: the sampler's rows split by rank) and save; 2
+    ranks, or 1, resume for 2 more: the same as 1 rank for 4 steps (the state does not depend on N)."""
+    import shutil
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
     data = {"seq_len": SEQ, "batch_size": 2, "grad_accum": 2}
-    whole = settings(tmp_path, steps=4, data=data)
-    trainer = Trainer(load_config(base=whole))
+    trainer = Trainer(load_config(base=settings(tmp_path, steps=4, data=data)))
     try:
         trainer.fit(log=open("/dev/null", "w"), progress=False)
         expected = store_params(trainer)
     finally:
         trainer.close()
-    torchrun(tmp_path, settings(tmp_path, steps=2, data=data, output_dir=str(tmp_path / "run")), None, "first")
-    resumed = Trainer(load_config(base=settings(tmp_path, steps=4, data=data, output_dir=str(tmp_path / "run"),
-                                                resume=True, resume_changes=True)))
+    torchrun(tmp_path, settings(tmp_path, steps=2, data=data, output_dir=str(tmp_path / "two")), None, "first")
+    shutil.copytree(tmp_path / "two", tmp_path / "one")
+
+    def resume(out: str) -> dict:
+        return settings(tmp_path, steps=4, data=data, output_dir=str(tmp_path / out), resume=True, resume_changes=True)
+    reports = torchrun(tmp_path, resume("two"), None, "resumed")
+    assert [len(r["losses"]) for r in reports] == [2, 2]
+    by_two = torch.load(tmp_path / "resumed" / "params-host0.pt")
+    trainer = Trainer(load_config(base=resume("one")))
     try:
-        assert resumed.step == 2
-        resumed.fit(log=open("/dev/null", "w"), progress=False)
-        got = store_params(resumed)
+        assert trainer.step == 2
+        trainer.fit(log=open("/dev/null", "w"), progress=False)
+        by_one = store_params(trainer)
     finally:
-        resumed.close()
+        trainer.close()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        for got in (by_two, by_one):
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_parts_cover_every_tile_once():
