@@ -30,6 +30,11 @@ Device tiles (store.py) skip the return: their update runs on the compute stream
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
 on the device).
 
+With data-parallel ranks (distributed.py) the body is the same on every rank, over its rows of
+each micro-batch: a unit's step gradient is reduced before it returns (each rank keeps the sum of
+its part of every host tile and returns that alone, a device tile's is summed whole), the loss is
+normalised by the target tokens of every rank, and the norms are summed over the host's ranks.
+
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
 """
