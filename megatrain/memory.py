@@ -105,6 +105,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py)
         "backward_temporaries": 4 * tokens * h * c,
         "workspace": DEVICE_WORKSPACE,
+        # data-parallel ranks: the summed part of the unit being reduced (distributed.Comm.reduce_part)
+        "gradient_reduction": -(-unit // s.local_ranks) * 4 if s.ranks > 1 else 0,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm
         "device_tiles": store_device + (max(0, T - 1) * layer * 4 if s.clipping else 0),
