@@ -3,13 +3,15 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/dp_rank.py SPEC.json
 
 SPEC: {"config": a run's settings, "batches": a torch.save'd list of steps' micro-batches or null
-(then Trainer.fit on the config's data), "out": a folder}. Writes out/rank{R}.json (losses,
+(then Trainer.fit on the config's data), "out": a folder, "crash_rank": a rank that dies at once
+once the trainer is built (optional)}. Writes out/rank{R}.json (losses,
 gradient norms, the shared store's mapping in this process) and, from each host's first rank,
 out/params-host{N}.pt (the weights as that host's store holds them).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +42,8 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     trainer = Trainer(load_config(base=spec["config"]))
+    if spec.get("crash_rank") == trainer.ranks.rank:  # dies with the store built, the others in a collective
+        os._exit(3)
     try:
         if spec["batches"]:
             losses = [trainer.train_step(mbs)["loss"] for mbs in torch.load(spec["batches"], weights_only=False)]

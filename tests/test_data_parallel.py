@@ -37,13 +37,14 @@ def settings(tmp_path, **top) -> dict:
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
 
 
-def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1) -> list[dict]:
+def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None
+             ) -> list[dict]:
     """Run tests/dp_rank.py under torchrun, 2 ranks per "host", `nodes` hosts on this machine (each
     its own torchrun, as on separate hosts); the ranks' reports."""
     out = tmp_path / name
     out.mkdir()
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out)}))
+    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank}))
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     if nodes == 1:
         commands = [run + ["--standalone", str(HERE / "dp_rank.py"), str(spec)]]
@@ -55,6 +56,9 @@ def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 
                            "--master-port", str(port), str(HERE / "dp_rank.py"), str(spec)] for k in range(nodes)]
     procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
     logs = [p.communicate(timeout=240)[0] for p in procs]
+    if crash_rank is not None:
+        assert all(p.returncode != 0 for p in procs)
+        return []
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
 
@@ -106,7 +110,7 @@ def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batche
     store = reports[0]["store_bytes"]
     assert sum(r["pss_bytes"] for r in reports) <= 1.1 * store
     assert all(r["rss_bytes"] >= 0.5 * store for r in reports)
-    assert not list(Path("/dev/shm").glob("megatrain-*")), "shared store files left behind"
+    assert not Path(reports[0]["files"][0]).exists(), "the shared store's file left behind"
 
 
 def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
@@ -151,6 +155,15 @@ def test_resume_after_a_two_rank_run(tmp_path):
     for name in expected:
         for got in (by_two, by_one):
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_rank_that_dies_leaves_no_shared_store_behind(tmp_path):
+    """The shared file is unlinked once mapped: a rank dying (torchrun then ends the others) leaves
+    nothing in /dev/shm."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    before = set(Path("/dev/shm").glob("megatrain-*"))
+    torchrun(tmp_path, settings(tmp_path), None, "crash", crash_rank=1)
+    assert set(Path("/dev/shm").glob("megatrain-*")) == before
 
 
 def test_parts_cover_every_tile_once():
