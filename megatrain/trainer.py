@@ -362,16 +362,18 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     return "\n".join(lines)
 
 
-def plan_report(cfg: TrainConfig) -> str:
-    """What a run would do and need, without allocating the model: `megatrain plan`."""
+def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
+    """What a run would do and need, without allocating the model: `megatrain plan`; `gpus`: as
+    one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank)."""
     shape = ModelShape(load_hf_config(cfg.model))
-    device = Device(cfg.engine.device)
+    ranks = Ranks(0, gpus, 0, gpus)
+    device = Device(_rank_device(cfg.engine.device, ranks))
     machine = Machine.of(device, cfg.engine)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)
     data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
     p = memory.plan(shape, s, data.nbytes + (held_out.nbytes if held_out else 0))
     try:
-        memory.admit(p, machine.host_available, machine.device_free)
+        memory.admit(p, machine.host_available, machine.device_free, shared_memory_free() if gpus > 1 else None)
         verdict = "fits this machine"
     except memory.DoesNotFit as e:
         verdict = str(e)

@@ -267,3 +267,16 @@ def test_a_tile_is_ready_once_every_owner_has_published_its_update():
     mine.wait("layer.0")
     assert time.perf_counter() - start > 0.1 and mine.ready("layer.0")
     later.join()
+
+
+def test_megatrain_plan_for_two_gpus(tmp_path, capsys):
+    """`megatrain plan --gpus 2`: the plan of one host's ranks, or the refusal, before anything runs."""
+    from megatrain.cli import main
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(settings(tmp_path)))
+    assert main(["plan", "--config", str(path), "--gpus", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "2 data-parallel ranks (2 per host, sharing its host store), 2 rows" in report and "fits" in report
+    assert main(["plan", "--config", str(path), "--gpus", "3"]) == 2
+    assert "does not split over 3 ranks" in capsys.readouterr().err
