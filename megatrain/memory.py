@@ -115,7 +115,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
                       {**host, **{"device." + k: b for k, b in device.items()}}, s.clipping)
 
 
-def admit(p: MemoryPlan, host_available: int, device_available: int | None, shared_available: int | None = None) -> None:
+def admit(p: MemoryPlan, host_available: int, device_available: int | None,
+          shared_available: int | None = None) -> None:
     """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit.
     `shared_available`: the shared-memory file system's free bytes, where the ranks' one host store
     goes (distributed.py); None: the store is not shared."""

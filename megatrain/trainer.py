@@ -25,7 +25,8 @@ from megatrain.batch import Batch
 from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer, make_sources
 from megatrain.device import Device
-from megatrain.distributed import Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_rows, shared_memory_free
+from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_rows,
+                                   shared_memory_free)
 from megatrain.engine import Engine
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
@@ -180,7 +181,8 @@ class Trainer:
         """This rank's rows of a global micro-batch (rank-strided: distributed.shard_rows)."""
         if not self.ranks.distributed:
             return mb
-        return Batch(*(shard_rows(t, self.ranks) for t in (mb.input_ids, mb.labels, mb.attention_mask, mb.position_ids)))
+        rows = (mb.input_ids, mb.labels, mb.attention_mask, mb.position_ids)
+        return Batch(*(shard_rows(t, self.ranks) for t in rows))
 
     def write_trace(self, path: str | Path) -> None:
         """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""

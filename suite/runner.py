@@ -73,8 +73,8 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         start = time.perf_counter()
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
-            launch = [python, "-m", "suite.worker"] if spec.gpus == 1 else \
-                [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}", "-m", "suite.worker"]
+            torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
+            launch = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker"]
             proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
                                     stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=_dies_with(os.getpid()),

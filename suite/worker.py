@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
     try:
         result = run(spec, out)
     except Exception as e:  # a failed point is a result: keep what was measured, say why
-        result = json.loads(open(out).read()) if out and os.path.exists(out) else {"system": spec.system, "spec": spec.to_dict()}
+        result = json.loads(open(out).read()) if out and os.path.exists(out) else {"system": spec.system,
+                                                                                 "spec": spec.to_dict()}
         result.update(status="error", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
     _write(out, result)
     return 0

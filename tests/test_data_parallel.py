@@ -54,7 +54,8 @@ def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 
             port = s.getsockname()[1]
         commands = [run + ["--nnodes", str(nodes), "--node-rank", str(k), "--master-addr", "127.0.0.1",
                            "--master-port", str(port), str(HERE / "dp_rank.py"), str(spec)] for k in range(nodes)]
-    procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
     logs = [p.communicate(timeout=240)[0] for p in procs]
     if crash_rank is not None:
         assert all(p.returncode != 0 for p in procs)
