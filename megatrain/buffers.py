@@ -62,6 +62,7 @@ class WeightStreamer:
         self.current = 0  # slot of the op last acquired
         self.bytes_h2d = 0
         self.wait_s = 0.0  # host time blocked until the optimizer had written a tile to stream
+        self.peers = None  # the other ranks' update flags of the shared store (distributed.Flags)
 
     def start(self, plan: list[Unit]) -> None:
         """Take the units of a step's ops, in order; consecutive uses of one unit share a load."""
@@ -100,12 +101,15 @@ class WeightStreamer:
         return self.current
 
     def wait_updated(self, tiles: list[Tile]) -> None:
-        """Block the host until the optimizer has written these tiles' updates (timed)."""
+        """Block the host until the optimizer has written these tiles' updates (timed); with
+        data-parallel ranks, every rank's part of them (`peers`: distributed.Flags)."""
         for tile in tiles:
-            if not tile.ready.is_set():
+            if not tile.ready.is_set() or (self.peers is not None and not self.peers.ready(tile.name)):
                 start = time.perf_counter()
                 with self.timeline.host(Track.HOST, Kind.WAIT_OPTIMIZER, tile.name):
                     tile.ready.wait()
+                    if self.peers is not None:
+                        self.peers.wait(tile.name)
                 self.wait_s += time.perf_counter() - start
 
     def _issue_through(self, k: int) -> None:

@@ -85,12 +85,17 @@ def saved_state(path: str | Path) -> Path | None:
     return path if path is not None and (path / "state.json").is_file() else None
 
 
-def load_state(store: HostStore, path: str | Path) -> dict:
+def load_state(store: HostStore, path: str | Path, only: list | None = None) -> dict:
+    """The saved state into the store's tiles (`only`: into these; a shared store's other ranks
+    read their device tiles alone), every tile's version bumped; returns the saved meta."""
     found = saved_state(path)
     if found is None:
         raise ValueError(f"resume: no training state at {path}")
     path = found
     for tile in store.tiles:
+        if only is not None and tile not in only:
+            tile.version += 1  # its shadow changed under the device buffers all the same
+            continue
         with safe_open(str(path / f"{tile.name}.safetensors"), framework="pt") as f:
             for k in _STATE:
                 t = f.get_tensor(k)

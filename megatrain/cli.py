@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    plan.add_argument("--gpus", type=int, default=1,
+                      help="plan for this many data-parallel ranks on the host (torchrun --nproc-per-node)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
                        help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid
         if args.command == "plan":
-            print(plan_report(cfg))
+            print(plan_report(cfg, args.gpus))
             return 0
         trainer = Trainer(cfg)
     except ValueError as e:  # a setting, a file or the memory plan refused the run: nothing was built

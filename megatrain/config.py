@@ -167,6 +167,8 @@ class EngineSettings:
     microbatches: int  # per step
     clipping: bool  # optim.max_grad_norm is set: the store keeps a float32 gradient per parameter
     pinned: bool  # the host buffers the device copies from are pinned (a GPU run)
+    ranks: int = 1  # data-parallel ranks in all (tokens is one rank's micro-batch)
+    local_ranks: int = 1  # ranks on this host, sharing one host store (distributed.py)
 
     @property
     def compute(self):

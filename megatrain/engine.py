@@ -33,6 +33,11 @@ on the device).
 A mixture of experts' router loss (moe.py), where the config asks for it, is collected from each
 layer's routing in the forward and enters each layer's backward as a second root beside its output.
 
+With data-parallel ranks (distributed.py) the body is the same on every rank, over its rows of
+each micro-batch: a unit's step gradient is reduced before it returns (each rank keeps the sum of
+its part of every host tile and returns that alone, a device tile's is summed whole), the loss is
+normalised by the target tokens of every rank, and the norms are summed over the host's ranks.
+
 Weights saved by the recompute graphs are not kept: a saved-tensor hook records which unit and
 offset they came from, and the backward reads them from wherever that unit is resident then.
 """
@@ -52,6 +57,7 @@ from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
+from megatrain.distributed import Comm, Flags, part
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
@@ -109,8 +115,12 @@ class _Step:
 
 class Engine:
     def __init__(self, arch: Architecture, store: HostStore, device: Device, settings: EngineSettings,
-                 optim: OptimConfig, total_steps: int):
+                 optim: OptimConfig, total_steps: int, comm: Comm | None = None, flags: Flags | None = None):
+        """`comm`: the data-parallel ranks' collectives (distributed.py; default one rank): this
+        rank's CPU optimizer updates its part of each host tile, whose summed gradient the
+        reduction brings; `flags`: the other ranks' updates of the shared store, which loads wait for."""
         self.arch, self.shape, self.store, self.dev, self.s = arch, arch.shape, store, device, settings
+        self.comm = comm or Comm.single()
         self.dtype = settings.compute
         self.layer_units = [Unit.of(t.name, [t]) for t in store.layers]
         head_tiles = [store.head, store.embed] if self.shape.tied else [store.head]
@@ -132,8 +142,12 @@ class Engine:
         self.max_tokens = settings.tokens
         self.rows = torch.empty(self.max_tokens * self.shape.hidden, dtype=self.dtype, pin_memory=pinned)
         self.rows_free = device.event()
-        self.worker = OptimizerWorker([t for t in store.tiles if not t.on_device], optim, total_steps,
-                                      self.timeline)
+        host_tiles = [t for t in store.tiles if not t.on_device]
+        ranks = self.comm.ranks
+        self.parts = {t: part(t.layout.numel, ranks.local_world, ranks.local_rank)[:2] for t in host_tiles}
+        self.worker = OptimizerWorker(host_tiles, optim, total_steps, self.timeline, self.parts,
+                                      None if flags is None else (lambda tile: flags.mark(tile.name)))
+        self.streamer.peers = flags
         self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
@@ -159,7 +173,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self, microbatches: list[Batch]) -> StepResult:
         start = time.perf_counter()
-        targets, n_targets = self._targets(microbatches)
+        targets, n_targets = self._targets(microbatches)  # over every rank: the loss's normaliser
         schedule = self.schedule(len(microbatches))
         self.timeline.begin_step()
         self.worker.begin_step(self._contributions())
@@ -173,6 +187,8 @@ class Engine:
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)
             self._run(schedule.ops, step)
             aux = sum(r.loss() for r in step.routing) if step.routing else 0.0
+            self.comm.sum_host(self.sq)  # each rank has the norms of its parts
+            self.comm.sum(step.loss)
             if self._clip_later:
                 self._clip_and_update_device_tiles()
             self.sq_host.copy_(self.sq, non_blocking=True)
@@ -194,7 +210,7 @@ class Engine:
         """Each micro-batch's shifted labels and the step's target tokens; a step the engine cannot
         take is refused before it starts."""
         targets = [shift_labels(mb.labels) for mb in microbatches]
-        n_targets = int(sum(int((t != -100).sum()) for t in targets))
+        n_targets = int(self.comm.sum_values(sum(int((t != -100).sum()) for t in targets))[0])
         if n_targets == 0:
             raise ValueError("the step has no target tokens (every label is -100)")
         for mb in microbatches:
@@ -235,7 +251,7 @@ class Engine:
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
-        return {tile: -(-tile.layout.numel // self.slab_numel)
+        return {tile: max(1, -(-(self.parts[tile][1] - self.parts[tile][0]) // self.slab_numel))
                 for unit in self.grad_units for tile in unit.tiles if not tile.on_device}
 
     # ------------------------------------------------------------------ the ops (schedule.py)
@@ -442,27 +458,35 @@ class Engine:
 
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
         """Return a unit's float32 step gradient to pinned slabs, one piece per slab (a device
-        tile's updates it where it is), and add each tile's squared norm into the step's norms."""
+        tile's updates it where it is), and add each tile's squared norm into the step's norms.
+        With data-parallel ranks a host tile's gradient is first reduced, this rank keeping the
+        sum of its part [lo, hi) alone; a device tile's is summed whole (every rank updates its copy,
+        the host's first rank counts its norm)."""
         for tile, offset in unit.segments:
             grad = acc[offset: offset + tile.layout.numel]
-            index = self.tile_index[tile]
-            norm_sq = torch.linalg.vector_norm(grad).double().square()
-            self.sq[index] += norm_sq
+            k = self.tile_index[tile]
             if tile.on_device:
+                self.comm.sum(grad)
+                norm_sq = torch.linalg.vector_norm(grad).double().square()
+                if self.comm.ranks.local_rank == 0:
+                    self.sq[k] += norm_sq
                 if self.worker.cfg.max_grad_norm is None:
                     self._update_device_tile(tile, grad, (~torch.isfinite(norm_sq)).float())
                 else:
                     self._clip_later.append((tile, grad))
                 continue
-            self._norm_to_host(index, norm_sq)
-            norm_host = self.norms_host[index]
-            for lo in range(0, tile.layout.numel, self.slab_numel):
-                hi = min(tile.layout.numel, lo + self.slab_numel)
+            mine, lo, hi = self.comm.reduce_part(grad)
+            norm_sq = torch.linalg.vector_norm(mine[: hi - lo]).double().square()
+            self.sq[k] += norm_sq
+            self._norm_to_host(k, norm_sq)  # of this rank's part: the pieces it applies
+            norm_host = self.norms_host[k]
+            for a in range(lo, hi, self.slab_numel) if hi > lo else [lo]:  # an empty part: one empty piece
+                b = min(hi, a + self.slab_numel)
                 slab = self.slabs.acquire()
-                host = slab[: hi - lo]
+                host = slab[: b - a]
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
-                self._to_host(grad[lo:hi], host, tile.name, lambda event: self.worker.submit_dense(
-                    tile, lo, hi, host, event, release, norm_host))
+                self._to_host(mine[a - lo: b - lo], host, tile.name, lambda event: self.worker.submit_dense(
+                    tile, a, b, host, event, release, norm_host))
 
     def _norm_to_host(self, index: int, norm_sq: torch.Tensor) -> None:
         """A tile's squared gradient norm, on the gradient stream ahead of its pieces: the optimizer

@@ -75,13 +75,14 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
     store_host, store_device = HostStore.nbytes(shape, s)
+    R = s.local_ranks  # the host store is shared by the host's ranks; the rest is per rank
     host = {
         "store": store_host,
-        "grad_slabs": max(1, s.grad_slabs) * pinned_bytes(layer * 4, pinned),
-        "embedding_staging": pinned_bytes(tokens * h * c, pinned),
-        "checkpoint_offload": (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
-        "runtime": HOST_OVERHEAD,
-        "data": data_bytes,
+        "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(layer * 4, pinned),
+        "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
+        "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
+        "runtime": R * HOST_OVERHEAD,
+        "data": R * data_bytes,
     }
     chunk = min(s.loss_chunk_tokens, tokens)
     device = {
@@ -106,6 +107,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # eager attention's scores, masked, with the sinks, their softmax and its gradient
         "backward_temporaries": (4 * tokens * h + 3 * scores) * c,
         "workspace": DEVICE_WORKSPACE,
+        # data-parallel ranks: the summed part of the unit being reduced (distributed.Comm.reduce_part)
+        "gradient_reduction": -(-unit // s.local_ranks) * 4 if s.ranks > 1 else 0,
         # master and moments of the device tiles; with clipping their layers' step gradients wait
         # for the global norm
         "device_tiles": store_device + (max(0, T - 1) * layer * 4 if s.clipping else 0),
@@ -114,9 +117,17 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
                       {**host, **{"device." + k: b for k, b in device.items()}}, s.clipping)
 
 
-def admit(p: MemoryPlan, host_available: int, device_available: int | None) -> None:
-    """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit."""
+def admit(p: MemoryPlan, host_available: int, device_available: int | None,
+          shared_available: int | None = None) -> None:
+    """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit.
+    `shared_available`: the shared-memory file system's free bytes, where the ranks' one host store
+    goes (distributed.py); None: the store is not shared."""
     shortages = []
+    if shared_available is not None and p.detail["store"] > shared_available:
+        shortages.append(Shortage(
+            "host", p.detail["store"], shared_available,
+            "the ranks' shared host store goes to /dev/shm, whose size limit is below it: remount it larger "
+            "(mount -o remount,size=...) or make the store smaller"))
     if p.host_bytes > host_available:
         shortages.append(Shortage(
             "host", p.host_bytes, host_available,

@@ -40,28 +40,37 @@ def recompute_flops(decoder_matmul_params: int, attention: Attention, seq_length
     return float(sum(n * (2 * decoder_matmul_params + 4 * _attention_keys(attention, n)) for n in seq_lengths))
 
 
-def tree_rss_bytes(pid: int | None = None) -> int:
-    """Resident memory of a process and all its descendants."""
+def tree_rss_bytes(pid: int | None = None, shared_once: bool = False) -> int:
+    """Resident memory of a process and all its descendants. `shared_once`: shared pages (file
+    and shared-memory mappings) counted once, as the largest process's, not once per process: the
+    data-parallel ranks' one host store (a single process's number is the same either way)."""
     try:
         root = psutil.Process(pid or os.getpid())
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0
-    total = 0
+    total = shared = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            info = p.memory_info()
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        if shared_once:
+            total += info.rss - info.shared
+            shared = max(shared, info.shared)
+        else:
+            total += info.rss
+    return total + shared
 
 
 class PeakSampler:
     """Samples host RSS of a process tree (and NVML device memory, where there is a GPU) in a
     background thread; `peaks()` gives the maxima since start or the last reset."""
 
-    def __init__(self, pid: int | None = None, interval_s: float = 0.2, gpu_index: int | None = None):
+    def __init__(self, pid: int | None = None, interval_s: float = 0.2, gpu_index: int | None = None,
+                 shared_once: bool = False):
         self.pid = pid
+        self.shared_once = shared_once  # tree_rss_bytes's
         self.interval_s = interval_s
         self._nvml = None
         if gpu_index is not None:
@@ -82,7 +91,7 @@ class PeakSampler:
         self.sample()
 
     def sample(self) -> None:
-        self.peak_host_bytes = max(self.peak_host_bytes, tree_rss_bytes(self.pid))
+        self.peak_host_bytes = max(self.peak_host_bytes, tree_rss_bytes(self.pid, self.shared_once))
         if self._nvml is not None:
             nvml, handle = self._nvml
             self.peak_nvml_bytes = max(self.peak_nvml_bytes, nvml.nvmlDeviceGetMemoryInfo(handle).used)

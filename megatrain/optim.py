@@ -80,7 +80,7 @@ class _Dense:
     hi: int
     grad: torch.Tensor
     release: Callable[[], None]
-    norm_sq: torch.Tensor  # the whole tile's squared gradient norm: not finite, no piece of it is applied
+    norm_sq: torch.Tensor  # the squared gradient norm of the tile (of this rank's part): not finite, no piece applied
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,14 @@ class _Finish:
 
 
 class OptimizerWorker:
-    def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline):
+    def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline,
+                 parts: dict[Tile, tuple[int, int]] | None = None, published: Callable[[Tile], None] | None = None):
+        """`parts`: the elements [lo, hi) of each tile this worker updates (data-parallel ranks
+        share the others: distributed.py), default all; `published(tile)`: called once this
+        worker's part of a tile is written, before the tile's `ready` is set."""
         self.tiles = tiles  # in the order the forward reads them
+        self.parts = parts or {tile: (0, tile.layout.numel) for tile in tiles}
+        self.published = published
         self.timeline = timeline
         self.cfg = cfg
         self.total_steps = total_steps
@@ -183,16 +189,17 @@ class OptimizerWorker:
         task.release()
         self._received[tile] += 1
         if self._received[tile] == self._left[tile] and self.cfg.max_grad_norm is None:
-            self._publish(tile)
+            self._done(tile)
 
     def _do_finish(self, task: _Finish) -> None:
         norm = self.grad_norms[self.updates_done] = math.sqrt(float(task.sq_norms.sum()))
         if self.cfg.max_grad_norm is not None:
             scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             for tile in self.tiles:
+                lo, hi = self.parts[tile]
                 if math.isfinite(norm):  # else no tile is updated from a gradient holding a NaN or inf
-                    self._update(tile, 0, tile.layout.numel, tile.grad, scale)
-                self._publish(tile)
+                    self._update(tile, lo, hi, tile.grad[lo:hi], scale)
+                self._done(tile)
         self.updates_done += 1
 
     def _update(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, scale: float) -> None:
@@ -200,6 +207,11 @@ class OptimizerWorker:
             tile.read_done.synchronize()  # an H2D copy may still be reading the shadow
         lr = lr_at(self.updates_done, self.cfg, self.total_steps)
         adamw(tile, lo, hi, grad, self.updates_done + 1, lr, self.cfg, scale)
+
+    def _done(self, tile: Tile) -> None:
+        if self.published is not None:
+            self.published(tile)
+        self._publish(tile)
 
     @staticmethod
     def _publish(tile: Tile) -> None:

@@ -20,9 +20,11 @@ from dataclasses import dataclass, replace
 import os
 
 import psutil
+import torch
 
 from megatrain import memory
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
+from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
@@ -53,6 +55,7 @@ class Machine:
     is_cuda: bool
     device_free: int | None
     host_available: int
+    gpus: int = 0  # on this host
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
@@ -61,12 +64,16 @@ class Machine:
         free = device.free_bytes()
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
-        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb))
+        gpus = torch.cuda.device_count() if device.is_cuda else 0
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus)
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
-            machine: Machine) -> EngineSettings:
+            machine: Machine, ranks: Ranks = Ranks()) -> EngineSettings:
+    """`ranks`: data-parallel ranks split each micro-batch's rows (data.batch_size is global) and
+    share one host store per host (distributed.py)."""
     _check_against_shape(engine, shape)
+    check_ranks(ranks, data.batch_size, "cuda" if machine.is_cuda else "cpu", machine.gpus)
     compute = engine.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
@@ -79,8 +86,9 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         optimizer_threads=engine.optimizer_threads, timeline=engine.timeline,
-        tokens=data.batch_size * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
-        clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda)
+        tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
+        clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
+        local_ranks=ranks.local_world)
     bound = machine.device_free
     if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:
         s = replace(s, mlp_chunk_tokens=_mlp_chunk(shape, s, bound))

@@ -21,7 +21,9 @@ from megatrain.units import GiB
 
 class RunLog:
     def __init__(self, output_dir: str | None, total_steps: int, start_step: int, log_every: int,
-                 progress: bool = True, tensorboard: bool = False, json_lines: TextIO | None = None):
+                 progress: bool = True, tensorboard: bool = False, json_lines: TextIO | None = None,
+                 quiet: bool = False):
+        """`quiet`: nothing on the console (the data-parallel ranks but the first)."""
         from tqdm import tqdm
         out = Path(output_dir) if output_dir else None
         if out:
@@ -42,10 +44,12 @@ class RunLog:
             self.tb = SummaryWriter(str(out / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, unit="step", file=sys.stderr,
                         dynamic_ncols=True)
-        self.progress = progress
+        self.progress, self.quiet = progress, quiet
 
     def say(self, text: str) -> None:
         """A line for the console, above the progress bar."""
+        if self.quiet:
+            return
         if self.progress:
             self.bar.write(text, file=sys.stderr)
         else:

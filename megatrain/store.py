@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def _page_aligned(nbytes: int, pinned: bool) -> torch.Tensor:
     return raw[start: start + nbytes]
 
 
+Alloc = Callable[[int, bool], torch.Tensor]  # (bytes, pinned) -> a page-aligned uint8 block
+
+
 def _carve(block: torch.Tensor, numel: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
     """Split a byte block into page-aligned flat tensors of the given dtypes."""
     out, cursor = [], 0
@@ -97,8 +101,9 @@ def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 grad: bool, device: torch.device | None = None):
-        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer)."""
+                 grad: bool, device: torch.device | None = None, alloc: Alloc = _page_aligned):
+        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer);
+        `alloc(nbytes, pinned)`: where the host blocks come from (a shared arena: distributed.py)."""
         self.name = name
         self.layout = layout
         self.on_device = device is not None
@@ -111,12 +116,12 @@ class Tile:
             self.shadow = None
         elif master == compute:
             # The master streams as it is: it lives in pinned memory and is its own shadow.
-            (self.master,) = _carve(_page_aligned(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
+            (self.master,) = _carve(alloc(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
             self.shadow = self.master
-            self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state)
+            self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state, alloc)
         else:
-            self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state])
-            (self.shadow,) = _carve(_page_aligned(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
+            self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state], alloc)
+            (self.shadow,) = _carve(alloc(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
         if grad and not self.on_device:
             self.grad = rest[0]
         # Set while the shadow holds the current weights; cleared from the moment the main thread
@@ -128,9 +133,9 @@ class Tile:
         self.updated = None  # device tiles: event after the last update was issued on the compute stream
 
     @staticmethod
-    def _block(n: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    def _block(n: int, dtypes: list[torch.dtype], alloc: Alloc) -> list[torch.Tensor]:
         size = sum(-(-n * d.itemsize // PAGE) * PAGE for d in dtypes)
-        return _carve(_page_aligned(size, False), n, dtypes)
+        return _carve(alloc(size, False), n, dtypes)
 
     def master_views(self) -> list[torch.Tensor]:
         return self.layout.views(self.master)
@@ -146,16 +151,18 @@ class Tile:
 
 
 class HostStore:
-    def __init__(self, shape: ModelShape, s: EngineSettings, device: torch.device | None = None):
+    def __init__(self, shape: ModelShape, s: EngineSettings, device: torch.device | None = None,
+                 alloc: Alloc = _page_aligned):
         """With clipping every host tile keeps a gradient buffer (updates wait for the global norm);
-        the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note)."""
+        the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note).
+        `alloc`: where host blocks come from (the ranks' shared arena: distributed.py)."""
         self.shape = shape
         master, compute, pinned, clipping = s.master, s.compute, s.pinned, s.clipping
         where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
-        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0])
+        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], alloc)
         self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
-                            where[i + 1]) for i in range(shape.num_layers)]
-        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping)
+                            where[i + 1], alloc) for i in range(shape.num_layers)]
+        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping, None, alloc)
 
     @property
     def tiles(self) -> list[Tile]:
@@ -170,19 +177,22 @@ class HostStore:
             numel = Layout.of(specs).numel
             if k < s.device_tiles:
                 device += numel * (s.master.itemsize + 8)
-            else:
-                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned)
+            else:  # a shared store is one registered file: no power-of-two rounding of pinned blocks
+                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned and s.ranks == 1)
         return host, device
 
     # ---- filling the store ----
-    def init_random(self, seed: int) -> None:
+    def init_random(self, seed: int, only: list[Tile] | None = None) -> None:
         """Seeded init in the `transformers` manner (ParamSpec.init): N(0, initializer_range) matrices
         and attention sinks, unit norms, zero biases.
 
-        Each tile draws from its own generator, so the result does not depend on tile order.
+        Each tile draws from its own generator, so the result does not depend on tile order;
+        `only`: these tiles (a shared store's other ranks fill their device tiles alone).
         """
         std = getattr(self.shape.config, "initializer_range", 0.02)
         for index, tile in enumerate(self.tiles):
+            if only is not None and tile not in only:
+                continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
             tile.master.zero_()
             for spec, view in zip(tile.layout.specs, tile.master_views()):
@@ -192,21 +202,27 @@ class HostStore:
                     view.fill_(1.0)
             self._reset_state(tile)
 
-    def load_pretrained(self, directory: str | Path) -> None:
-        """Copy a local safetensors checkpoint into the tiles, one tensor at a time."""
+    def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None) -> None:
+        """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time."""
         directory = Path(directory)
         files = pretrained_shards(directory)
-        where = {}
+        tiles = self.tiles if only is None else only
+        where, skip = {}, set()
         for tile in self.tiles:
             for name, view in self.shape.checkpoint_tensors(tile.name, tile.master_views()):
-                where[name] = view
-        for tile in self.tiles:
+                if tile in tiles:
+                    where[name] = view
+                else:
+                    skip.add(name)
+        for tile in tiles:
             tile.master.zero_()
         missing = set(where)
         unexpected = []
         for file in files:
             with _shard(file) as f:
                 for name in f.keys():
+                    if name in skip:
+                        continue
                     if name not in where:
                         if not (self.shape.tied and name == "lm_head.weight") and "rotary_emb" not in name:
                             unexpected.append(name)
@@ -220,7 +236,7 @@ class HostStore:
         if missing or unexpected:
             raise ValueError(f"model.pretrained: checkpoint does not match the config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        for tile in self.tiles:
+        for tile in tiles:
             self._reset_state(tile)
 
     @staticmethod

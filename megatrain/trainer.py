@@ -25,6 +25,8 @@ from megatrain.batch import Batch
 from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer, make_sources
 from megatrain.device import Device
+from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_rows,
+                                   shared_memory_free)
 from megatrain.engine import Engine
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
@@ -60,7 +62,10 @@ def _normal(value):
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        """Under torchrun, one of the run's data-parallel ranks (distributed.py): each rank takes its
+        rows of every micro-batch, the ranks of a host share one host store, one rank writes."""
         self.cfg = cfg
+        self.ranks = ranks = Ranks.from_env()
         hf = load_hf_config(cfg.model)
         self.shape = shape = ModelShape(hf)
         limit = getattr(hf, "max_position_embeddings", None)
@@ -69,30 +74,51 @@ class Trainer:
         self._check_output_dir()
         if cfg.model.pretrained:
             pretrained_shards(Path(cfg.model.pretrained))
-        self.device = Device(cfg.engine.device)
+        self.device = Device(_rank_device(cfg.engine.device, ranks))
         machine = Machine.of(self.device, cfg.engine)
-        self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+        self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)
+        shared = shared_memory_free() if ranks.distributed else None
         # the model is admitted before the data is read, the data before the store is allocated:
         # a run that cannot fit, or a bad dataset, costs nothing
-        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free)
+        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared)
         self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
         self.memory_plan = memory.plan(shape, s, data_bytes)
-        memory.admit(self.memory_plan, machine.host_available, machine.device_free)
+        memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
+        self.comm = Comm.init(ranks, self.device.torch)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
+        elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
-        self.store = HostStore(shape, s, self.device.torch)
-        if cfg.model.pretrained:
-            self.store.load_pretrained(cfg.model.pretrained)
+        self.arena = flags = None
+        if ranks.distributed:  # one store per host, in shared memory, filled by the host's first rank
+            names = ["embed", *(f"layer.{i}" for i in range(shape.num_layers)), "head"]
+            store_bytes = HostStore.nbytes(shape, s)[0]
+            self.arena = SharedArena(store_bytes + Flags.nbytes(len(names), ranks.local_world),
+                                     self.comm.run_name(), self.comm, register=self.device.is_cuda)
+            self.store = HostStore(shape, s, self.device.torch, self.arena.take)
+            flags = Flags(self.arena.take(Flags.nbytes(len(names), ranks.local_world)), names, ranks.local_rank)
         else:
-            self.store.init_random(cfg.seed)
-        self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps)
+            self.store = HostStore(shape, s, self.device.torch)
+        self._fill_store()
+        self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps, self.comm, flags)
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
         if cfg.resume:
             self.load_state(Path(cfg.output_dir) / "state")
+
+    def _fill_store(self) -> None:
+        """Seeded or pretrained weights; a shared store is filled once per host (device tiles, one
+        copy per GPU, by every rank), then every rank waits for it."""
+        cfg, first = self.cfg, self.ranks.local_rank == 0
+        tiles = None if first else [t for t in self.store.tiles if t.on_device]
+        if cfg.model.pretrained:
+            self.store.load_pretrained(cfg.model.pretrained, tiles)
+        else:
+            self.store.init_random(cfg.seed, tiles)
+        self.comm.barrier()
 
     def _check_output_dir(self) -> None:
         """Before anything is built: output_dir can be written, and resume has a state to resume."""
@@ -116,25 +142,28 @@ class Trainer:
 
     # ---- training ----
     def train_step(self, microbatches: list[Batch]) -> dict:
-        """One optimizer step over the given micro-batches; returns the step's metrics."""
+        """One optimizer step over the given (global) micro-batches; returns the step's metrics.
+        With data-parallel ranks, each rank computes on its rows of every micro-batch (every rank
+        is given the same micro-batches) and the metrics are the whole step's."""
         if self.device.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device.torch)
         self.sampler.reset()
-        r = self.engine.step(microbatches)
+        r = self.engine.step([self._rows(mb) for mb in microbatches])
         self.step += 1
         a = self.shape
-        flops = model_flops(a.matmul_params(), a.attention(), r.seq_lengths)
-        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, r.seq_lengths)
+        lengths = [n for mb in microbatches for n in mb.sequence_lengths()]  # every rank's rows
+        flops = model_flops(a.matmul_params(), a.attention(), lengths)
+        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, lengths)
         self.sampler.sample()
         return {
             "step": self.step,
             "loss": r.loss,
             "lr": lr_at(self.step - 1, self.cfg.optim, self.total_steps),
             "prev_grad_norm": r.prev_grad_norm,
-            "tokens": sum(r.seq_lengths),
+            "tokens": sum(lengths),
             "target_tokens": r.target_tokens,
             "step_time_s": r.step_time_s,
-            "tokens_per_s": sum(r.seq_lengths) / r.step_time_s,
+            "tokens_per_s": sum(lengths) / r.step_time_s,
             "model_tflops": flops / r.step_time_s / 1e12,
             "hardware_tflops": hw / r.step_time_s / 1e12,
             "peak_device_allocated_bytes": device_peak_allocated(self.device.torch),
@@ -147,6 +176,13 @@ class Trainer:
             "wait_slab_s": r.wait_slab_s,
             **({"exposed": self.engine.timeline.summary()} if self.settings.timeline else {}),
         }
+
+    def _rows(self, mb: Batch) -> Batch:
+        """This rank's rows of a global micro-batch (rank-strided: distributed.shard_rows)."""
+        if not self.ranks.distributed:
+            return mb
+        rows = (mb.input_ids, mb.labels, mb.attention_mask, mb.position_ids)
+        return Batch(*(shard_rows(t, self.ranks) for t in rows))
 
     def write_trace(self, path: str | Path) -> None:
         """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""
@@ -163,7 +199,10 @@ class Trainer:
         the held-out data every eval_every steps and at the end; the state and the model saved."""
         cfg = self.cfg
         out = Path(cfg.output_dir) if cfg.output_dir else None
-        runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.tensorboard, log)
+        if self.ranks.rank != 0:  # one rank writes the log; every rank saves (the first alone writes)
+            runlog = RunLog(None, self.total_steps, self.step, cfg.log_every, False, False, None, quiet=True)
+        else:
+            runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.tensorboard, log)
         history: list[dict] = []
         pending: dict | None = None  # the last step's record, awaiting its gradient norm
 
@@ -213,8 +252,12 @@ class Trainer:
         loss = targets = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
         for lo in range(0, len(batches), self.cfg.data.grad_accum):
-            part, n = self.engine.evaluate(batches[lo: lo + self.cfg.data.grad_accum])
-            loss, targets = loss + part, targets + n
+            # the last batch may have fewer rows than there are ranks: a rank may get none
+            mine = [mb for mb in map(self._rows, batches[lo: lo + self.cfg.data.grad_accum]) if mb.input_ids.shape[0]]
+            if mine:
+                part, n = self.engine.evaluate(mine)
+                loss, targets = loss + part, targets + n
+        loss, targets = self.comm.sum_values(loss, targets)
         mean = loss / max(1, targets)
         return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
                 "eval_target_tokens": targets, "eval_time_s": time.perf_counter() - start}
@@ -227,23 +270,37 @@ class Trainer:
     def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
         """The model as a `transformers` folder: weights in `dtype` (default: save_dtype), the
         generation config, and the tokenizer where the run has one."""
-        self.engine.worker.flush()  # every update of the last step is written
+        if not self._all_updated():
+            return
         tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = load_tokenizer(tok_dir)
         checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype), tokenizer)
 
-    def save_state(self, path: str | Path) -> None:
+    def _all_updated(self) -> bool:
+        """Wait until every rank's updates are written; True on the rank that writes (the store is
+        whole on every host, so it gathers nothing)."""
         self.engine.worker.flush()
+        self.comm.barrier()
+        return self.ranks.rank == 0
+
+    def save_state(self, path: str | Path) -> None:
+        if not self._all_updated():
+            return
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
                 "settings": dataclasses.asdict(self.settings)}
         checkpoint.save_state(self.store, path, meta)
 
     def load_state(self, path: str | Path) -> None:
+        """Every rank reads the step and data position; a shared store is read once per host
+        (device tiles by every rank), then every rank waits for it."""
         self.engine.worker.flush()
-        meta = checkpoint.load_state(self.store, path)
+        self.comm.barrier()
+        tiles = None if self.ranks.local_rank == 0 else [t for t in self.store.tiles if t.on_device]
+        meta = checkpoint.load_state(self.store, path, tiles)
+        self.comm.barrier()
         self.step = meta["step"]
         self.engine.worker.updates_done = self.engine.worker.steps_begun = meta["updates_done"]
         self.data.position = meta["data_position"]
@@ -255,6 +312,21 @@ class Trainer:
     def close(self) -> None:
         self.engine.close()
         self.sampler.close()
+        if self.arena is not None:
+            self.comm.barrier()  # unregistered once no rank's copy can still read it
+            self.arena.close()
+        self.comm.close()
+
+
+def _rank_device(name: str, ranks: Ranks) -> str:
+    """One GPU per rank: the host's local rank picks it (engine.device auto or cuda)."""
+    if not ranks.distributed or name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return name
+    check_ranks(ranks, 0, "cuda", torch.cuda.device_count())  # more ranks than GPUs: refused by name
+    if name not in ("auto", "cuda", f"cuda:{ranks.local_rank}"):
+        raise ValueError(f"engine.device {name!r} names one GPU; under torchrun each rank takes the GPU of its "
+                         f"LOCAL_RANK: set engine.device to auto or cuda")
+    return f"cuda:{ranks.local_rank}"
 
 
 def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, total_steps: int, data,
@@ -283,7 +355,9 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
                      f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
     lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters, checkpoint every "
                  f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
-                 f"{s.no_recompute_layers} layers kept from recompute")
+                 f"{s.no_recompute_layers} layers kept from recompute"
+                 + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
+                    f"{d.batch_size // s.ranks} rows of each micro-batch per rank" if s.ranks > 1 else ""))
     host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}
     lines.append(f"memory plan: host {plan.host_bytes / GiB:.2f} GiB ("
                  + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items())
@@ -293,16 +367,18 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     return "\n".join(lines)
 
 
-def plan_report(cfg: TrainConfig) -> str:
-    """What a run would do and need, without allocating the model: `megatrain plan`."""
+def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
+    """What a run would do and need, without allocating the model: `megatrain plan`; `gpus`: as
+    one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank)."""
     shape = ModelShape(load_hf_config(cfg.model))
-    device = Device(cfg.engine.device)
+    ranks = Ranks(0, gpus, 0, gpus)
+    device = Device(_rank_device(cfg.engine.device, ranks))
     machine = Machine.of(device, cfg.engine)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)
     data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
     p = memory.plan(shape, s, data.nbytes + (held_out.nbytes if held_out else 0))
     try:
-        memory.admit(p, machine.host_available, machine.device_free)
+        memory.admit(p, machine.host_available, machine.device_free, shared_memory_free() if gpus > 1 else None)
         verdict = "fits this machine"
     except memory.DoesNotFit as e:
         verdict = str(e)

@@ -50,7 +50,7 @@ def _run(args) -> int:
         spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
                        lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
-                       timeout_s=args.timeout, options=_options(args.option))
+                       timeout_s=args.timeout, options=_options(args.option), gpus=args.gpus)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="AdamW's decoupled decay, on matrices only (not norms and biases)")
     r.add_argument("--timeout", type=float, default=_default(RunSpec, "timeout_s"),
                    help="seconds before the point is killed")
+    r.add_argument("--gpus", type=int, default=_default(RunSpec, "gpus"),
+                   help="data-parallel ranks, one per GPU, under torchrun (megatrain); --batch is the global "
+                        "micro-batch")
     r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
     r.add_argument("--workflow-job", action="store_true",
                    help="as the workflow's point rule runs it (exec'd by its job): end as if interrupted when "

@@ -66,7 +66,10 @@ def is_result(r) -> bool:
 
 def point_key(spec: dict) -> str:
     """What identifies a point across folders; steps, seed and timeout do not."""
-    return json.dumps({k: spec.get(k) or ({} if k == "options" else None) for k in KEY_FIELDS}, sort_keys=True)
+    key = {k: spec.get(k) or ({} if k == "options" else None) for k in KEY_FIELDS}
+    if (spec.get("gpus") or 1) > 1:  # data-parallel points; results from before the field ran on one GPU
+        key["gpus"] = spec["gpus"]
+    return json.dumps(key, sort_keys=True)
 
 
 def _dotted(tree: dict, prefix: str = "") -> list[str]:
@@ -85,6 +88,8 @@ def point_label(spec: dict) -> str:
         parts.append(f"L{overrides.pop('num_hidden_layers')}")
     parts += _dotted(overrides)
     parts.append(f"s{spec['seq_len']} b{spec['batch_size']}x{spec['grad_accum']}")
+    if (spec.get("gpus") or 1) > 1:
+        parts.append(f"{spec['gpus']} GPUs")
     return " ".join(parts + _dotted(spec.get("options") or {}))
 
 

@@ -136,7 +136,7 @@ def _transfers(plan: list, buffers: int) -> list:
 
 def project(spec: RunSpec, m: MachineModel) -> Projection:
     cfg, shape = _engine_inputs(spec)
-    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB))
+    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
     s = replace(s, device="cuda")
     p = memory.plan(shape, s)

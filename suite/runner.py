@@ -72,13 +72,18 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
         start = time.perf_counter()
         with open(log, "w") as log_file:
-            proc = subprocess.Popen([python, "-m", "suite.worker", str(spec_file), str(partial)],
+            # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
+            torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
+            launch = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker"]
+            proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
                                     stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=_dies_with(os.getpid()),
                                     cwd=Path(__file__).resolve().parent.parent)
             timed_out, interrupted, sampler, nvml_before = False, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
-                sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None)
+                # the ranks' shared host store counted once, not once per rank
+                sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None,
+                                      shared_once=spec.gpus > 1)
                 nvml_before = sampler.peak_nvml_bytes
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:

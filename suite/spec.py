@@ -38,13 +38,20 @@ class RunSpec:
     # prompt_field, response_field, tokenizer, ...); batches drawn in the same seeded order for every system
     data: dict[str, Any] | None = None
     save_to: str | None = None  # after the steps, save the trained weights there as a transformers checkpoint
+    # data-parallel ranks, one per GPU, under torchrun (megatrain only); batch_size stays the global
+    # micro-batch's, which the ranks split
+    gpus: int = 1
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
             raise ValueError(f"system: unknown {self.system!r}; known: {list(SYSTEMS)}")
-        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "gpus"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.gpus > 1 and self.system != "megatrain":
+            raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only megatrain runs data-parallel")
+        if self.batch_size % self.gpus:
+            raise ValueError(f"batch_size {self.batch_size} does not split over gpus {self.gpus}: make it a multiple")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup: must be a non-negative integer, got {self.warmup!r}")
         if not self.lr > 0:

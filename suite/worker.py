@@ -45,13 +45,16 @@ def medians(rows: list[dict]) -> dict:
     return out
 
 
-def run(spec: RunSpec, out: str) -> dict:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def run(spec: RunSpec, out: str | None) -> dict:
+    """Under torchrun (spec.gpus > 1) every rank runs this, on the GPU of its LOCAL_RANK, given the
+    same global micro-batches; the first rank alone writes the result."""
+    local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device() if torch.cuda.is_available() else 0))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     shape = ModelShape(spec.hf_config())
     flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * (spec.batch_size * spec.grad_accum))
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": []}
-    write_json(out, result)
+    _write(out, result)
     system = None
     try:
         system = load(spec.system)(spec, device)
@@ -79,7 +82,7 @@ def run(spec: RunSpec, out: str) -> dict:
             if "hardware_flops" in row:  # recomputation included; on the clock of model_tflops
                 row["hardware_tflops"] = row["hardware_flops"] / seconds / 1e12
             result["steps"].append(row)
-            write_json(out, result)
+            _write(out, result)
             if loss is not None and not math.isfinite(loss):  # diverged: broken, not slow
                 raise FloatingPointError(f"the loss is {loss} at step {index + 1}: the system diverged")
             print(f"{spec.system} step {index + 1}/{spec.total_steps}: {seconds:.2f} s, "
@@ -106,18 +109,26 @@ def run(spec: RunSpec, out: str) -> dict:
     return result
 
 
+def _write(out: str | None, result: dict) -> None:
+    if out is not None:
+        write_json(out, result)
+
+
 _OOM_STATUS = {"host": "oom_host", "disk": "oom_host", "device": "oom_device"}  # swap space is the host's
 
 
 def main(argv: list[str]) -> int:
     spec_path, out = argv
     spec = RunSpec.from_dict(json.loads(open(spec_path).read()))
+    if int(os.environ.get("RANK", 0)) != 0:
+        out = None  # the first rank writes the result
     try:
         result = run(spec, out)
     except Exception as e:  # a failed point is a result: keep what was measured, say why
-        result = json.loads(open(out).read()) if os.path.exists(out) else {"system": spec.system, "spec": spec.to_dict()}
+        result = json.loads(open(out).read()) if out and os.path.exists(out) else {"system": spec.system,
+                                                                                 "spec": spec.to_dict()}
         result.update(status="error", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-    write_json(out, result)
+    _write(out, result)
     return 0
 
 

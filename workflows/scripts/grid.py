@@ -117,7 +117,8 @@ def identity(point: dict[str, Any]) -> str:
     one identity are one point defined twice; steps, warm-up and timeout do not count, as in
     suite.compare's pairing of results."""
     options = {k: v for k, v in point.get("options", {}).items() if k not in DIAGNOSTIC_OPTIONS}
-    return json.dumps([point["system"], model(point), point["seq"], point["batch"], point["accum"], options],
+    ranks = [point["gpus"]] if point.get("gpus", 1) > 1 else []  # one GPU: as the points before the field
+    return json.dumps([point["system"], model(point), point["seq"], point["batch"], point["accum"], options, *ranks],
                       sort_keys=True)
 
 
@@ -138,6 +139,8 @@ def argv(point: dict[str, Any]) -> list[str]:
     args += ["--seq", str(point["seq"]), "--batch", str(point["batch"]), "--accum", str(point["accum"]),
              "--steps", str(point["steps"]), "--warmup", str(point["warmup"]),
              "--timeout", str(point["timeout"])]
+    if point.get("gpus", 1) > 1:
+        args += ["--gpus", str(point["gpus"])]
     args += [f"{k}={_value(v)}" for k, v in sorted(point["options"].items())]
     return args
 

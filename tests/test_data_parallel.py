@@ -1,0 +1,283 @@
+"""Data-parallel ranks (megatrain/distributed.py) on the CPU through gloo, launched by torchrun.
+
+Exactness: 2 ranks with a global batch of B rows train as 1 rank with B rows. Each rank's
+gradient sums its B/2 rows and the ranks' sums are added by the reduce-scatter, where one rank's
+matmuls sum all B rows at once: the same terms in another order, so float32 rounding differs.
+Losses and gradient norms: rtol 1e-5 (the reference test's, tests/test_engine_reference.py). Weights
+after 3 AdamW steps at lr 1e-3: atol 2e-5 for the same reason as there (an element whose gradient
+is rounding noise, e.g. the key biases', moves by a few percent of lr in either run; a wrong
+reduction or a part updated twice moves whole lr-sized steps, 1e-3).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_batches, store_params, tiny_checkpoint
+from megatrain.config import load_config
+from megatrain.distributed import Ranks, check, part
+from megatrain.trainer import Trainer
+
+SEQ, BATCH, ACCUM, STEPS = 16, 4, 2, 3
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+
+
+def settings(tmp_path, **top) -> dict:
+    return {"model": {"pretrained": str(tmp_path / "init")},
+            "engine": {"device": "cpu", "checkpoint_every": 2, "loss_chunk_tokens": 7},
+            "optim": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 1},
+            "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
+
+
+def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None
+             ) -> list[dict]:
+    """Run tests/dp_rank.py under torchrun, 2 ranks per "host", `nodes` hosts on this machine (each
+    its own torchrun, as on separate hosts); the ranks' reports."""
+    out = tmp_path / name
+    out.mkdir()
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank}))
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    if nodes == 1:
+        commands = [run + ["--standalone", str(HERE / "dp_rank.py"), str(spec)]]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        commands = [run + ["--nnodes", str(nodes), "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), str(HERE / "dp_rank.py"), str(spec)] for k in range(nodes)]
+    procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    if crash_rank is not None:
+        assert all(p.returncode != 0 for p in procs)
+        return []
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
+
+
+def one_rank(tmp_path, tree: dict, batches) -> tuple[list[float], list[float], dict]:
+    trainer = Trainer(load_config(base=tree))
+    try:
+        losses = [trainer.train_step(mbs)["loss"] for mbs in batches]
+        trainer.engine.worker.flush()
+        norms = [trainer.engine.worker.grad_norms[k] for k in range(len(batches))]
+        return losses, norms, store_params(trainer)
+    finally:
+        trainer.close()
+
+
+@pytest.fixture
+def model_and_batches(tmp_path):
+    model = tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    batches = random_batches(STEPS, ACCUM, BATCH, SEQ, model.config.vocab_size, pad=True)
+    torch.save(batches, tmp_path / "batches.pt")
+    return batches
+
+
+def assert_same_training(reports, params, reference):
+    losses, norms, weights = reference
+    for report in reports:
+        torch.testing.assert_close(report["losses"], losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close(report["grad_norms"], norms, rtol=1e-5, atol=0)
+    for name, expected in weights.items():
+        torch.testing.assert_close(params[name], expected, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("engine, clip", [({}, 0.5), ({"device_tiles": 2, "no_recompute_layers": 1}, None)],
+                         ids=["host-tiles-clip", "device-tiles-noclip"])
+def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batches, engine, clip):
+    """Grad accumulation (2 micro-batches), right-padded rows, an untied head; clipping by the
+    global norm (the updates at the step's end), or none (each part updated as its gradient
+    returns) with the embedding and layer 0 on each GPU, summed whole; and the two ranks' store is
+    one shared mapping, not two copies."""
+    tree = settings(tmp_path)
+    tree["engine"].update(engine)
+    tree["optim"]["max_grad_norm"] = clip
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
+    params = torch.load(tmp_path / "two" / "params-host0.pt")
+    assert_same_training(reports, params, one_rank(tmp_path, tree, model_and_batches))
+    # one file, mapped by both: its pages are counted once over the two processes (PSS), while
+    # each maps all of them (RSS)
+    assert len({f for r in reports for f in r["files"]}) == 1
+    store = reports[0]["store_bytes"]
+    assert sum(r["pss_bytes"] for r in reports) <= 1.1 * store
+    assert all(r["rss_bytes"] >= 0.5 * store for r in reports)
+    assert not Path(reports[0]["files"][0]).exists(), "the shared store's file left behind"
+
+
+def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
+    """4 ranks as 2 "hosts" (two torchruns, --nnodes 2): each host its own shared store, the
+    gradients reduced within and across hosts; both hosts' stores end equal to the one rank's."""
+    tree = settings(tmp_path)
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "hosts", nodes=2)
+    reference = one_rank(tmp_path, tree, model_and_batches)
+    for host in (0, 1):
+        assert_same_training(reports, torch.load(tmp_path / "hosts" / f"params-host{host}.pt"), reference)
+    files = [set(r["files"]) for r in reports]
+    assert files[0] == files[1] and files[2] == files[3] and not files[0] & files[2]
+
+
+def test_resume_after_a_two_rank_run(tmp_path):
+    """2 ranks train 2 steps (fit, synthetic data: the sampler's rows split by rank) and save; 2
+    ranks, or 1, resume for 2 more: the same as 1 rank for 4 steps (the state does not depend on N)."""
+    import shutil
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
+    data = {"seq_len": SEQ, "batch_size": 2, "grad_accum": 2}
+    trainer = Trainer(load_config(base=settings(tmp_path, steps=4, data=data)))
+    try:
+        trainer.fit(log=open("/dev/null", "w"), progress=False)
+        expected = store_params(trainer)
+    finally:
+        trainer.close()
+    torchrun(tmp_path, settings(tmp_path, steps=2, data=data, output_dir=str(tmp_path / "two")), None, "first")
+    shutil.copytree(tmp_path / "two", tmp_path / "one")
+
+    def resume(out: str) -> dict:
+        return settings(tmp_path, steps=4, data=data, output_dir=str(tmp_path / out), resume=True, resume_changes=True)
+    reports = torchrun(tmp_path, resume("two"), None, "resumed")
+    assert [len(r["losses"]) for r in reports] == [2, 2]
+    by_two = torch.load(tmp_path / "resumed" / "params-host0.pt")
+    trainer = Trainer(load_config(base=resume("one")))
+    try:
+        assert trainer.step == 2
+        trainer.fit(log=open("/dev/null", "w"), progress=False)
+        by_one = store_params(trainer)
+    finally:
+        trainer.close()
+    for name in expected:
+        for got in (by_two, by_one):
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_rank_that_dies_leaves_no_shared_store_behind(tmp_path):
+    """The shared file is unlinked once mapped: a rank dying (torchrun then ends the others) leaves
+    nothing in /dev/shm."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    before = set(Path("/dev/shm").glob("megatrain-*"))
+    torchrun(tmp_path, settings(tmp_path), None, "crash", crash_rank=1)
+    assert set(Path("/dev/shm").glob("megatrain-*")) == before
+
+
+def test_parts_cover_every_tile_once():
+    for numel in (64, 128, 4096 + 64, 1_000_064):
+        for n in (1, 2, 3, 8):
+            spans = [part(numel, n, k)[:2] for k in range(n)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(lo % 64 == 0 for lo, _ in spans)
+
+
+@pytest.mark.parametrize("ranks, batch, device, gpus, message", [
+    (Ranks(0, 4, 0, 4), 8, "cuda", 2, r"4 ranks on this host but 2 GPU\(s\)"),
+    (Ranks(0, 2, 0, 2), 3, "cpu", 0, r"data.batch_size 3 .* does not split over 2 ranks"),
+    (Ranks(0, 4, 0, 2, 0), 6, "cpu", 0, r"does not split over 4 ranks"),
+])
+def test_bad_combinations_are_refused(ranks, batch, device, gpus, message):
+    with pytest.raises(ValueError, match=message):
+        check(ranks, batch, device, gpus)
+
+
+def test_a_global_batch_that_does_not_split_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tree = settings(tmp_path, data={"seq_len": SEQ, "batch_size": 3})
+    with pytest.raises(ValueError, match="data.batch_size 3"):
+        Trainer(load_config(base=tree))
+
+
+def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch):
+    """The plan counts the store once per host and the rest per rank; /dev/shm too small is refused."""
+    import megatrain.trainer
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(megatrain.trainer, "shared_memory_free", lambda: 4096)
+    with pytest.raises(ValueError, match=r"host memory: .*/dev/shm"):
+        Trainer(load_config(base=settings(tmp_path)))
+
+
+def test_the_plan_counts_the_shared_store_once_per_host():
+    """Two ranks on a host: the store once, the per-rank buffers and runtime twice, each rank's
+    device memory for its half of the micro-batch."""
+    from megatrain import memory
+    from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
+    from megatrain.resolve import Machine, resolve
+    from megatrain.shapes import ModelShape, load_hf_config
+    shape = ModelShape(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
+    data, machine = DataConfig(seq_len=4096, batch_size=4), Machine(True, 80 << 30, 1 << 40, gpus=2)
+    one = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine))
+    two = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine, Ranks(0, 2, 0, 2)))
+    assert two.detail["store"] <= one.detail["store"]  # no power-of-two pinned blocks in the shared file
+    assert two.detail["runtime"] == 2 * one.detail["runtime"]
+    assert two.detail["grad_slabs"] == 2 * one.detail["grad_slabs"]
+    assert two.device_bytes < one.device_bytes
+    assert two.host_bytes < 1.1 * one.host_bytes
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(system="native", gpus=2), "only megatrain runs data-parallel"),
+    (dict(system="megatrain", gpus=3), "batch_size 2 does not split over gpus 3"),
+])
+def test_the_harness_refuses_what_cannot_run_data_parallel(bad, message):
+    from suite.spec import RunSpec
+    with pytest.raises(ValueError, match=message):
+        RunSpec(model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, **bad)
+
+
+def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
+    """The worker under torchrun (suite/runner.py), the first rank writing the result: the same
+    losses as the point on one rank, the host peak counting the shared store once."""
+    from suite.runner import run_point
+    from suite.spec import RunSpec
+    results = {}
+    for gpus in (1, 2):
+        spec = RunSpec(system="megatrain", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=2,
+                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus)
+        results[gpus] = run_point(spec, tmp_path / f"{gpus}.json")
+        assert results[gpus]["status"] == "ok", results[gpus].get("log_tail")
+    torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
+                               rtol=1e-5, atol=0)
+    assert results[2]["spec"]["gpus"] == 2
+
+
+def test_a_tile_is_ready_once_every_owner_has_published_its_update():
+    """Flags: the reader's own part published is not enough; the peer's counter must reach it."""
+    import threading
+    import time
+    from megatrain.distributed import Flags
+    memory = torch.zeros(Flags.nbytes(2, 2), dtype=torch.uint8)
+    mine, peer = Flags(memory, ["embed", "layer.0"], 0), Flags(memory, ["embed", "layer.0"], 1)
+    assert mine.ready("layer.0")
+    mine.mark("layer.0")
+    assert not mine.ready("layer.0") and peer.ready("layer.0") and mine.ready("embed")
+    later = threading.Timer(0.2, peer.mark, ["layer.0"])
+    later.start()
+    start = time.perf_counter()
+    mine.wait("layer.0")
+    assert time.perf_counter() - start > 0.1 and mine.ready("layer.0")
+    later.join()
+
+
+def test_megatrain_plan_for_two_gpus(tmp_path, capsys):
+    """`megatrain plan --gpus 2`: the plan of one host's ranks, or the refusal, before anything runs."""
+    from megatrain.cli import main
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(settings(tmp_path)))
+    assert main(["plan", "--config", str(path), "--gpus", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "2 data-parallel ranks (2 per host, sharing its host store), 2 rows" in report and "fits" in report
+    assert main(["plan", "--config", str(path), "--gpus", "3"]) == 2
+    assert "does not split over 3 ranks" in capsys.readouterr().err
