@@ -26,6 +26,10 @@ def point_args(wildcards):
     return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]))
 
 
+def point_gpus(wildcards):
+    return POINTS[(wildcards.experiment, wildcards.id)].get("gpus", 1)
+
+
 def host_memory_env(wildcards):
     """The host's size as the profile or the user states it (GiB), for every system's admission."""
     stated = config.get("host_memory_gb")

@@ -12,6 +12,9 @@ rule point:
         "envs/megatrain.yaml"
     log:
         f"logs/{HW}/points/{{experiment}}/{{id}}.log",
+    resources:
+        gpu=point_gpus,  # a data-parallel point's ranks, one GPU each
+        host=1,
     params:
         args=point_args,
         host=host_memory_env,
