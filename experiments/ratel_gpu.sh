@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# Ratel (baselines/ratel.md) on the GPU machine, from the carried checkout .ratel/LoHan and .libaio
-# (device tool: carry [".ratel/LoHan", ".libaio"]; not ".ratel", which would replace the built ops):
-#   experiments/ratel_gpu.sh build          probe the environment, build cpu_adam and async_io (once a machine)
-#   experiments/ratel_gpu.sh disk OUT_DIR   one point offloaded to the VM's disk (a directory under /tmp)
-#   experiments/ratel_gpu.sh cpu OUT_DIR    the same point offloaded to host memory
-# The point: Ratel's GPT-2-style model at Qwen2.5-7B's width, 4 layers (1.17B parameters, half of them the
-# embedding), main.py's input 1024 x 4, 1 + 3 of its 4 iterations. Made where the mirror is:
-#   git clone /work/.mirror/RC4ML+LoHan/repo .ratel/LoHan   (or https://github.com/RC4ML/LoHan; 1.5 MB)
-set -euo pipefail
+# Ratel's dry check on the GPU machine (baselines/ratel.md), in one call: the environment probe, the
+# build of its two ops (timed), then main.py at a smoke shape (Qwen2.5-0.5B's width, 2 layers, input
+# 256 x 4) offloaded to the VM's disk and to host memory. Needs the carried checkout and libaio
+# (device tool: carry [".ratel", ".libaio"]), made where there is internet:
+#   git clone https://github.com/RC4ML/LoHan .ratel/LoHan      (1.5 MB; .ratel/ is git-ignored)
+#   baselines/libaio.sh fetch .libaio
+#   OUT=out experiments/ratel_gpu.sh
+# The measured points are the grids' `ratel` experiment (h100.yaml, gh200.yaml): 1b_ratel_disk, 1b_ratel_cpu.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
 export RATEL_HOME=${RATEL_HOME:-$PWD/.ratel/LoHan}
-# the ops stay between calls of a warm machine (an ignored path that is not carried); ratel.py adds /ratel
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ratel/torch_extensions}
 [ -d .libaio ] && eval "$(baselines/libaio.sh env .libaio)"
-SHAPE=(--preset qwen2.5-7b --layers 4 --seq 1024 --batch 4 --warmup 1 --steps 3)
-case ${1:-} in
-  build)
-    python3 - <<'PY'
+python3 - <<'PY' || exit 1
 import os, subprocess, sys, time
 from pathlib import Path
 from baselines.ratel import compat_env
@@ -29,18 +26,14 @@ start = time.time()
 subprocess.run([sys.executable, "-c", build], env=env, check=True, cwd="/tmp")
 print(f"ratel ops built in {time.time() - start:.0f} s under {env['TORCH_EXTENSIONS_DIR']}")
 PY
-    ;;
-  disk|cpu)
-    out=${2:?usage: $0 disk|cpu OUT_DIR}
-    mkdir -p "$out"
-    python3 -m suite run --system ratel "${SHAPE[@]}" --timeout "${POINT_TIMEOUT:-560}" \
-      --out "$out/ratel-$1.json" approximate_model=true offload="$1"
-    python3 - "$out/ratel-$1.json" <<'PY'
+for offload in disk cpu; do
+  python3 -m suite run --system ratel --preset qwen2.5-0.5b --layers 2 --seq 256 --batch 4 --warmup 1 --steps 3 \
+    --timeout 240 --out "$OUT/ratel-smoke-$offload.json" approximate_model=true offload=$offload
+  python3 - "$OUT/ratel-smoke-$offload.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(r["status"], r.get("reason") or "", (r.get("median") or {}).get("model_tflops"), "TFLOP/s")
+print(r["status"], r.get("reason") or "", [s.get("step_time_s") for s in r.get("steps", [])])
 print("\n".join(r.get("info", {}).get("compat", {}).get("applied", [])))
+print((r.get("info", {}).get("output_tail") or r.get("log_tail") or "")[-1500:])
 PY
-    ;;
-  *) echo "usage: $0 build | disk OUT_DIR | cpu OUT_DIR" >&2; exit 2 ;;
-esac
+done
