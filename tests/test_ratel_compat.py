@@ -89,6 +89,18 @@ def test_gradients_flow_like_explicit_attention():
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_in_fp16_on_the_gpu(cuda_only, causal):
+    """What gpt_model.py runs: fp16 qkv on cuda, SDPA's flash kernel, against float64 on the CPU."""
+    x = qkv(b=2, s=256, h=4, d=128).half().cuda()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out, _ = FlashAttention().eval()(x, causal=causal)
+    assert out.dtype == torch.float16 and out.shape == (2, 256, 4, 128)
+    # fp16 inputs and output: a few units in the last place of values of order 0.1-1
+    torch.testing.assert_close(out.cpu().double(), reference(x.cpu().float(), causal), rtol=1e-2, atol=2e-3)
+
+
 # Stand-ins for the two modules the layer adapts: a builder whose subclass passes -std=c++14 and whose
 # jit_load reports the flags torch's load() would get; a gpt_model whose checkpoint reports its kwargs.
 STANDINS = {
