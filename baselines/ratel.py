@@ -1,9 +1,9 @@
 """Ratel (Liao et al., ICDE 2025), driven through the user's own checkout of its public artifact
-(https://github.com/RC4ML/LoHan) and the user's own environment for it. Nothing of Ratel is vendored.
+(https://github.com/RC4ML/LoHan). Nothing of Ratel is vendored: the user supplies the checkout.
 
 Ratel is a standalone script, not a library. Its `main.py` builds its own GPT-2-style model (fp16,
-DeepSpeed's CPU Adam, NVMe offload configured by a `config.json`), runs a number of iterations that
-is fixed in the script, and prints for each one
+DeepSpeed's CPU Adam, parameters and optimizer state offloaded as a `config.json` says), runs a number
+of iterations that is fixed in the script (4 upstream), and prints for each one
 
     -----------------------Iter 3-----------------------
     forward time 1.234
@@ -15,11 +15,19 @@ back one iteration per `step()` call: the warm-up steps are Ratel's first iterat
 around `step()` is the whole run on the first call and nothing after). main.py prints no loss (its
 loss is an MSE of the last hidden states against a random target), so `loss` is None.
 
+The artifact wants torch 2.0, flash-attn 1.0.4 and Python 3.10. Its processes run with
+`baselines/ratel_compat/` first on their PYTHONPATH: a flash-attn 1.x `FlashAttention` on torch's SDPA,
+and import hooks for what newer torch and Python break (ratel_compat/ratel_patches.py says what). The
+checkout is never written: main.py runs in a temporary directory, without bytecode files.
+
 Options:
   checkout           the clone (default: $RATEL_HOME)
-  python             Ratel's interpreter (default: the README's conda env `ratel` if found, else this one)
-  nvme_path          a directory on the NVMe array; replaces every nvme_path of the checkout's config.json
-  args               more main.py flags, e.g. {"swap_ratio": 0.5}; over run.sh's single-GPU settings
+  python             the interpreter (default: the README's conda env `ratel` if found, else this one)
+  offload            disk (default): parameters and optimizer state on a disk through libaio, run.sh's
+                     single-GPU flags; cpu: both in host memory (--is_nvme 0, synchronous CPU Adam)
+  nvme_path          (disk) the swap directory; default one in the run's directory under the temp dir,
+                     removed at close
+  args               more main.py flags, e.g. {"swap_ratio": 0.5}; over the offload's flags
   approximate_model  true: run Ratel's GPT model at the spec's shape although the spec's model differs
 """
 from __future__ import annotations
@@ -35,25 +43,33 @@ from pathlib import Path
 
 import torch
 
+from baselines.ratel_compat import PATH as COMPAT
+from megatrain.memory import DoesNotFit, Shortage
 from megatrain.metrics import model_flops
 from suite.system import System, Unsupported
 
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
-CONFIG = "config.json"  # main.py's --sb_config: offload devices, NVMe paths, aio settings
-_OPTIONS = {"checkout", "python", "nvme_path", "args", "approximate_model"}
-# run.sh's single-GPU invocation
+CONFIG = "config.json"  # main.py's --sb_config: offload sections, NVMe paths, aio settings
+_OPTIONS = {"checkout", "python", "offload", "nvme_path", "args", "approximate_model"}
+_SECTIONS = ("offload_optimizer", "offload_param", "offload_act")
+# run.sh's single-GPU invocation: the disk offload
 RUN_SH_FLAGS = {"is_swap_and_recompute": 0, "is_swap_prior": 1, "is_fully_swap": 0, "swap_ratio": 0.3,
                 "is_new_param_async": 1, "is_grad_async": 1, "is_mp": 1, "is_nvme": 1, "is_nvme_async": 1,
                 "is_nvme_rearrange": 1}
+# host memory: no swappers (--is_nvme 0). The asynchronous optimizer paths (is_nvme_async, is_nvme_rearrange)
+# assert a swappable optimizer, and the optimizer process (is_mp) is fed only by them, so all are off and
+# main.py steps DeepSpeed's CPU Adam itself after each backward.
+HOST_FLAGS = {**RUN_SH_FLAGS, "is_mp": 0, "is_nvme": 0, "is_nvme_async": 0, "is_nvme_rearrange": 0}
+OFFLOADS = {"disk": RUN_SH_FLAGS, "cpu": HOST_FLAGS}
+SWAP_BYTES_PER_PARAM = 18  # fp16 parameters + fp32 master, Adam moments and gradients: an upper bound
 _SPEC_FLAGS = {"hidden_dim", "num_heads", "num_layers", "vocab_size", "max_seq_len", "batch_size", "sb_config",
                "model_size"}
-# flash-attn 1.x's FlashAttention, which main.py's model imports (gone in flash-attn 2)
-_PROBE = "import flash_attn.flash_attention, torch; print(torch.__version__)"
 _NUMBER = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
 _ITER = re.compile(r"^-+Iter (\d+)-+$")
 _FORWARD = re.compile(rf"^forward time\s+{_NUMBER}$")
 _BACKWARD = re.compile(rf"^back_and_opt time\s+{_NUMBER}$")
+_LOOP = re.compile(r"for \w+ in range\((\d+)\):\s*\n(?:.*\n){0,3}?.*Iter")  # main.py's fixed iteration count
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError")
 
 
@@ -72,13 +88,39 @@ def parse_output(text: str) -> list[tuple[int, float, float]]:
     return out
 
 
+def flags_for(offload: str, args: dict) -> dict:
+    """main.py's system flags: the offload's, then options.args; combinations main.py mishandles refused."""
+    flags = {**OFFLOADS[offload], **args}
+    on = {k for k in ("is_mp", "is_nvme", "is_nvme_async", "is_nvme_rearrange") if int(flags[k])}
+    if "is_mp" in on and "is_nvme_async" not in on:
+        raise ValueError("ratel options.args: is_mp 1 with is_nvme_async 0 never steps the optimizer (its "
+                         "process is fed by the asynchronous path only, and main.py steps only when is_mp is 0)")
+    if "is_nvme" not in on and on & {"is_nvme_async", "is_nvme_rearrange"}:
+        raise ValueError("ratel options.args: is_nvme_async and is_nvme_rearrange need is_nvme 1 (their "
+                         "optimizer step asserts a swappable optimizer); for host memory use offload=cpu")
+    return flags
+
+
+def compat_env(checkout: Path, base: dict | None = None) -> dict:
+    """The environment of Ratel's processes: the compatibility layer first on the path, the checkout next,
+    no bytecode written into the checkout, its ops built apart from DeepSpeed's same-named ones."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([str(COMPAT), str(checkout)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    extensions = env.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    env["TORCH_EXTENSIONS_DIR"] = os.path.join(extensions, "ratel")
+    return env
+
+
 def _default_python() -> str:
     """The README's `conda create -n ratel` environment when conda is active, else this interpreter."""
     conda = os.environ.get("CONDA_EXE")
     if conda:
-        candidate = Path(conda).resolve().parents[1] / "envs" / "ratel" / "bin" / "python"
-        if candidate.is_file():
-            return str(candidate)
+        for name in ("ratel", "lohan"):  # the README's env is `lohan` upstream, `ratel` in the fork
+            candidate = Path(conda).resolve().parents[1] / "envs" / name / "bin" / "python"
+            if candidate.is_file():
+                return str(candidate)
     return sys.executable
 
 
@@ -91,23 +133,38 @@ class Ratel(System):
         if unknown:
             raise ValueError(f"ratel options: unknown {unknown}; known: {sorted(_OPTIONS)}")
         self.spec = spec
+        self.offload = spec.options.get("offload", "disk")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"ratel options.offload: {self.offload!r}; one of {sorted(OFFLOADS)} "
+                             "(disk: a swap directory through libaio; cpu: host memory)")
+        if self.offload == "cpu" and spec.options.get("nvme_path"):
+            raise ValueError("ratel options.nvme_path: only with offload=disk")
         self.checkout = self._checkout(spec.options)
         self.differences, self.shape = self._model(spec)
-        flags = {**RUN_SH_FLAGS, **self._extra_args(spec.options.get("args", {}))}
-        self.sb_config = self._config(spec.options.get("nvme_path"))
+        self.iterations = self._loop_count(spec)
+        self.flags = flags_for(self.offload, self._extra_args(spec.options.get("args", {})))
         self.python = self._python(spec.options)
-        self.torch_version = self._probe()
+        self.env = compat_env(self.checkout)
+        self.swap, self.owns_swap = self._swap(spec.options.get("nvme_path"))
+        self.probe = self._probe()
         self.workdir = Path(tempfile.mkdtemp(prefix="ratel-"))  # made last: a refusal leaves nothing behind
+        if self.owns_swap:  # on the temp dir's disk, removed with the run's directory
+            self.swap = str(self.workdir / "swap")
+            os.makedirs(self.swap)
+        self.sb_config = self._config()
         config_file = self.workdir / CONFIG
         config_file.write_text(json.dumps(self.sb_config, indent=1))
-        argv = {**self.shape, **flags, "sb_config": config_file}
-        self.command = [self.python, ENTRY] + [x for k, v in argv.items() for x in (f"--{k}", str(v))]
+        argv = {**self.shape, **self.flags, "sb_config": config_file}
+        self.command = [self.python, str(self.checkout / ENTRY)] + [x for k, v in argv.items() for x in (f"--{k}", str(v))]
         h, layers, seq, batch = (self.shape[k] for k in ("hidden_dim", "num_layers", "max_seq_len", "batch_size"))
-        # qkv 3h², out h², MLP 8h² per layer; no LM head: the FLOPs of the model Ratel really runs
-        self.model_flops_per_step = model_flops(12 * h * h * layers, [(h, None)] * layers, [seq] * batch)
+        # qkv 3h², out h², MLP 8h² per layer, no LM head: the FLOPs of the model Ratel really runs. main.py lays
+        # its input out [max_seq_len, batch_size] and the model reads [batch, seq], so attention spans
+        # batch_size positions in each of max_seq_len rows (ratel.md, "Sequence layout")
+        self.model_flops_per_step = model_flops(12 * h * h * layers, [(h, None)] * layers, [batch] * seq)
         self.rows: list[dict] | None = None
         self.taken = 0
         self.output_tail = ""
+        self.compat_lines: list[str] = []
 
     # ---- validation: every refusal names what to change ----
     @staticmethod
@@ -115,7 +172,7 @@ class Ratel(System):
         given = options.get("checkout") or os.environ.get("RATEL_HOME")
         if not given:
             raise Unsupported(f"no Ratel checkout: set RATEL_HOME or options.checkout to a clone of {REPO} "
-                              "built per its README (torch 2.0, flash-attn 1.x, NVMe RAID)")
+                              "(git clone it; the suite's compatibility layer adapts it to this torch at run time)")
         path = Path(given).expanduser().resolve()
         missing = [name for name in (ENTRY, CONFIG) if not (path / name).is_file()]
         if missing:
@@ -132,6 +189,10 @@ class Ratel(System):
         if spec.grad_accum != 1:
             raise Unsupported(f"grad_accum {spec.grad_accum}: Ratel's main.py has no gradient accumulation; "
                               "use grad_accum 1 and put the sequences in batch_size")
+        if spec.batch_size > spec.seq_len:
+            raise Unsupported(f"batch_size {spec.batch_size} > seq_len {spec.seq_len}: Ratel's model reads "
+                              "main.py's [max_seq_len, batch_size] input as [batch, seq] and embeds positions "
+                              "0..batch_size-1 from a table of max_seq_len rows")
         hf = spec.hf_config()
         hidden, heads = hf.hidden_size, hf.num_attention_heads
         if hidden % heads:
@@ -153,6 +214,9 @@ class Ratel(System):
             diffs.append(f"head_dim {explicit}; Ratel's is hidden / heads = {head_dim}")
         diffs.append("an LM head with cross-entropy; Ratel's model has no LM head and its loss is the MSE of "
                      "the last hidden states against a random target")
+        diffs.append("causal attention over seq_len tokens; Ratel's attention is not causal (FlashAttention's "
+                     f"default) and spans batch_size = {spec.batch_size} positions in each of seq_len = "
+                     f"{spec.seq_len} rows (main.py's sequence layout)")
         if not spec.options.get("approximate_model"):
             raise Unsupported("Ratel's main.py trains only its own GPT-2-style model; this spec's differs: "
                               + "; ".join(diffs) + ". Set options.approximate_model=true to run Ratel's model "
@@ -162,6 +226,14 @@ class Ratel(System):
                  "vocab_size": hf.vocab_size, "max_seq_len": spec.seq_len, "batch_size": spec.batch_size}
         return diffs, shape
 
+    def _loop_count(self, spec) -> int | None:
+        m = _LOOP.search((self.checkout / ENTRY).read_text(errors="replace"))
+        count = int(m.group(1)) if m else None
+        if count is not None and spec.total_steps > count:
+            raise Unsupported(f"warmup {spec.warmup} + steps {spec.steps} = {spec.total_steps}: {self.checkout / ENTRY} "
+                              f"runs {count} iterations (fixed in the script); lower warmup and steps")
+        return count
+
     @staticmethod
     def _extra_args(args) -> dict:
         if not isinstance(args, dict):
@@ -169,24 +241,48 @@ class Ratel(System):
         owned = sorted(set(args) & _SPEC_FLAGS)
         if owned:
             raise ValueError(f"ratel options.args: {owned} come from the spec (model, seq_len, batch_size) "
-                             "or from options.nvme_path; set them there")
+                             "or from options.offload and nvme_path; set them there")
+        unknown = sorted(set(args) - set(RUN_SH_FLAGS))
+        if unknown:
+            raise ValueError(f"ratel options.args: unknown main.py flags {unknown}; known: {sorted(RUN_SH_FLAGS)}")
         return dict(args)
 
-    def _config(self, nvme_path) -> dict:
-        """The checkout's config.json with options.nvme_path put in; every NVMe path must exist."""
+    def _swap(self, nvme_path) -> tuple[str | None, bool]:
+        """The swap directory: options.nvme_path (which must exist), or one made under the temp dir."""
+        if nvme_path is None:
+            if self.offload == "disk":
+                self._fits_on_disk(tempfile.gettempdir())
+            return None, True
+        if not Path(nvme_path).is_dir():
+            raise Unsupported(f"options.nvme_path {nvme_path} is not a directory: Ratel offloads to NVMe there "
+                              "(the artifact's make_raid.sh builds a RAID 0 of NVMe drives); leave it out to use "
+                              "a directory under the temp dir")
+        self._fits_on_disk(nvme_path)
+        return str(nvme_path), False
+
+    def _fits_on_disk(self, path) -> None:
+        h, layers, vocab, seq = (self.shape[k] for k in ("hidden_dim", "num_layers", "vocab_size", "max_seq_len"))
+        need = self.ratel_params(h, layers, vocab, seq) * SWAP_BYTES_PER_PARAM
+        free = shutil.disk_usage(path).free
+        if need > free:
+            raise DoesNotFit("ratel", [Shortage("disk", int(need), free, f"its swap at {path}, "
+                                                f"{SWAP_BYTES_PER_PARAM} B/param")])
+
+    @staticmethod
+    def ratel_params(h: int, layers: int, vocab: int, seq: int) -> int:
+        return layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h
+
+    def _config(self) -> dict:
+        """The checkout's config.json with this run's swap directory in every section; offload=cpu marks
+        them `cpu`. Ratel's swappers read nvme_path only: the activation swapper is built (and makes its
+        folder) in every mode, so even host memory needs the directory, where nothing is written."""
         config = json.loads((self.checkout / CONFIG).read_text())
-        paths = []
-        for section in ("offload_optimizer", "offload_param", "offload_act"):
-            part = config.get("zero_config", {}).get(section) or {}
-            if part.get("device") == "nvme":
-                if nvme_path:
-                    part["nvme_path"] = str(nvme_path)
-                paths.append(part.get("nvme_path"))
-        missing = sorted({str(p) for p in paths if not p or not Path(p).is_dir()})
-        if missing:
-            raise Unsupported(f"Ratel offloads to NVMe at {missing} (from {self.checkout / CONFIG}), which is "
-                              "not a directory here: set options.nvme_path to a directory on an NVMe array "
-                              "(the artifact's make_raid.sh builds a RAID 0 of NVMe drives)")
+        zero = config.setdefault("zero_config", {})
+        for section in _SECTIONS:
+            part = zero.setdefault(section, {})
+            part["nvme_path"] = self.swap
+            if self.offload == "cpu":
+                part["device"] = "cpu"
         return config
 
     @staticmethod
@@ -197,24 +293,31 @@ class Ratel(System):
             raise Unsupported(f"options.python: no interpreter {python}")
         return found
 
-    def _probe(self) -> str:
-        """Refuse up front when Ratel's environment cannot import what its model needs."""
-        r = subprocess.run([self.python, "-c", _PROBE], cwd=self.checkout, capture_output=True, text=True)
-        if r.returncode:
+    def _probe(self) -> dict:
+        """Refuse up front when Ratel's environment lacks what main.py needs (ratel_compat/ratel_probe.py)."""
+        r = subprocess.run([self.python, str(COMPAT / "ratel_probe.py")], cwd=tempfile.gettempdir(),
+                           env=self.env, capture_output=True, text=True)
+        lines = r.stdout.strip().splitlines()
+        try:
+            report = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise Unsupported(f"Ratel's interpreter {self.python} cannot import flash_attn.flash_attention "
-                              f"(flash-attn 1.x) and torch: {last}. Build the environment per the artifact's "
-                              "README (python 3.10, torch 2.0.0+cu118, flash-attn 1.0.4) and set options.python")
-        return r.stdout.strip().splitlines()[-1]
+            raise Unsupported(f"Ratel's interpreter {self.python} could not run the environment probe: {last}")
+        if report["missing"]:
+            raise Unsupported(f"Ratel's environment ({self.python}, torch {report['torch']}) lacks: "
+                              + "; ".join(report["missing"]))
+        return report
 
     # ---- running ----
     def _run(self) -> list[dict]:
         log = self.workdir / "ratel.log"
-        # no timeout here: the runner kills the worker's whole process tree, Ratel's included
+        # no timeout here: the runner kills the worker's whole process tree, Ratel's included. The working
+        # directory is the run's own: SB_Init writes model_info.txt into it
         with open(log, "w") as f:
-            code = subprocess.run(self.command, cwd=self.checkout, stdout=f, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+            code = subprocess.run(self.command, cwd=self.workdir, stdout=f, stderr=subprocess.STDOUT,
+                                  env=self.env).returncode
         text = log.read_text(errors="replace")
+        self.compat_lines = [line.strip() for line in text.splitlines() if line.startswith("[ratel_compat]")]
         self.output_tail = text[-4000:]
         tail = text[-2000:]
         if code:
@@ -255,10 +358,16 @@ class Ratel(System):
         return {
             "artifact": f"Ratel, {REPO}", "checkout": str(self.checkout),
             "checkout_commit": commit, "python": self.python,
-            "torch": self.torch_version, "command": self.command, "sb_config": self.sb_config,
+            "torch": self.probe["torch"], "torch_cuda": self.probe["cuda"], "command": self.command,
+            "offload": self.offload, "swap_dir": self.swap, "sb_config": self.sb_config,
+            "main_py_iterations": self.iterations,
+            "compat": {"path": str(COMPAT), "applied": self.compat_lines,
+                       "attention": "flash_attn.flash_attention.FlashAttention from the suite's shim: torch "
+                                    "scaled_dot_product_attention, not flash-attn 1.x's kernel",
+                       "torch_extensions_dir": self.env["TORCH_EXTENSIONS_DIR"]},
             "model": "Ratel's GPT-2-style model at the spec's shape (options.approximate_model)",
             "differences_from_spec": self.differences,
-            "ratel_params": layers * (12 * h * h + 13 * h) + (vocab + seq) * h + 2 * h,
+            "ratel_params": self.ratel_params(h, layers, vocab, seq),
             "precision": "fp16 weights and compute; fp32 master and Adam state in DeepSpeedCPUAdam "
                          "(adamw_mode=False, its default lr): main.py takes no optimizer settings "
                          "(the spec's lr, betas, eps and weight_decay are not used)",
@@ -272,4 +381,4 @@ class Ratel(System):
         raise Unsupported("Ratel's main.py keeps its trained weights to itself: it writes no checkpoint")
 
     def close(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)  # the swap too, unless options.nvme_path named it

@@ -8,19 +8,21 @@ import torch
 
 from megatrain.batch import Batch
 from suite.spec import RunSpec
-from baselines.ratel import RUN_SH_FLAGS, Ratel, parse_output
+from baselines.ratel import Ratel, parse_output
 from suite.system import Unsupported
 
 CPU = torch.device("cpu")
 PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 
-# Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), with a fixed loop
-# count like the artifact's; records its argv and the config it was given. RATEL_STUB_ITERS and
-# RATEL_STUB_EXIT change the loop count and the exit code.
-STUB_MAIN = '''
+# Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), its loop count not a
+# literal like the artifact's; records its argv, working directory, path and the config it was given
+# beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code.
+STUB_MAIN = """
 import json, os, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-json.dump({"argv": sys.argv, "config": json.load(open(args["--sb_config"]))}, open("seen.json", "w"))
+seen = {"argv": sys.argv, "cwd": os.getcwd(), "pythonpath": os.environ["PYTHONPATH"].split(os.pathsep),
+        "bytecode": os.environ.get("PYTHONDONTWRITEBYTECODE"), "config": json.load(open(args["--sb_config"]))}
+json.dump(seen, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.json"), "w"))
 print("[0, 1, 2]")
 for i in range(int(os.environ.get("RATEL_STUB_ITERS", 10))):
     print(f"-----------------------Iter {i}-----------------------")
@@ -31,7 +33,25 @@ for i in range(int(os.environ.get("RATEL_STUB_ITERS", 10))):
 if os.environ.get("RATEL_STUB_EXIT"):
     print("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     sys.exit(int(os.environ["RATEL_STUB_EXIT"]))
-'''
+"""
+
+# The environment the probe checks, faked inside the checkout (it is on the probe's path): a torch that
+# sees a GPU and a CUDA 13.0 toolkit, einops, ninja, and an async_io builder that finds libaio unless
+# RATEL_STUB_NO_AIO is set. Fast, and seen in info().
+STUB_ENV = {
+    "torch/__init__.py": "__version__ = '2.11.0+stub'\nfrom . import cuda, version, nn, utils\n",
+    "torch/cuda.py": "def is_available():\n    return True\n",
+    "torch/version.py": "cuda = '13.0'\n",
+    "torch/nn/__init__.py": "class Module:\n    pass\n",
+    "torch/nn/functional.py": "",
+    "torch/utils/__init__.py": "",
+    "torch/utils/cpp_extension.py": "import os\nCUDA_HOME = os.path.join(os.path.dirname(__file__), '..', '..', 'cuda')\n",
+    "cuda/bin/nvcc": "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n",
+    "einops.py": "",
+    "ninja.py": "",
+    "op_ds/ops/op_builder/async_io.py": ("import os\nclass AsyncIOBuilder:\n    def is_compatible(self, verbose=False):\n"
+                                         "        return not os.environ.get('RATEL_STUB_NO_AIO')\n"),
+}
 
 
 def _config(nvme: str) -> dict:
@@ -43,21 +63,18 @@ def _config(nvme: str) -> dict:
 @pytest.fixture
 def checkout(tmp_path):
     root = tmp_path / "LoHan"
-    (root / "flash_attn").mkdir(parents=True)
-    (root / "flash_attn" / "__init__.py").write_text("")
-    (root / "flash_attn" / "flash_attention.py").write_text("class FlashAttention: pass\n")
-    # the README's environment, faked inside the checkout (the probe runs there): fast, and seen in info()
-    (root / "torch").mkdir()
-    (root / "torch" / "__init__.py").write_text("__version__ = '2.0.0+stub'\n")
+    for name, text in STUB_ENV.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "cuda/bin/nvcc").chmod(0o755)
     (root / "main.py").write_text(STUB_MAIN)
-    (root / "config.json").write_text(json.dumps(_config("/RAID0/not-here")))
+    (root / "config.json").write_text(json.dumps(_config("/share/data12")))
     (tmp_path / "nvme").mkdir()
     return root
 
 
 def spec(checkout=None, **kw) -> RunSpec:
-    options = {"checkout": str(checkout), "python": sys.executable, "nvme_path": str(checkout.parent / "nvme"),
-               "approximate_model": True} if checkout else {}
+    options = {"checkout": str(checkout), "python": sys.executable, "approximate_model": True} if checkout else {}
     options.update(kw.pop("options", {}))
     return RunSpec(**{"system": "ratel", "model": {"preset": "tiny-llama"}, "seq_len": 32, "batch_size": 2,
                       "steps": 3, "warmup": 2, "options": options, **kw})
@@ -75,8 +92,7 @@ def test_an_empty_directory_is_not_a_checkout(tmp_path, monkeypatch):
         Ratel(spec(), CPU)
 
 
-def test_the_spec_maps_onto_main_py_and_steps_replay_its_iterations(checkout):
-    s = spec(checkout, options={"args": {"swap_ratio": 0.5}})
+def _replay(s: RunSpec, checkout: Path) -> tuple[list[dict], dict, dict]:
     system = Ratel(s, CPU)
     try:
         batch = Batch(torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))
@@ -84,25 +100,55 @@ def test_the_spec_maps_onto_main_py_and_steps_replay_its_iterations(checkout):
         info = system.info()
     finally:
         system.close()
-    seen = json.loads((checkout / "seen.json").read_text())
+    assert not Path(system.workdir).exists()
+    return rows, info, json.loads((checkout / "seen.json").read_text())
+
+
+def test_the_spec_maps_onto_main_py_and_steps_replay_its_iterations(checkout):
+    rows, info, seen = _replay(spec(checkout, options={"args": {"swap_ratio": 0.5}}), checkout)
     args = dict(zip(seen["argv"][1::2], seen["argv"][2::2]))
-    assert seen["argv"][0] == "main.py"
+    assert seen["argv"][0] == str(checkout / "main.py")
     # tiny-llama: hidden 64, 3 layers, 4 heads, vocab 256
     assert {k: args[f"--{k}"] for k in ("hidden_dim", "num_layers", "num_heads", "vocab_size", "max_seq_len",
                                         "batch_size")} == {"hidden_dim": "64", "num_layers": "3", "num_heads": "4",
                                                            "vocab_size": "256", "max_seq_len": "32", "batch_size": "2"}
-    assert args["--swap_ratio"] == "0.5" and args["--is_nvme"] == str(RUN_SH_FLAGS["is_nvme"])
-    nvme = str(checkout.parent / "nvme")
-    assert {part["nvme_path"] for part in seen["config"]["zero_config"].values()} == {nvme}
+    assert args["--swap_ratio"] == "0.5" and args["--is_nvme"] == "1" and args["--is_mp"] == "1"
+    # the checkout is left alone: main.py runs elsewhere, writes no bytecode, sees the compat layer first
+    assert Path(seen["cwd"]) != checkout and seen["bytecode"] == "1"
+    assert seen["pythonpath"][:2] == [str(Path("baselines/ratel_compat").resolve()), str(checkout)]
+    # disk offload by default: every section swaps into the run's own directory
+    swap = {part["nvme_path"] for part in seen["config"]["zero_config"].values()}
+    assert swap == {info["swap_dir"]} and Path(info["swap_dir"]).parent == Path(seen["cwd"])
+    assert {part["device"] for part in seen["config"]["zero_config"].values()} == {"nvme"}
     # the first warmup + steps of main.py's ten iterations, one per step(), timed by Ratel itself
     assert [r["ratel_iteration"] for r in rows] == [0, 1, 2, 3, 4]
     for i, r in enumerate(rows):
         assert r["loss"] is None
         assert r["forward_s"] == pytest.approx((i + 1) / 10)
         assert r["step_time_s"] == pytest.approx(3 * (i + 1) / 10)
-    assert info["iterations_used"] == 5 and info["ratel_params"] > 0 and info["torch"] == "2.0.0+stub"
+    assert info["iterations_used"] == 5 and info["ratel_params"] > 0
+    assert info["torch"] == "2.11.0+stub" and info["torch_cuda"] == "13.0" and info["offload"] == "disk"
+    assert info["compat"]["torch_extensions_dir"].endswith("/ratel")
     assert any("intermediate_size 128" in d for d in info["differences_from_spec"])
-    assert not Path(system.workdir).exists()
+    assert any("spans batch_size = 2 positions" in d for d in info["differences_from_spec"])
+
+
+def test_host_memory_offload_marks_the_config_cpu_and_turns_the_swappers_off(checkout):
+    rows, info, seen = _replay(spec(checkout, options={"offload": "cpu"}), checkout)
+    args = dict(zip(seen["argv"][1::2], seen["argv"][2::2]))
+    assert {k: args[f"--{k}"] for k in ("is_nvme", "is_nvme_async", "is_nvme_rearrange", "is_mp")} == dict.fromkeys(
+        ("is_nvme", "is_nvme_async", "is_nvme_rearrange", "is_mp"), "0")
+    assert {part["device"] for part in seen["config"]["zero_config"].values()} == {"cpu"}
+    # the activation swapper is built in every mode and makes its folder under nvme_path
+    assert {part["nvme_path"] for part in seen["config"]["zero_config"].values()} == {info["swap_dir"]}
+    assert info["offload"] == "cpu" and len(rows) == 5
+
+
+def test_a_named_swap_directory_is_used_and_kept(checkout):
+    nvme = checkout.parent / "nvme"
+    _, info, seen = _replay(spec(checkout, options={"nvme_path": str(nvme)}), checkout)
+    assert {part["nvme_path"] for part in seen["config"]["zero_config"].values()} == {str(nvme)}
+    assert nvme.is_dir()
 
 
 def test_a_different_model_family_is_refused_unless_approximated(checkout):
@@ -113,8 +159,14 @@ def test_a_different_model_family_is_refused_unless_approximated(checkout):
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(grad_accum=2), Unsupported, "grad_accum 2: Ratel's main.py has no gradient accumulation"),
-    (dict(options={"nvme_path": "/no/such/raid"}), Unsupported, r"offloads to NVMe at \['/no/such/raid'\]"),
+    (dict(batch_size=64), Unsupported, r"batch_size 64 > seq_len 32: .*positions"),
+    (dict(options={"nvme_path": "/no/such/raid"}), Unsupported, r"nvme_path /no/such/raid is not a directory"),
+    (dict(options={"offload": "cpu", "nvme_path": "/tmp"}), ValueError, "only with offload=disk"),
+    (dict(options={"offload": "nvme"}), ValueError, r"offload: 'nvme'; one of \['cpu', 'disk'\]"),
     (dict(options={"args": {"batch_size": 4}}), ValueError, "come from the spec"),
+    (dict(options={"args": {"is_tiny": 1}}), ValueError, r"unknown main.py flags \['is_tiny'\]"),
+    (dict(options={"args": {"is_nvme_async": 0}}), ValueError, "never steps the optimizer"),
+    (dict(options={"offload": "cpu", "args": {"is_nvme_rearrange": 1}}), ValueError, "need is_nvme 1"),
     (dict(options={"nvme": "x"}), ValueError, "unknown"),
 ])
 def test_what_main_py_cannot_express_is_refused(checkout, change, error, message):
@@ -122,11 +174,32 @@ def test_what_main_py_cannot_express_is_refused(checkout, change, error, message
         Ratel(spec(checkout, **change), CPU)
 
 
-def test_an_environment_without_flash_attn_1_is_refused(checkout):
-    for f in (checkout / "flash_attn").iterdir():
-        f.unlink()
-    (checkout / "flash_attn").rmdir()
-    with pytest.raises(Unsupported, match=r"cannot import flash_attn.flash_attention.*flash-attn 1.0.4"):
+def test_more_steps_than_main_py_runs_are_refused_up_front(checkout):
+    # upstream's loop: `for i in range(4):` then the Iter line
+    (checkout / "main.py").write_text("for i in range(4):\n    iter_start = 0\n    print(f'---Iter {i}---')\n")
+    with pytest.raises(Unsupported, match=r"warmup 2 \+ steps 3 = 5: .*main.py runs 4 iterations"):
+        Ratel(spec(checkout), CPU)
+
+
+@pytest.mark.parametrize("breaks, message", [
+    # a module that fails to import, as if absent (the real one may be installed here)
+    (lambda root: (root / "einops.py").write_text("raise ImportError('stub')"), r"lacks: einops \(gpt_model.py's rearrange\)"),
+    (lambda root: (root / "ninja.py").write_text("raise ImportError('stub')"), r"lacks: ninja \(the op builders' JIT build"),
+    (lambda root: (root / "torch/cuda.py").write_text("def is_available():\n    return False\n"),
+     r"lacks: a CUDA GPU"),
+    (lambda root: (root / "torch/version.py").write_text("cuda = '12.8'\n"), r"lacks: nvcc 13.0 matching torch's CUDA 12.8"),
+    (lambda root: (root / "torch/utils/cpp_extension.py").write_text("CUDA_HOME = None\n"),
+     r"lacks: a CUDA toolkit \(CUDA_HOME\)"),
+])
+def test_an_environment_without_ratels_toolchain_is_refused(checkout, breaks, message):
+    breaks(checkout)
+    with pytest.raises(Unsupported, match=rf"Ratel's environment \(.*, torch 2.11.0\+stub\) {message}"):
+        Ratel(spec(checkout), CPU)
+
+
+def test_without_libaio_the_refusal_says_how_to_get_it(checkout, monkeypatch):
+    monkeypatch.setenv("RATEL_STUB_NO_AIO", "1")
+    with pytest.raises(Unsupported, match=r"libaio .*baselines/libaio.sh env .libaio"):
         Ratel(spec(checkout), CPU)
 
 
@@ -168,8 +241,9 @@ def test_the_harness_takes_ratels_own_times_and_flops(checkout, tmp_path):
     assert r["status"] == "ok", r.get("log_tail")
     assert [s["step_time_s"] for s in r["steps"]] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.5])
     assert r["median"]["step_time_s"] == pytest.approx(1.2) and r["median"].get("loss") is None
-    # the FLOPs of the GPT Ratel runs at tiny-llama's width: 12 h² per layer, no LM head
-    assert r["model_flops_per_step"] == 2 * 32 * (6 * 12 * 64 * 64 * 3 + 12 * 3 * 64 * 32)
+    # the FLOPs of the GPT Ratel runs at tiny-llama's width: 12 h² per layer, no LM head, and attention
+    # over batch_size (2) positions in each of seq_len (32) rows, main.py's layout
+    assert r["model_flops_per_step"] == 32 * 2 * (6 * 12 * 64 * 64 * 3 + 12 * 3 * 64 * 2)
 
 
 def test_the_harness_records_unsupported_without_a_checkout(monkeypatch, tmp_path):

@@ -1,0 +1,123 @@
+"""What torch 2.11 and Python 3.12 break in Ratel's artifact, adapted as its modules load, never in its files.
+
+`install()` (run by sitecustomize.py in every Ratel process) does two things:
+
+- Python 3.12 has no `distutils`; the op builders (op_ds/ops/op_builder/builder.py, async_io.py) import
+  it at module level. setuptools carries a copy and, once imported, serves it as `distutils`.
+- A post-import hook adapts two of the checkout's modules right after they execute:
+    op_ds.ops.op_builder.builder  OpBuilder.jit_load drops the builders' own `-std=` flags, so the C++
+        standard is the one torch's cpp_extension sets for its headers. AsyncIOBuilder passes
+        `-std=c++14` after torch's flag and g++ keeps the last one: torch >= 2.1's headers then stop
+        with "#error C++17 or later compatible compiler is required to use PyTorch".
+    gpt_model  `checkpoint` without `use_reentrant` warns since torch 2.4 and torch says it will raise;
+        the calls get `use_reentrant=True`, torch 2.0's default, so the artifact runs as it did there.
+
+Each adaptation prints one `[ratel_compat]` line to stderr, so a run's log says what was changed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+
+
+def _say(message: str) -> None:
+    print(f"[ratel_compat] {message}", file=sys.stderr, flush=True)
+
+
+def ensure_distutils() -> None:
+    """`import distutils` works on Python >= 3.12 when setuptools is installed (its copy is registered)."""
+    if importlib.util.find_spec("distutils") is not None:
+        return
+    try:
+        import setuptools  # noqa: F401  (registers setuptools._distutils as `distutils`)
+    except ImportError:
+        _say("no distutils and no setuptools: Ratel's op builders will not import (pip install setuptools)")
+        return
+    if importlib.util.find_spec("distutils") is not None:
+        _say("distutils: setuptools' copy (Python >= 3.12 has none)")
+
+
+def strip_std(flags: list[str]) -> list[str]:
+    return [f for f in flags if not f.startswith("-std=")]
+
+
+def patch_builder(module) -> None:
+    """OpBuilder.jit_load with the builder's cxx_args minus its -std= flags (torch's own flag applies)."""
+    op_builder = module.OpBuilder
+    jit_load = op_builder.jit_load
+    if getattr(jit_load, "_ratel_compat", False):
+        return
+
+    @functools.wraps(jit_load)
+    def jit_load_torch_std(self, verbose=True):
+        cxx_args = type(self).cxx_args
+        self.cxx_args = lambda: strip_std(cxx_args(self))  # the instance's, read by jit_load
+        return jit_load(self, verbose)
+
+    jit_load_torch_std._ratel_compat = True
+    op_builder.jit_load = jit_load_torch_std
+    _say("op builders: their -std= flags dropped, torch's C++ standard applies")
+
+
+def patch_gpt_model(module) -> None:
+    """gpt_model.checkpoint with torch 2.0's default use_reentrant=True made explicit."""
+    checkpoint = module.checkpoint
+    if getattr(checkpoint, "_ratel_compat", False):
+        return
+
+    @functools.wraps(checkpoint)
+    def reentrant_checkpoint(function, *args, use_reentrant=True, **kwargs):
+        return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+    reentrant_checkpoint._ratel_compat = True
+    module.checkpoint = reentrant_checkpoint
+    _say("gpt_model: checkpoint(..., use_reentrant=True), torch 2.0's default")
+
+
+PATCHES = {"op_ds.ops.op_builder.builder": patch_builder, "gpt_model": patch_gpt_model}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then the patch; anything else (get_source for tracebacks) is the loader's."""
+
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class PostImportHook(importlib.abc.MetaPathFinder):
+    """Finds a patched module through the other finders and wraps its loader."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def find_spec(self, fullname, path, target=None):
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def install() -> None:
+    ensure_distutils()
+    if not any(isinstance(f, PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, PostImportHook(PATCHES))

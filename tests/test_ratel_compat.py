@@ -1,0 +1,170 @@
+"""Ratel's compatibility layer on CPU: the FlashAttention shim against explicit attention, and the
+import-time patches applied in a fresh process, to stand-in modules and (with RATEL_HOME) to the artifact."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from baselines.ratel import compat_env
+from baselines.ratel_compat import PATH as COMPAT
+from baselines.ratel_compat.flash_attn.flash_attention import FlashAttention
+
+
+def reference(qkv, causal=False, scale=None, key_mask=None):
+    """Softmax attention written out: qkv [b, s, 3, h, d] -> [b, s, h, d], in float64."""
+    q, k, v = (qkv[:, :, i].double() for i in range(3))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
+    s = qkv.shape[1]
+    allowed = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def qkv(b=2, s=7, h=3, d=8, seed=0):
+    return torch.randn(b, s, 3, h, d, generator=torch.Generator().manual_seed(seed))
+
+
+# float32 against float64: SDPA's math kernel sums in float32, so agreement to ~1e-6 relative
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_matches_explicit_attention(causal):
+    x = qkv()
+    out, weights = FlashAttention().eval()(x, causal=causal)
+    assert weights is None and out.shape == (2, 7, 3, 8)
+    torch.testing.assert_close(out.double(), reference(x, causal), **TOL)
+
+
+def test_gpt_model_call_is_bidirectional_like_flash_attn_1():
+    # gpt_model.py calls `self.attention(QKV)`: flash-attn 1.0.4's causal defaults to False
+    x = qkv()
+    out, _ = FlashAttention()(x)
+    torch.testing.assert_close(out.double(), reference(x, causal=False), **TOL)
+    assert not torch.allclose(out.double(), reference(x, causal=True))
+
+
+def test_softmax_scale_and_dropout_follow_flash_attn_1():
+    x = qkv()
+    out, _ = FlashAttention(softmax_scale=0.5).eval()(x)
+    torch.testing.assert_close(out.double(), reference(x, scale=0.5), **TOL)
+    attention = FlashAttention(attention_dropout=0.5)
+    torch.testing.assert_close(attention.eval()(x)[0].double(), reference(x), **TOL)  # no dropout in eval
+    assert not torch.allclose(attention.train()(x)[0].double(), reference(x))  # dropout in training
+
+
+def test_key_padding_mask_zeros_padded_queries_and_hides_padded_keys():
+    x = qkv()
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[1, 5:] = False
+    out, _ = FlashAttention()(x, key_padding_mask=keep, causal=True)
+    assert torch.all(out[1, 5:] == 0)
+    torch.testing.assert_close(out[0].double(), reference(x[:1], causal=True)[0], **TOL)
+    torch.testing.assert_close(out[1, :5].double(), reference(x[1:, :5], causal=True)[0], **TOL)
+
+
+def test_unpadded_sequences_by_cu_seqlens_attend_within_themselves():
+    x = qkv(b=1, s=9)[0]  # [total 9, 3, h, d]: sequences of 4 and 5 tokens
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out, _ = FlashAttention()(x, cu_seqlens=cu, max_s=5, causal=True)
+    expect = torch.cat([reference(x[None, :4], causal=True)[0], reference(x[None, 4:], causal=True)[0]])
+    torch.testing.assert_close(out.double(), expect, **TOL)
+
+
+def test_gradients_flow_like_explicit_attention():
+    x = qkv().requires_grad_()
+    FlashAttention()(x, causal=True)[0].square().sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    reference(x64, causal=True).square().sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_in_fp16_on_the_gpu(cuda_only, causal):
+    """What gpt_model.py runs: fp16 qkv on cuda, SDPA's flash kernel, against float64 on the CPU."""
+    x = qkv(b=2, s=256, h=4, d=128).half().cuda()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out, _ = FlashAttention().eval()(x, causal=causal)
+    assert out.dtype == torch.float16 and out.shape == (2, 256, 4, 128)
+    # fp16 inputs and output: a few units in the last place of values of order 0.1-1
+    torch.testing.assert_close(out.cpu().double(), reference(x.cpu().float(), causal), rtol=1e-2, atol=2e-3)
+
+
+# Stand-ins for the two modules the layer adapts: a builder whose subclass passes -std=c++14 and whose
+# jit_load reports the flags torch's load() would get; a gpt_model whose checkpoint reports its kwargs.
+STANDINS = {
+    "op_ds/ops/op_builder/builder.py": (
+        "class OpBuilder:\n"
+        "    def cxx_args(self):\n        return []\n"
+        "    def jit_load(self, verbose=True):\n        return ['-std=c++20'] + self.cxx_args()\n"
+        "class CUDAOpBuilder(OpBuilder):\n"
+        "    def cxx_args(self):\n        return ['-O3', '-std=c++17', '-g']\n"),
+    "op_ds/ops/op_builder/async_io.py": (
+        "from .builder import OpBuilder\n"
+        "class AsyncIOBuilder(OpBuilder):\n"
+        "    def cxx_args(self):\n        return ['-g', '-O0', '-std=c++14', '-laio']\n"),
+    "gpt_model.py": "from torch.utils.checkpoint import checkpoint\n",
+}
+
+
+def run_in_ratel_env(code: str, checkout: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, timeout=300,
+                          env=compat_env(checkout, {**os.environ, **env}))
+
+
+def test_patches_apply_as_the_modules_load(tmp_path):
+    for name, text in STANDINS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code = ("import json, torch.utils.checkpoint as tc\n"
+            "tc.checkpoint = lambda f, *a, **kw: kw\n"  # reports what gpt_model's calls pass
+            "from op_ds.ops.op_builder.async_io import AsyncIOBuilder\n"
+            "from op_ds.ops.op_builder.builder import CUDAOpBuilder\n"
+            "import gpt_model\n"
+            "print(json.dumps([AsyncIOBuilder().jit_load(), CUDAOpBuilder().jit_load(), gpt_model.checkpoint(None, 1),"
+            " gpt_model.checkpoint(None, 1, use_reentrant=False), AsyncIOBuilder().cxx_args()]))\n")
+    r = run_in_ratel_env(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    aio, cuda, default, explicit, unchanged = json.loads(r.stdout)
+    assert aio == ["-std=c++20", "-g", "-O0", "-laio"] and cuda == ["-std=c++20", "-O3", "-g"]
+    assert default == {"use_reentrant": True} and explicit == {"use_reentrant": False}
+    assert "-std=c++14" in unchanged  # outside jit_load the builder's own flags stand
+    assert "[ratel_compat] op builders" in r.stderr and "[ratel_compat] gpt_model" in r.stderr
+    assert not list(tmp_path.rglob("__pycache__"))  # no bytecode written into the checkout
+
+
+def test_the_compat_directory_holds_no_copy_of_ratel():
+    names = {p.relative_to(COMPAT).as_posix() for p in COMPAT.rglob("*.py")}
+    assert names == {"__init__.py", "sitecustomize.py", "ratel_patches.py", "ratel_probe.py",
+                     "flash_attn/__init__.py", "flash_attn/flash_attention.py"}
+
+
+@pytest.mark.skipif(not os.environ.get("RATEL_HOME"), reason="RATEL_HOME: a clone of RC4ML/LoHan")
+def test_the_artifacts_op_builders_get_torchs_cpp_standard():
+    """The real builders under the layer: their import (distutils), and the flags torch's load() receives."""
+    checkout = Path(os.environ["RATEL_HOME"])
+    code = ("import json, sys, types, torch.utils.cpp_extension as ext\n"
+            "seen = {}\n"
+            "ext.load = lambda **kw: seen.setdefault(kw['name'], kw['extra_cflags'])\n"
+            "sys.modules.setdefault('ninja', types.ModuleType('ninja'))\n"
+            "from op_ds.ops.op_builder.async_io import AsyncIOBuilder\n"
+            "from op_ds.ops.op_builder.CPUAdamBuilder import CPUAdamBuilder\n"
+            "AsyncIOBuilder.is_compatible = lambda self, verbose=True: True\n"
+            "AsyncIOBuilder().jit_load(verbose=False); CPUAdamBuilder().jit_load(verbose=False)\n"
+            "print(json.dumps(seen))\n")
+    r = run_in_ratel_env(code, checkout)
+    assert r.returncode == 0, r.stderr
+    flags = json.loads(r.stdout.strip().splitlines()[-1])  # the builders print warnings before it
+    assert set(flags) == {"async_io", "cpu_adam"}
+    assert not [f for fs in flags.values() for f in fs if f.startswith("-std=")], flags
