@@ -75,12 +75,19 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
             torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
             launch = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker"]
-            proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
-                                    stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=_dies_with(os.getpid()),
-                                    cwd=Path(__file__).resolve().parent.parent)
+            # a SIGTERM or Ctrl-C while the worker starts waits for the `try` below, which records it
+            signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+            try:
+                proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
+                                        stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=_dies_with(os.getpid()),
+                                        cwd=Path(__file__).resolve().parent.parent)
+            except BaseException:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
+                raise
             timed_out, interrupted, sampler, nvml_before = False, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
                 # the ranks' shared host store counted once, not once per rank
                 sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None,
                                       shared_once=spec.gpus > 1)
@@ -139,10 +146,16 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
         os._exit(1)
 
 
+_INTERRUPTS = {signal.SIGTERM, signal.SIGINT}
+
+
 def _dies_with(parent: int):
     """A preexec_fn: the worker gets SIGKILL when the runner dies, so no worker trains on as an
-    orphan holding the GPU."""
-    return lambda: die_with_parent(signal.SIGKILL, parent)
+    orphan holding the GPU; and it takes the signals the runner holds back while starting it."""
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
+        die_with_parent(signal.SIGKILL, parent)
+    return preexec
 
 
 def _tail(path: Path, lines: int = 40) -> str:
