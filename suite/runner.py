@@ -26,6 +26,7 @@ from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite.spec import RunSpec
+from suite.system import DATA_PARALLEL
 from suite.worker import medians
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
@@ -81,9 +82,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                                     cwd=Path(__file__).resolve().parent.parent)
             timed_out, interrupted, sampler, nvml_before = False, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
-                # the ranks' shared host store counted once, not once per rank
+                # MegaTrain's ranks' shared host store counted once, not once per rank; a baseline's
+                # ranks hold their own offloaded state: every rank's resident memory counts
                 sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None,
-                                      shared_once=spec.gpus > 1)
+                                      shared_once=spec.gpus > 1 and DATA_PARALLEL[spec.system])
                 nvml_before = sampler.peak_nvml_bytes
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
