@@ -18,14 +18,16 @@ class FSDP2(System):
     # host RSS measured on the H100 machine: 20.3 B/param at the 3B shape, 24.3-24.9 at the 7B
     # width on 7 and 14 layers (results/h100/points/depth); admission takes the larger
     HOST_BYTES_PER_PARAM = 25
-    # every rank builds the whole float32 model on the host before fully_shard keeps its shard
-    BUILD_BYTES_PER_PARAM = 4
+    # each rank beyond the first: every rank builds the whole float32 model on the host before
+    # fully_shard keeps its shard, and the process tree of 2 ranks measured on the CPU (gloo, a 103M
+    # model) held 4.1 B/param more than 1 rank's, beside the runtime (hf.RANK_HOST_BYTES)
+    RANK_BYTES_PER_PARAM = 4
 
     def __init__(self, spec, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
         self.ranks = hf.join(device)
-        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.BUILD_BYTES_PER_PARAM, self.ranks)
+        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.RANK_BYTES_PER_PARAM, self.ranks)
         self.model = hf.build_model(spec, "cpu")  # the same seeded weights on every rank
         hf.enable_checkpointing(self.model)
         self.model.train()

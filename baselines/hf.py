@@ -47,30 +47,28 @@ def params(spec) -> int:
     return ModelShape(spec.hf_config()).total_params()
 
 
-def host_need(spec, bytes_per_param: float, build_bytes_per_param: float = 0.0) -> tuple[int, str]:
+def host_need(spec, bytes_per_param: float, rank_bytes_per_param: float = 0.0) -> tuple[int, str]:
     """Host bytes of a point on spec.gpus = N ranks, and what they are made of. `bytes_per_param`:
     the whole host state of one process, measured on one GPU; FSDP2 and ZeRO-3 shard that state
-    over their ranks, so the host total stays and each rank beyond the first adds RANK_HOST_BYTES.
-    `build_bytes_per_param`: what every rank holds alone while it builds the model, all ranks at
-    once (FSDP2: the whole float32 model, before `fully_shard` shards it)."""
+    over their ranks, so it stays whatever N, and each rank beyond the first adds its own
+    `rank_bytes_per_param` (what it holds of the whole model) and RANK_HOST_BYTES (its runtime)."""
     n, p = spec.gpus, params(spec)
-    need = max(p * bytes_per_param, n * p * build_bytes_per_param) + (n - 1) * RANK_HOST_BYTES
+    need = p * bytes_per_param + (n - 1) * (p * rank_bytes_per_param + RANK_HOST_BYTES)
     how = f"{bytes_per_param} B/param x {p / 1e9:.2f} B params"
     if n > 1:
-        if n * build_bytes_per_param > bytes_per_param:
-            how = f"{n} ranks each building the model at {build_bytes_per_param} B/param x {p / 1e9:.2f} B params"
-        how += f", sharded over {n} ranks, + {RANK_HOST_BYTES / GiB:.0f} GiB for each of the {n - 1} further rank(s)"
+        how += (f", sharded over {n} ranks, + {n - 1} further rank(s) at {rank_bytes_per_param} B/param and "
+                f"{RANK_HOST_BYTES / GiB:.0f} GiB each")
     return int(need), how
 
 
-def require_host(spec, bytes_per_param: float, what: str, build_bytes_per_param: float = 0.0,
+def require_host(spec, bytes_per_param: float, what: str, rank_bytes_per_param: float = 0.0,
                  ranks: Ranks = Ranks()) -> None:
     """Refuse before allocating when the host cannot hold the point (`host_need`; the rates are
     measured figures of each system); `options.admission: false` tries anyway. Every rank decides
     on the first rank's reading of the available memory, so that all refuse or none."""
     if not spec.options.get("admission", True):
         return
-    need, how = host_need(spec, bytes_per_param, build_bytes_per_param)
+    need, how = host_need(spec, bytes_per_param, rank_bytes_per_param)
     have = agreed(ranks, host_available_bytes())  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
     if need > have:
         raise DoesNotFit(what, [Shortage("host", need, have, how)])
