@@ -82,10 +82,9 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                                     cwd=Path(__file__).resolve().parent.parent)
             timed_out, interrupted, sampler, nvml_before = False, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
-                # MegaTrain's ranks' shared host store counted once, not once per rank; a baseline's
-                # ranks hold their own offloaded state: every rank's resident memory counts
+                # the ranks' shared host store counted once, not once per rank
                 sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None,
-                                      shared_once=spec.gpus > 1 and DATA_PARALLEL[spec.system])
+                                      shared_once=_shares_host_store(spec))
                 nvml_before = sampler.peak_nvml_bytes
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
@@ -152,6 +151,13 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _shares_host_store(spec: RunSpec) -> bool:
+    """Whether the point's ranks map one host store (MegaTrain's), whose shared pages the sampler
+    counts once; a baseline's ranks each hold their own shard of the offloaded state, pinned or not,
+    so every rank's resident memory counts in full (suite.system.DATA_PARALLEL)."""
+    return spec.gpus > 1 and DATA_PARALLEL[spec.system]
 
 
 def _has_gpu() -> bool:
