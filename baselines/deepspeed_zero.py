@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 3 on one GPU, two systems: ZeRO-3 Offload (`zero3`: parameters and optimizer
+"""DeepSpeed ZeRO stage 3, two systems: ZeRO-3 Offload (`zero3`: parameters and optimizer
 state in pinned host memory, CPU Adam) and ZeRO-Infinity (`zero_infinity`: both swapped to NVMe
 through DeepSpeed's async_io op, which needs libaio: baselines/libaio.sh provides it without root).
 
@@ -7,6 +7,11 @@ The model is built under `deepspeed.zero.Init` by the `transformers` integration
 it is built and then initialise the weights gathered (a bare `zero.Init` leaves them uninitialised:
 loss 1314 instead of 9.35). DeepSpeed's CPU Adam (its "AdamW" with an offloaded optimizer), bf16,
 no gradient clipping, the model's own activation checkpointing.
+
+On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) ZeRO-3 runs with
+its data-parallel world of N ranks: parameters, gradients and optimizer state partitioned over them,
+each rank computing on its rows of every global micro-batch (spec.batch_size / N per GPU), the
+gradients averaged over the ranks.
 
 spec.options (anything else is refused):
   ds_config  a dict deep-merged over the built config, e.g.
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from baselines import hf
+from megatrain.distributed import Ranks, shard_batch
 from megatrain.memory import DoesNotFit, Shortage
 from megatrain.shapes import ModelShape
 from suite.system import System, Unsupported
@@ -75,9 +81,11 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
     offload_param = {"device": offload, "pin_memory": True}
     offload_optimizer = {"device": offload, "pin_memory": True}
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.batch_size,
+        # spec.batch_size is the global micro-batch, split over spec.gpus ranks (RunSpec refuses a
+        # remainder); DeepSpeed checks train_batch_size = per GPU x accumulation x world size
+        "train_micro_batch_size_per_gpu": spec.batch_size // spec.gpus,
         "gradient_accumulation_steps": spec.grad_accum,
-        "train_batch_size": spec.batch_size * spec.grad_accum,  # world size 1
+        "train_batch_size": spec.batch_size * spec.grad_accum,
         "gradient_clipping": 0.0,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {**hf.adamw_kwargs(spec), "betas": list(spec.betas)}},
@@ -122,13 +130,17 @@ def _plain_arch_list() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
-def _init_distributed(deepspeed, device: torch.device) -> None:
+def _init_distributed(deepspeed, device: torch.device) -> Ranks:
+    """torchrun's ranks (DeepSpeed reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK
+    from its environment), or a one-process group given the same variables."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_device(index)
-    # DeepSpeed picks its device from LOCAL_RANK
-    os.environ.update(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(hf.free_port()))
+    ranks = Ranks.from_env()
+    if not ranks.distributed:  # DeepSpeed picks its device from LOCAL_RANK
+        os.environ.update(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(hf.free_port()))
     deepspeed.init_distributed(verbose=False)
+    return ranks
 
 
 class ZeroSystem(System):
@@ -140,14 +152,14 @@ class ZeroSystem(System):
         self.config = self.build_config(spec)
         if device.type != "cuda":
             raise Unsupported(f"{self.NAME} runs on a CUDA device, not on {device}")
-        self.admit(spec)
+        _plain_arch_list()
+        self.ranks = _init_distributed(deepspeed, device)
+        self.admit(spec)  # after joining: the ranks decide on one reading of the host (hf.agreed)
         from transformers.integrations import HfDeepSpeedConfig
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.device = device
         self.grad_accum = spec.grad_accum
         self.version = deepspeed.__version__
-        _plain_arch_list()
-        _init_distributed(deepspeed, device)
         # transformers holds only a weak reference to this: it must outlive the model's construction
         self._hf_ds_config = HfDeepSpeedConfig(self.config)
         model = hf.build_model(spec)  # not moved: zero.Init partitions it as it is built
@@ -162,27 +174,32 @@ class ZeroSystem(System):
 
     @abstractmethod
     def admit(self, spec) -> None:
-        """Raise Unsupported or DoesNotFit before anything is allocated."""
+        """Raise Unsupported or DoesNotFit before anything is allocated, alike on every rank."""
 
     def step(self, microbatches) -> dict:
         # DeepSpeed counts micro-batches itself and steps the optimizer on the last of each group
         assert len(microbatches) == self.grad_accum, (len(microbatches), self.grad_accum)
         losses = []
         for batch in microbatches:
-            loss = hf.loss_of(self.engine, batch, self.device, autocast=False)  # the engine runs in bf16
+            rows = shard_batch(batch, self.ranks)  # this rank's rows; the engine averages gradients over the ranks
+            loss = hf.loss_of(self.engine, rows, self.device, autocast=False)  # the engine runs in bf16
             self.engine.backward(loss)  # scales by 1/grad_accum
             self.engine.step()
             losses.append(loss.detach())
         hf.synchronize(self.device)
-        return {"loss": torch.stack(losses).float().mean().item()}
+        return {"loss": hf.mean_over_ranks(torch.stack(losses).float().mean(), self.ranks)}
 
     def save(self, path: str) -> None:
         """The partitioned float32 masters, gathered from the optimizer (what DeepSpeed's own
-        zero_to_fp32 recovers from a checkpoint), saved under the model's names."""
+        zero_to_fp32 recovers from a checkpoint), saved under the model's names: gathered by every
+        rank (a collective), written by the first."""
         from deepspeed.utils import safe_get_full_fp32_param
         module = self.engine.module
         masters = {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in module.named_parameters()}
-        module.save_pretrained(path, state_dict=masters)
+        if self.ranks.rank == 0:
+            module.save_pretrained(path, state_dict=masters)
+        if self.ranks.distributed:
+            dist.barrier()
 
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16", "optimizer": "DeepSpeedCPUAdam (AdamW)",
@@ -200,12 +217,15 @@ class ZeRO3Offload(ZeroSystem):
     # H100 machine: 25.9 B/param at the 3B shape, 27.7 and 29.2 at the 7B width on 7 and 14 layers
     # (results/h100/points/depth); admission takes the largest
     HOST_BYTES_PER_PARAM = 29
+    # each rank beyond the first: zero.Init partitions the model as it is built, so no rank holds
+    # the whole of it; only the rank's runtime (hf.RANK_HOST_BYTES). Not yet measured on several GPUs
+    RANK_BYTES_PER_PARAM = 0
 
     def build_config(self, spec) -> dict:
         return ds_config(spec, "cpu")
 
     def admit(self, spec) -> None:
-        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, self.NAME)
+        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, self.NAME, self.RANK_BYTES_PER_PARAM, self.ranks)
 
     def info(self) -> dict:
         return {**super().info(), "offload": "cpu"}
@@ -234,8 +254,8 @@ class ZeROInfinity(ZeroSystem):
             raise Unsupported(f"{self.NAME}: DeepSpeed cannot build its async_io op: {problem} -- install libaio-dev, "
                               f"or without root: baselines/libaio.sh fetch .libaio (where apt works), then "
                               f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts")
-        need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM
-        free = shutil.disk_usage(_existing(self.swap)).free
+        need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM  # partitioned over the ranks: the total stays
+        free = hf.agreed(self.ranks, shutil.disk_usage(_existing(self.swap)).free)
         if need > free:
             raise DoesNotFit(self.NAME, [Shortage("disk", int(need), free, f"its swap at {self.swap}, "
                                                   f"{self.SWAP_BYTES_PER_PARAM} B/param")])

@@ -1,9 +1,11 @@
-"""FSDP2 CPU offload on one GPU: `fully_shard` per decoder layer and at the root with
-`CPUOffloadPolicy` (pinned float32 parameters, gradients and optimizer state on the host), bf16
-mixed precision, activation checkpointing, fused AdamW on the CPU."""
-from __future__ import annotations
+"""FSDP2 CPU offload: `fully_shard` per decoder layer and at the root with `CPUOffloadPolicy`
+(pinned float32 parameters, gradients and optimizer state on the host), bf16 mixed precision,
+activation checkpointing, fused AdamW on the CPU.
 
-import os
+On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,
+gradients and optimizer state are sharded over the N ranks (a 1-D mesh), each rank computes on its
+rows of every micro-batch, and the gradients are averaged over the ranks."""
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -16,23 +18,23 @@ class FSDP2(System):
     # host RSS measured on the H100 machine: 20.3 B/param at the 3B shape, 24.3-24.9 at the 7B
     # width on 7 and 14 layers (results/h100/points/depth); admission takes the larger
     HOST_BYTES_PER_PARAM = 25
+    # each rank beyond the first: every rank builds the whole float32 model on the host before
+    # fully_shard keeps its shard, and the process tree of 2 ranks measured on the CPU (gloo, a 103M
+    # model) held 4.1 B/param more than 1 rank's, beside the runtime (hf.RANK_HOST_BYTES)
+    RANK_BYTES_PER_PARAM = 4
 
     def __init__(self, spec, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload")
         self.device = device
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(hf.free_port()))
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
-        self.model = hf.build_model(spec, "cpu")
+        self.ranks = hf.join(device)
+        hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.RANK_BYTES_PER_PARAM, self.ranks)
+        self.model = hf.build_model(spec, "cpu")  # the same seeded weights on every rank
         hf.enable_checkpointing(self.model)
         self.model.train()
         compute = torch.bfloat16 if device.type == "cuda" else torch.float32
         kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                       offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))
-        mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+        mesh = dist.device_mesh.init_device_mesh(device.type, (self.ranks.world,))
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(self.model, mesh=mesh, **kwargs)
@@ -40,12 +42,15 @@ class FSDP2(System):
                                      fused=True)
 
     def step(self, microbatches) -> dict:
-        return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False)
+        return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False, ranks=self.ranks)
 
     def save(self, path: str) -> None:
+        """Gathered by every rank (a collective), written by the first."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        self.model.save_pretrained(path, state_dict=full)
+        if self.ranks.rank == 0:
+            self.model.save_pretrained(path, state_dict=full)
+        dist.barrier()
 
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",

@@ -1,14 +1,26 @@
-"""What the baselines share: the `transformers` model of a spec, its loss, its memory need."""
+"""What the baselines share: the `transformers` model of a spec, its loss, its memory need, and
+their data-parallel ranks (RunSpec.gpus under torchrun: each rank one GPU, rows rank, rank + N, ...
+of every global micro-batch, as MegaTrain's ranks take them)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from megatrain.distributed import Ranks, shard_batch
 from megatrain.memory import DoesNotFit, Shortage
 from megatrain.resolve import host_available_bytes
 from megatrain.shapes import ModelShape
+from megatrain.units import GiB
+
+# A rank's own host memory beside its shard of the offloaded state (the CUDA context, the runtime's
+# private pages, its staging buffers), for each rank beyond the first, whose share the measured
+# per-parameter rates include: an estimate until the two-GPU runs measure it.
+RANK_HOST_BYTES = 4 * GiB
 
 
 def build_model(spec, device: torch.device | str | None = None):
@@ -35,16 +47,31 @@ def params(spec) -> int:
     return ModelShape(spec.hf_config()).total_params()
 
 
-def require_host(spec, bytes_per_param: float, what: str) -> None:
-    """Refuse before allocating when the host cannot hold `bytes_per_param` per parameter
-    (a measured figure of that system); `options.admission: false` tries anyway."""
+def host_need(spec, bytes_per_param: float, rank_bytes_per_param: float = 0.0) -> tuple[int, str]:
+    """Host bytes of a point on spec.gpus = N ranks, and what they are made of. `bytes_per_param`:
+    the whole host state of one process, measured on one GPU; FSDP2 and ZeRO-3 shard that state
+    over their ranks, so it stays whatever N, and each rank beyond the first adds its own
+    `rank_bytes_per_param` (what it holds of the whole model) and RANK_HOST_BYTES (its runtime)."""
+    n, p = spec.gpus, params(spec)
+    need = p * bytes_per_param + (n - 1) * (p * rank_bytes_per_param + RANK_HOST_BYTES)
+    how = f"{bytes_per_param} B/param x {p / 1e9:.2f} B params"
+    if n > 1:
+        how += (f", sharded over {n} ranks, + {n - 1} further rank(s) at {rank_bytes_per_param} B/param and "
+                f"{RANK_HOST_BYTES / GiB:.0f} GiB each")
+    return int(need), how
+
+
+def require_host(spec, bytes_per_param: float, what: str, rank_bytes_per_param: float = 0.0,
+                 ranks: Ranks = Ranks()) -> None:
+    """Refuse before allocating when the host cannot hold the point (`host_need`; the rates are
+    measured figures of each system); `options.admission: false` tries anyway. Every rank decides
+    on the first rank's reading of the available memory, so that all refuse or none."""
     if not spec.options.get("admission", True):
         return
-    need = params(spec) * bytes_per_param
-    have = host_available_bytes()  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
+    need, how = host_need(spec, bytes_per_param, rank_bytes_per_param)
+    have = agreed(ranks, host_available_bytes())  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
     if need > have:
-        raise DoesNotFit(what, [Shortage("host", int(need), have,
-                                         f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params")])
+        raise DoesNotFit(what, [Shortage("host", need, have, how)])
 
 
 def require_device(spec, device: torch.device, bytes_per_param: float, what: str) -> None:
@@ -86,17 +113,56 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, microbatches, device: torch.device, autocast: bool) -> dict:
-    """One optimizer step of a plain torch model over the micro-batches; the mean loss."""
+def train_step(model, opt, microbatches, device: torch.device, autocast: bool, ranks: Ranks = Ranks()) -> dict:
+    """One optimizer step of a plain torch model over the (global) micro-batches, each rank on its
+    rows of each (the data-parallel wrapper averages the gradients over the ranks); the mean loss."""
     total = torch.zeros((), device=device)
     for batch in microbatches:
-        loss = loss_of(model, batch, device, autocast)
+        loss = loss_of(model, shard_batch(batch, ranks), device, autocast)
         (loss / len(microbatches)).backward()
         total += loss.detach()
     opt.step()
     opt.zero_grad(set_to_none=True)
     synchronize(device)
-    return {"loss": total.item() / len(microbatches)}
+    return {"loss": mean_over_ranks(total, ranks) / len(microbatches)}
+
+
+def mean_over_ranks(value: torch.Tensor, ranks: Ranks) -> float:
+    """A per-rank number (a loss over the rank's rows) averaged over the ranks: the global step's,
+    as the rows split evenly; a host sync."""
+    if ranks.distributed:
+        dist.all_reduce(value)
+        value = value / ranks.world
+    return value.item()
+
+
+def agreed(ranks: Ranks, value: Any) -> Any:
+    """The first rank's `value` on every rank: a reading each rank would take at its own instant
+    (free host memory, free disk) decides alike everywhere, so no rank refuses alone and leaves the
+    others waiting in a collective."""
+    if not ranks.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def join(device: torch.device) -> Ranks:
+    """This process's ranks, the default process group joined: torchrun's ranks (each on the GPU of
+    its LOCAL_RANK, made current: FSDP and NCCL take the current device), or a one-process group on
+    a free port. NCCL on GPUs, gloo on the CPU."""
+    ranks = Ranks.from_env()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        single = {}
+        if not ranks.distributed:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            single = dict(rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None, **single)
+    return ranks
 
 
 def free_port() -> int:

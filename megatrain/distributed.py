@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatrain.batch import Batch
 from megatrain.store import ALIGN, PAGE
 
 SHM_DIR = Path("/dev/shm")
@@ -98,6 +99,15 @@ def part(numel: int, parts: int, index: int) -> tuple[int, int, int]:
 def shard_rows(tensor: torch.Tensor | None, ranks: Ranks) -> torch.Tensor | None:
     """Rows rank, rank + world, ... of a [B, S] tensor: this rank's slice of a global micro-batch."""
     return None if tensor is None else tensor[ranks.rank:: ranks.world]
+
+
+def shard_batch(batch: Batch, ranks: Ranks) -> Batch:
+    """This rank's rows of a global micro-batch, every field split alike (`shard_rows`): what
+    MegaTrain's trainer and the data-parallel baselines compute on."""
+    if not ranks.distributed:
+        return batch
+    return Batch(*(shard_rows(t, ranks) for t in (batch.input_ids, batch.labels, batch.attention_mask,
+                                                  batch.position_ids)))
 
 
 class SharedArena:

@@ -25,7 +25,7 @@ from megatrain.batch import Batch
 from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer, make_sources
 from megatrain.device import Device
-from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_rows,
+from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_batch,
                                    shared_memory_free)
 from megatrain.engine import Engine
 from megatrain.io import write_json
@@ -178,11 +178,8 @@ class Trainer:
         }
 
     def _rows(self, mb: Batch) -> Batch:
-        """This rank's rows of a global micro-batch (rank-strided: distributed.shard_rows)."""
-        if not self.ranks.distributed:
-            return mb
-        rows = (mb.input_ids, mb.labels, mb.attention_mask, mb.position_ids)
-        return Batch(*(shard_rows(t, self.ranks) for t in rows))
+        """This rank's rows of a global micro-batch (rank-strided: distributed.shard_batch)."""
+        return shard_batch(mb, self.ranks)
 
     def write_trace(self, path: str | Path) -> None:
         """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""

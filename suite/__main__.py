@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=_default(RunSpec, "timeout_s"),
                    help="seconds before the point is killed")
     r.add_argument("--gpus", type=int, default=_default(RunSpec, "gpus"),
-                   help="data-parallel ranks, one per GPU, under torchrun (megatrain); --batch is the global "
-                        "micro-batch")
+                   help="data-parallel ranks, one per GPU, under torchrun (megatrain, fsdp2, zero3, zero_infinity); "
+                        "--batch is the global micro-batch")
     r.add_argument("--python", help="interpreter of the worker (a system's own environment)")
     r.add_argument("--workflow-job", action="store_true",
                    help="as the workflow's point rule runs it (exec'd by its job): end as if interrupted when "

@@ -26,6 +26,7 @@ from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite.spec import RunSpec
+from suite.system import DATA_PARALLEL
 from suite.worker import medians
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
@@ -90,7 +91,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
                 # the ranks' shared host store counted once, not once per rank
                 sampler = PeakSampler(pid=proc.pid, gpu_index=gpu_index if _has_gpu() else None,
-                                      shared_once=spec.gpus > 1)
+                                      shared_once=_shares_host_store(spec))
                 nvml_before = sampler.peak_nvml_bytes
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
@@ -163,6 +164,13 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _shares_host_store(spec: RunSpec) -> bool:
+    """Whether the point's ranks map one host store (MegaTrain's), whose shared pages the sampler
+    counts once; a baseline's ranks each hold their own shard of the offloaded state, pinned or not,
+    so every rank's resident memory counts in full (suite.system.DATA_PARALLEL)."""
+    return spec.gpus > 1 and DATA_PARALLEL[spec.system]
 
 
 def _has_gpu() -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatrain.shapes import load_hf_config
 from megatrain.config import DataConfig, ModelConfig
-from suite.system import SYSTEMS
+from suite.system import DATA_PARALLEL, SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class RunSpec:
     # prompt_field, response_field, tokenizer, ...); batches drawn in the same seeded order for every system
     data: dict[str, Any] | None = None
     save_to: str | None = None  # after the steps, save the trained weights there as a transformers checkpoint
-    # data-parallel ranks, one per GPU, under torchrun (megatrain only); batch_size stays the global
-    # micro-batch's, which the ranks split
+    # data-parallel ranks, one per GPU, under torchrun (the systems of suite.system.DATA_PARALLEL);
+    # batch_size stays the global micro-batch's, which the ranks split
     gpus: int = 1
 
     def __post_init__(self):
@@ -48,8 +48,9 @@ class RunSpec:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "gpus"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.gpus > 1 and self.system != "megatrain":
-            raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only megatrain runs data-parallel")
+        if self.gpus > 1 and self.system not in DATA_PARALLEL:
+            raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only {', '.join(DATA_PARALLEL)} "
+                             f"run data-parallel")
         if self.batch_size % self.gpus:
             raise ValueError(f"batch_size {self.batch_size} does not split over gpus {self.gpus}: make it a multiple")
         if not isinstance(self.warmup, int) or self.warmup < 0:

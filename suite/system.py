@@ -75,6 +75,12 @@ SYSTEMS: dict[str, str] = {
     "ratel": "baselines.ratel:Ratel",
 }
 
+# The systems that run a point on several GPUs of one host (RunSpec.gpus, under torchrun), and
+# whether their ranks share one host store: MegaTrain's ranks map one shared-memory file, so the
+# harness counts shared pages once over the process tree; a baseline's ranks each hold their own
+# shard of the offloaded state (pinned or not), so every process's resident memory counts in full.
+DATA_PARALLEL: dict[str, bool] = {"megatrain": True, "fsdp2": False, "zero3": False, "zero_infinity": False}
+
 
 def load(name: str) -> type[System]:
     """The System class of a named system."""

@@ -21,6 +21,7 @@ import torch
 from megatrain.shapes import ModelShape
 from megatrain.io import write_json
 from megatrain.data import make_source
+from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.metrics import environment, model_flops
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
@@ -48,6 +49,11 @@ def medians(rows: list[dict]) -> dict:
 def run(spec: RunSpec, out: str | None) -> dict:
     """Under torchrun (spec.gpus > 1) every rank runs this, on the GPU of its LOCAL_RANK, given the
     same global micro-batches; the first rank alone writes the result."""
+    ranks = Ranks.from_env()
+    if ranks.world != spec.gpus:
+        raise ValueError(f"gpus {spec.gpus}, but {ranks.world} rank(s) started: launch the point through suite.runner")
+    # more ranks than GPUs, a global batch that does not split: refused alike on every rank, by name
+    check_ranks(ranks, spec.batch_size, "cuda" if torch.cuda.is_available() else "cpu", torch.cuda.device_count())
     local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device() if torch.cuda.is_available() else 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     shape = ModelShape(spec.hf_config())

@@ -227,8 +227,12 @@ def test_the_plan_counts_the_shared_store_once_per_host():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(system="native", gpus=2), "only megatrain runs data-parallel"),
+    (dict(system="native", gpus=2), "native runs on one GPU in this harness; only megatrain, fsdp2, zero3, "
+                                     "zero_infinity run data-parallel"),
+    (dict(system="gemini", gpus=2), "only megatrain, fsdp2, zero3, zero_infinity run data-parallel"),
     (dict(system="megatrain", gpus=3), "batch_size 2 does not split over gpus 3"),
+    (dict(system="fsdp2", gpus=3), "batch_size 2 does not split over gpus 3"),
+    (dict(system="zero3", gpus=4), "batch_size 2 does not split over gpus 4"),
 ])
 def test_the_harness_refuses_what_cannot_run_data_parallel(bad, message):
     from suite.spec import RunSpec
@@ -250,6 +254,62 @@ def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
     torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
                                rtol=1e-5, atol=0)
     assert results[2]["spec"]["gpus"] == 2
+
+
+def test_fsdp2_on_two_ranks_trains_as_one(tmp_path):
+    """FSDP2 CPU offload on 2 ranks (gloo) under the harness's torchrun: each rank its rows, the
+    parameters sharded over both; the same losses and trained weights as the point on one rank
+    (float32 on the CPU; the ranks' averaged gradients differ from one rank's only in rounding)."""
+    from safetensors.torch import load_file
+    from suite.runner import run_point
+    from suite.spec import RunSpec
+    results, weights = {}, {}
+    for gpus in (1, 2):
+        spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=2,
+                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus, save_to=str(tmp_path / f"model{gpus}"))
+        results[gpus] = run_point(spec, tmp_path / f"{gpus}.json")
+        assert results[gpus]["status"] == "ok", results[gpus].get("log_tail")
+        weights[gpus] = load_file(tmp_path / f"model{gpus}" / "model.safetensors")
+    torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(weights[2], weights[1], rtol=1e-5, atol=1e-7)
+    assert results[2]["model_flops_per_step"] == results[1]["model_flops_per_step"]  # the global step's
+    # each rank's own memory counts (no shared store): the tree of 2 ranks holds more than 1 rank
+    assert results[2]["peak"]["host_rss_bytes"] > results[1]["peak"]["host_rss_bytes"]
+
+
+def test_every_system_takes_the_same_rows_of_a_global_batch():
+    """Rows rank, rank + N, ...: every field alike, and the ranks' rows together the whole batch."""
+    from megatrain.batch import Batch
+    from megatrain.distributed import shard_batch
+    ids = torch.arange(6 * 4).view(6, 4)
+    batch = Batch(ids, ids + 100, torch.ones_like(ids), ids % 4)
+    parts = [shard_batch(batch, Ranks(r, 3, r, 3)) for r in range(3)]
+    assert parts[1].input_ids[:, 0].tolist() == [4, 16]
+    for part in parts:
+        assert torch.equal(part.labels, part.input_ids + 100) and torch.equal(part.position_ids, part.input_ids % 4)
+    assert sorted(torch.cat([p.input_ids for p in parts])[:, 0].tolist()) == ids[:, 0].tolist()
+    assert shard_batch(batch, Ranks()) is batch
+
+
+@pytest.mark.parametrize("env, cuda, message", [
+    (dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"), 1, "2 ranks on this host but 1 GPU"),
+    (dict(WORLD_SIZE="4", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4"), 4, "gpus 2, but 4 rank"),
+])
+def test_the_worker_refuses_ranks_it_cannot_run_before_building_anything(env, cuda, message, monkeypatch):
+    """For every system alike, on every rank alike: more ranks than GPUs, or not the spec's ranks."""
+    from suite import worker
+    from suite.spec import RunSpec
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
+    built = []
+    monkeypatch.setattr(worker, "load", lambda name: built.append(name))
+    spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, gpus=2)
+    with pytest.raises(ValueError, match=message):
+        worker.run(spec, None)
+    assert built == []
 
 
 def test_a_tile_is_ready_once_every_owner_has_published_its_update():

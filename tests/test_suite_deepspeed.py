@@ -1,4 +1,5 @@
-"""The DeepSpeed baselines without DeepSpeed: their config, their refusals, and the libaio route.
+"""The DeepSpeed baselines without DeepSpeed: their config, their refusals, the libaio route, and the
+host admission on several GPUs (ZeRO-3 and FSDP2 alike).
 
 Training itself needs a GPU and DeepSpeed; it is checked on the GPU machine, not here.
 """
@@ -15,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain.distributed import Ranks
 from megatrain.shapes import ModelShape
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
-from baselines import deepspeed_zero
+from megatrain.units import GiB
+from baselines import deepspeed_zero, hf
+from baselines.fsdp2 import FSDP2
 from baselines.deepspeed_zero import ZeRO3Offload, ZeROInfinity, ds_config
 from suite.system import Unsupported
 
@@ -41,6 +45,30 @@ def test_zero3_offload_config():
     assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (2, 3, 6)
     assert c["gradient_clipping"] == 0.0
     assert "aio" not in c
+
+
+def test_zero3_config_on_several_gpus_splits_the_global_batch():
+    # batch_size is the global micro-batch: each of the 4 ranks takes 2 of its 8 rows
+    c = ds_config(RunSpec(system="zero3", model={"preset": "tiny-qwen2"}, seq_len=32, batch_size=8, grad_accum=3,
+                          gpus=4), "cpu")
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (2, 3, 24)
+
+
+@pytest.mark.parametrize("system", [ZeRO3Offload, FSDP2])
+def test_host_admission_counts_the_ranks(system, monkeypatch):
+    """The state is sharded over the ranks (its total stays); each further rank adds its own part
+    and its runtime. A host that holds the point on 1 GPU refuses it on 4, saying why."""
+    one, four = (RunSpec(system="zero3", model={"preset": "qwen2.5-7b"}, batch_size=4, gpus=g) for g in (1, 4))
+    p = hf.params(one)
+    need = {g: hf.host_need(s, system.HOST_BYTES_PER_PARAM, system.RANK_BYTES_PER_PARAM)[0]
+            for g, s in ((1, one), (4, four))}
+    assert need[1] == int(p * system.HOST_BYTES_PER_PARAM)
+    assert need[4] == int(p * system.HOST_BYTES_PER_PARAM + 3 * (p * system.RANK_BYTES_PER_PARAM + hf.RANK_HOST_BYTES))
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GB", str((need[1] + need[4]) / 2 / GiB))
+    hf.require_host(one, system.HOST_BYTES_PER_PARAM, "x", system.RANK_BYTES_PER_PARAM)
+    with pytest.raises(DoesNotFit, match=r"sharded over 4 ranks, \+ 3 further rank\(s\)") as e:
+        hf.require_host(four, system.HOST_BYTES_PER_PARAM, "x", system.RANK_BYTES_PER_PARAM)
+    assert e.value.memory == "host"
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "qwen2.5-7b"])
@@ -82,7 +110,9 @@ def test_missing_deepspeed_is_unsupported(name, system, monkeypatch):
 
 @pytest.fixture
 def fake_deepspeed(monkeypatch):
+    """No DeepSpeed and no process group: the constructor gets as far as its admission."""
     monkeypatch.setattr(deepspeed_zero, "import_deepspeed", lambda: None)
+    monkeypatch.setattr(deepspeed_zero, "_init_distributed", lambda deepspeed, device: Ranks())
 
 
 def test_cpu_device_is_unsupported(fake_deepspeed):

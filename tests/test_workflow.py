@@ -42,9 +42,23 @@ def test_every_point_is_a_valid_run_spec(path):
     # The harness rejects a bad spec before it starts a process; catch it here instead.
     for p in grid.points(grid.load(path)).values():
         RunSpec(system=p["system"], model=grid.model(p), seq_len=p["seq"], batch_size=p["batch"],
-                grad_accum=p["accum"], steps=p["steps"], warmup=p["warmup"], timeout_s=p["timeout"])
+                grad_accum=p["accum"], steps=p["steps"], warmup=p["warmup"], timeout_s=p["timeout"],
+                gpus=p.get("gpus", 1))
         args = grid.argv(p)
         assert args[:2] == ["--system", p["system"]] and "--out" not in args
+
+
+@pytest.mark.parametrize("path", [p for p in GRIDS if "gpus" in grid.load(p)["experiments"]], ids=lambda p: p.stem)
+def test_gpus_experiments_run_the_baselines_beside_megatrain(path):
+    """Every MegaTrain point of a `gpus` experiment has ZeRO-3 Offload and FSDP2 beside it: the same
+    model, GPUs, global batch (so the same batch per GPU) and shape."""
+    pts = [p for (e, _), p in grid.points(grid.load(path)).items() if e == "gpus"]
+    def shape(p):
+        return p["preset"], p.get("gpus", 1), p["batch"], p["accum"], p["seq"]
+    megatrain = {shape(p) for p in pts if p["system"] == "megatrain"}
+    assert {p.get("gpus", 1) for p in pts} >= {1, 2}
+    for system in ("zero3", "fsdp2"):
+        assert {shape(p) for p in pts if p["system"] == system} == megatrain, system
 
 
 @pytest.mark.parametrize("path", [p for p in GRIDS if "host_gib" in grid.load(p)], ids=lambda p: p.stem)
