@@ -14,7 +14,8 @@ import psutil
 
 from megatrain.config import EngineSettings
 from megatrain.shapes import ModelShape
-from megatrain.store import HostStore, Layout, pinned_bytes
+from megatrain.optim import SCRATCH_BYTES
+from megatrain.store import HostStore, Layout, pinned_bytes, splits
 from megatrain.units import GiB
 
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -76,6 +77,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     store_host, store_device = HostStore.nbytes(shape, s)
     host = {
         "store": store_host,
+        "optimizer_scratch": SCRATCH_BYTES if splits(s.master, s.compute) else 0,  # a split tile's chunk, joined
         "grad_slabs": max(1, s.grad_slabs) * pinned_bytes(layer * 4, pinned),
         "embedding_staging": pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,

@@ -51,18 +51,20 @@ def test_layout_is_aligned_and_decay_first():
         assert (offset < layout.decay_numel) == spec.decay
     store = HostStore(arch, settings(arch, clipping=True))
     tile = store.layers[0]
-    for t in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
+    assert tile.split and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
+    for t in (tile.low, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
-    # one layer-contiguous block: master, moments and gradient buffer follow each other
-    assert tile.exp_avg.data_ptr() > tile.master.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
+    # one layer-contiguous block: the low halves, moments and gradient buffer follow each other
+    assert tile.exp_avg.data_ptr() > tile.low.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
     assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
 
 
 def test_host_bytes_per_parameter():
-    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow),
-    18 with it (a float32 gradient waits for the global norm)."""
+    """float32 masters: 12 bytes per parameter without clipping (the master's low halves, the
+    moments, the bf16 shadow that is its high halves), 16 with it (a float32 gradient waits for the
+    global norm)."""
     arch = shape_of("tiny-llama", num_hidden_layers=8)
-    for clipping, per_param in ((False, 14), (True, 18)):
+    for clipping, per_param in ((False, 12), (True, 16)):
         store = HostStore(arch, settings(arch, clipping=clipping))
         layer = store.layers[0]
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
@@ -101,20 +103,20 @@ def test_memory_plan_counts_bytes_per_parameter():
         return p.detail["store"] / n
     n = arch.total_params()
     assert 7.5e9 < n < 7.7e9
-    assert 13.99 < per_param("float32", False) < 14.01  # fp32 master + 2 moments + bf16 shadow
-    assert 17.99 < per_param("float32", True) < 18.01  # + a float32 gradient waiting for the norm
+    assert 11.99 < per_param("float32", False) < 12.01  # fp32 master (bf16 shadow + low halves) + 2 moments
+    assert 15.99 < per_param("float32", True) < 16.01  # + a float32 gradient waiting for the norm
     assert 9.99 < per_param("bfloat16", False) < 10.01
 
 
 def test_device_tiles_move_bytes_from_host_to_device():
-    """Device tiles leave the host store (14 B/param there) for 12 B/param on the device; a count
+    """Device tiles leave the host store (12 B/param there) for 12 B/param on the device; a count
     beyond the embedding and the layers is refused by name."""
     arch = shape_of("qwen2.5-7b")
     base = plan(arch, settings(arch, microbatches=4))
     moved = plan(arch, settings(arch, EngineConfig(device_tiles=3), microbatches=4))
     n = arch.vocab * arch.hidden + 2 * Layout.of(arch.layer_specs).numel  # embedding and layers 0, 1
     assert moved.detail["device.device_tiles"] == 12 * n
-    assert 14 * n <= base.detail["store"] - moved.detail["store"] <= 14 * n + 3 * 4 * PAGE
+    assert 12 * n <= base.detail["store"] - moved.detail["store"] <= 12 * n + 3 * 4 * PAGE
     with pytest.raises(ValueError, match="engine.device_tiles must be between 0 and 29"):
         settings(arch, EngineConfig(device_tiles=30))
     tiny = shape_of("tiny-llama")
