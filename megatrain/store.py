@@ -121,9 +121,13 @@ def _ties(low: torch.Tensor) -> torch.Tensor:
     body = low.numel() - low.numel() % _ROW
     rows = low[:body].view(-1, _ROW)
     hit = (rows.amin(1) == TIE).nonzero().squeeze(1)
-    at = (rows[hit] == TIE).nonzero()
-    tail = (low[body:] == TIE).nonzero().squeeze(1)
-    return torch.cat([hit[at[:, 0]] * _ROW + at[:, 1], tail + body])
+    at = []
+    if hit.numel():
+        r, c = (rows[hit] == TIE).nonzero().unbind(1)
+        at.append(hit[r] * _ROW + c)
+    if body < low.numel():
+        at.append((low[body:] == TIE).nonzero().squeeze(1) + body)
+    return torch.cat(at) if len(at) > 1 else at[0] if at else hit
 
 
 def split(master: torch.Tensor, shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
