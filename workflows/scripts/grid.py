@@ -83,9 +83,10 @@ def _value(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-# Host bytes per parameter MegaTrain keeps (bf16 weights and gradients, float32 master and two Adam
-# moments): the sizing rule of the grids' `host_gib` and `expect: oom_host`.
-HOST_BYTES_PER_PARAM = 14
+# Host bytes per parameter MegaTrain keeps without clipping (the float32 master split into its bf16
+# shadow and low halves, two float32 Adam moments: docs/host-store.md): the sizing rule of the
+# grids' `host_gib` and `expect: oom_host`.
+HOST_BYTES_PER_PARAM = 12
 
 
 def model(point: dict[str, Any]) -> dict[str, Any]:
