@@ -106,6 +106,10 @@ def test_memory_plan_counts_bytes_per_parameter():
     assert 11.99 < per_param("float32", False) < 12.01  # fp32 master (bf16 shadow + low halves) + 2 moments
     assert 15.99 < per_param("float32", True) < 16.01  # + a float32 gradient waiting for the norm
     assert 9.99 < per_param("bfloat16", False) < 10.01
+    # the fixed part: the optimizer's scratch for a split tile's chunk (docs/host-store.md)
+    from megatrain.optim import SCRATCH_BYTES
+    for master, scratch in (("float32", SCRATCH_BYTES), ("bfloat16", 0)):
+        assert plan(arch, settings(arch, master=master)).detail["optimizer_scratch"] == scratch == (master == "float32") << 27
 
 
 def test_device_tiles_move_bytes_from_host_to_device():
