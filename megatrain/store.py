@@ -112,19 +112,24 @@ def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool
 
 # ---- split masters (docs/host-store.md) ----
 TIE = -(1 << 15)  # the low half of a master halfway between two bf16 values
-_ROW = 1024  # elements per row of the search for TIE: a min over rows reads `low` once, writes little
+_ROW, _SUB = 1024, 64  # the search for TIE: minima over rows, then over the sub-rows of rows that hold one
 _SIGN = -(1 << 31)
 
 
 def _ties(low: torch.Tensor) -> torch.Tensor:
-    """Positions (int64) where `low` (int16) holds TIE: about one element in 2^16 of trained weights."""
+    """Positions (int64) where `low` (int16) holds TIE: about one element in 2^16 of trained weights.
+    Two reductions read `low` once; what follows touches a few sub-rows (below torch's grain size,
+    so it runs on the calling thread alone)."""
     body = low.numel() - low.numel() % _ROW
-    rows = low[:body].view(-1, _ROW)
-    hit = (rows.amin(1) == TIE).nonzero().squeeze(1)
+    subs = low[:body].view(-1, _SUB)
+    sub_min = subs.amin(1).view(-1, _ROW // _SUB)  # per row of _ROW, its sub-rows' minima
+    hit = (sub_min.amin(1) == TIE).nonzero().squeeze(1)
     at = []
     if hit.numel():
-        r, c = (rows[hit] == TIE).nonzero().unbind(1)
-        at.append(hit[r] * _ROW + c)
+        r, c = (sub_min[hit] == TIE).nonzero().unbind(1)
+        sub = hit[r] * (_ROW // _SUB) + c  # sub-rows holding a TIE
+        i, j = (subs[sub] == TIE).nonzero().unbind(1)
+        at.append(sub[i] * _SUB + j)
     if body < low.numel():
         at.append((low[body:] == TIE).nonzero().squeeze(1) + body)
     return torch.cat(at) if len(at) > 1 else at[0] if at else hit

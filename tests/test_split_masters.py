@@ -81,7 +81,7 @@ def test_split_and_join_are_exact_for_every_finite_float32():
 
 def test_ties_found_in_rows_and_tail():
     low = torch.zeros(5 * 1024 + 37, dtype=torch.int16)
-    at = [0, 1023, 1024, 3000, 5 * 1024, 5 * 1024 + 36]
+    at = [0, 63, 64, 1023, 1024, 3000, 3001, 5 * 1024, 5 * 1024 + 36]  # row and sub-row edges, two in one
     low[at] = -(1 << 15)
     assert _ties(low).tolist() == at and _ties(low[:10]).tolist() == [0]
 
