@@ -6,10 +6,10 @@ and the `shadow`: the compute-dtype copy that streams to the device, kept in pin
 layer reaches the GPU in one DMA. When the master's dtype is the compute dtype (bf16 masters on
 GPU, float32 on CPU) the shadow is the master itself.
 
-Float32 masters with bf16 compute are held split (docs/host-store.md): the shadow, the float32
-master rounded to nearest even, is the master's high half, and the block keeps only its low 16
-bits (`low`), so the master is 2 + 2 bytes, the shadow included, and a tile 12 bytes per parameter
-with the moments. The master is recovered exactly from the two halves (`join`); the one case two
+Float32 masters with bf16 compute can be held split (`engine.split_masters`, docs/host-store.md):
+the shadow, the float32 master rounded to nearest even, is the master's high half, and the block
+keeps only its low 16 bits (`low`), so the master is 2 + 2 bytes, the shadow included, and a tile
+12 bytes per parameter with the moments instead of 14, for a slower CPU update. The master is recovered exactly from the two halves (`join`); the one case two
 halves cannot tell apart, a master exactly halfway between two bf16 values and rounded down, is
 flagged in the sign bit of its `exp_avg_sq`, which AdamW never makes negative.
 
@@ -94,19 +94,21 @@ def pinned_bytes(nbytes: int, pinned: bool) -> int:
     return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
 
 
-def splits(master: torch.dtype, compute: torch.dtype) -> bool:
-    """A host tile of these dtypes keeps its master as the shadow plus the low halves."""
+def can_split(master: torch.dtype, compute: torch.dtype) -> bool:
+    """A host tile of these dtypes can keep its master as the shadow plus the low halves."""
     return master == torch.float32 and compute == torch.bfloat16
 
 
-def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False) -> int:
-    """Host bytes of one tile (the admission check uses the same arithmetic as the allocation)."""
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False,
+               split: bool = False) -> int:
+    """Host bytes of one tile (the admission check uses the same arithmetic as the allocation);
+    `split`: its master held split, where the dtypes allow it."""
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
     state = (2 + grad) * seg(torch.float32)
     if master == compute:  # the master is its own shadow, in pinned memory
         return pinned_bytes(seg(master), pinned) + state
-    kept = seg(torch.int16) if splits(master, compute) else seg(master)  # the low halves, or the whole master
+    kept = seg(torch.int16) if split and can_split(master, compute) else seg(master)  # the low halves, or the whole master
     return kept + state + pinned_bytes(seg(compute), pinned)
 
 
@@ -171,13 +173,14 @@ def join(shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor, out:
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 grad: bool, device: torch.device | None = None):
-        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer)."""
+                 grad: bool, device: torch.device | None = None, split: bool = False):
+        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer).
+        `split`: a host tile with float32 masters and a bf16 shadow keeps only the masters' low halves."""
         self.name = name
         self.layout = layout
         self.on_device = device is not None
         self.master_dtype = master
-        self.split = not self.on_device and splits(master, compute)
+        self.split = split and not self.on_device and can_split(master, compute)
         n = layout.numel
         state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
         self.grad: torch.Tensor | None = None
@@ -196,7 +199,7 @@ class Tile:
         else:
             if self.split:
                 self.low, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [torch.int16, *state])
-            else:  # bf16 masters with float32 compute stream a float32 copy
+            else:  # a whole master beside its shadow (bf16 masters with float32 compute stream a float32 copy)
                 self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state])
             (self.shadow,) = _carve(_page_aligned(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
         if grad and not self.on_device:
@@ -272,12 +275,12 @@ class HostStore:
         """With clipping every host tile keeps a gradient buffer (updates wait for the global norm);
         the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note)."""
         self.shape = shape
-        master, compute, pinned, clipping = s.master, s.compute, s.pinned, s.clipping
+        master, compute, pinned, clipping, split = s.master, s.compute, s.pinned, s.clipping, s.split_masters
         where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
-        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0])
+        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], split)
         self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
-                            where[i + 1]) for i in range(shape.num_layers)]
-        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping)
+                            where[i + 1], split) for i in range(shape.num_layers)]
+        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping, split=split)
 
     @property
     def tiles(self) -> list[Tile]:
@@ -293,7 +296,7 @@ class HostStore:
             if k < s.device_tiles:
                 device += numel * (s.master.itemsize + 8)
             else:
-                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned)
+                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned, s.split_masters)
         return host, device
 
     # ---- filling the store ----

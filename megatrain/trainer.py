@@ -77,6 +77,8 @@ class Trainer:
         memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free)
         self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
+        if data_bytes:  # the data's bytes may be what makes split masters needed (engine.split_masters: auto)
+            self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, data_bytes)
         self.memory_plan = memory.plan(shape, s, data_bytes)
         memory.admit(self.memory_plan, machine.host_available, machine.device_free)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
@@ -278,7 +280,8 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     else:
         lines.append(f"data: synthetic; step: {d.grad_accum} x {d.batch_size} x {d.seq_len} = "
                      f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
-    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters, checkpoint every "
+    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters"
+                 f"{' (split: shadow + low halves)' if s.split_masters else ''}, checkpoint every "
                  f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
                  f"{s.no_recompute_layers} layers kept from recompute")
     host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}
@@ -295,9 +298,10 @@ def plan_report(cfg: TrainConfig) -> str:
     shape = ModelShape(load_hf_config(cfg.model))
     device = Device(cfg.engine.device)
     machine = Machine.of(device, cfg.engine)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
     data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
-    p = memory.plan(shape, s, data.nbytes + (held_out.nbytes if held_out else 0))
+    data_bytes = data.nbytes + (held_out.nbytes if held_out else 0)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, data_bytes)
+    p = memory.plan(shape, s, data_bytes)
     try:
         memory.admit(p, machine.host_available, machine.device_free)
         verdict = "fits this machine"

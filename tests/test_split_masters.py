@@ -1,7 +1,7 @@
 """Split float32 masters (docs/host-store.md): the bf16 shadow that streams is the master's high half
 and only the low 16 bits are kept apart, with a flag for the halfway masters rounded down. The
 masters come back exactly, the shadow is the cast the stream always had, and training is bit for
-bit what it was with whole float32 masters beside the shadow."""
+bit what it is with whole float32 masters beside the shadow (engine.split_masters true or false)."""
 from __future__ import annotations
 
 import hashlib
@@ -91,7 +91,7 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch):
     the master and moments bit for bit those of a whole float32 master, the shadow its cast."""
     monkeypatch.setattr(optim, "CHUNK", 4096)
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
-    split_tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False)
+    split_tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False, split=True)
     whole = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)
     assert split_tile.split and not whole.split
     n = whole.layout.numel
@@ -146,11 +146,11 @@ def bf16_run(overrides: list[str]) -> dict:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("split", ["true", "false"])
 @pytest.mark.parametrize("run", ["no-clipping", "clipping-device-tiles"])
-def test_bf16_training_is_the_14_byte_stores(run):
-    """The tiny run with bf16 compute on the CPU (float32 masters split on the host): the losses,
-    masters, moments and shadows recorded with the 14-byte store (whole float32 master beside the
-    shadow), to the bit."""
+def test_bf16_training_is_the_14_byte_stores(run, split):
+    """The tiny run with bf16 compute on the CPU, float32 masters split on the host or whole beside
+    the shadow: the losses, masters, moments and shadows recorded with the 14-byte store, to the bit."""
     golden = json.loads(GOLDEN.read_text())["runs"][run]
-    got = bf16_run(golden["overrides"])
+    got = bf16_run([*golden["overrides"], f"engine.split_masters={split}"])
     assert got["losses"] == golden["losses"] and got["sha256"] == golden["sha256"]

@@ -16,7 +16,8 @@ from megatrain.store import Layout, Tile, join, split
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 233_057_792
 cfg = OptimConfig(lr=1e-5, weight_decay=0.1)
 pinned = torch.cuda.is_available()
-tile = Tile("layer", Layout.of([ParamSpec("w", (N // 64, 64))]), torch.float32, torch.bfloat16, pinned, False)
+tile = Tile("layer", Layout.of([ParamSpec("w", (N // 64, 64))]), torch.float32, torch.bfloat16, pinned, False,
+            split=True)
 tile.reset()
 tile.write_master(torch.randn(N) * 0.02)
 grad = torch.randn(N, pin_memory=pinned) * 1e-3
