@@ -9,9 +9,10 @@ GPU, float32 on CPU) the shadow is the master itself.
 Float32 masters with bf16 compute can be held split (`engine.split_masters`, docs/host-store.md):
 the shadow, the float32 master rounded to nearest even, is the master's high half, and the block
 keeps only its low 16 bits (`low`), so the master is 2 + 2 bytes, the shadow included, and a tile
-12 bytes per parameter with the moments instead of 14, for a slower CPU update. The master is recovered exactly from the two halves (`join`); the one case two
-halves cannot tell apart, a master exactly halfway between two bf16 values and rounded down, is
-flagged in the sign bit of its `exp_avg_sq`, which AdamW never makes negative.
+12 bytes per parameter with the moments instead of 14, for a slower CPU update. The master is
+recovered exactly from the two halves (`join`); the one case two halves cannot tell apart, a
+master exactly halfway between two bf16 values and rounded down, is flagged in the sign bit of its
+`exp_avg_sq`, which AdamW never makes negative.
 
 Gradients are summed over the micro-batches on the device and update a tile straight from the
 pinned slab they return into (see optim.py). Only clipping, whose global norm is known at the
