@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine issue's GPU evidence in one call: GPU tests, Qwen2.5-3B shape for 10 steps at
-# sequence 4096, and the 7B shape (float32 masters with clipping, 18 B/param: refused by admission on a 126 GiB host;
-# bf16 masters: a few steps). Writes under ${OUT:-out}; prints a table last.
+# sequence 4096, and the 7B shape (float32 masters with clipping: 18 B/param whole, over a 126 GiB host, so
+# engine.split_masters auto splits them, 16 B/param: a plan of 123.5 GiB, at the edge of the host, admitted or
+# refused against what the OS reports; bf16 masters: a few steps). Writes under ${OUT:-out}; prints a table last.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"

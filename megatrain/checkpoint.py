@@ -75,7 +75,8 @@ def save_state(store: HostStore, path: str | Path, meta: dict) -> None:
     """Master weights and both moments of every tile, plus `meta` (step, data position, config)."""
     with atomic_dir(path) as tmp:
         for tile in store.tiles:
-            save_file({k: getattr(tile, k).cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")
+            with tile.plain_state() as state:
+                save_file({k: state[k].cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -97,14 +98,17 @@ def load_state(store: HostStore, path: str | Path, only: list | None = None) -> 
             tile.version += 1  # its shadow changed under the device buffers all the same
             continue
         with safe_open(str(path / f"{tile.name}.safetensors"), framework="pt") as f:
-            for k in _STATE:
+            # one tensor at a time; the moments first: a split tile's master write flags in exp_avg_sq
+            for k in ("exp_avg", "exp_avg_sq", "master"):
                 t = f.get_tensor(k)
-                dst = getattr(tile, k)
-                if t.shape != dst.shape or t.dtype != dst.dtype:
+                dtype = tile.master_dtype if k == "master" else torch.float32
+                if tuple(t.shape) != (tile.layout.numel,) or t.dtype != dtype:
                     raise ValueError(f"resume: {tile.name}.{k} in {path} is {t.dtype}{tuple(t.shape)}, "
-                                     f"this run has {dst.dtype}{tuple(dst.shape)}")
-                dst.copy_(t)
-        tile.refresh_shadow()
+                                     f"this run has {dtype}{(tile.layout.numel,)}")
+                if k == "master":
+                    tile.write_master(t)
+                else:
+                    getattr(tile, k).copy_(t)
         tile.version += 1
         tile.ready.set()
     return json.loads((path / "state.json").read_text())

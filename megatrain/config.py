@@ -110,6 +110,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     master_dtype: Literal["float32", "bfloat16"] = "float32"  # float32: true full precision; bfloat16: the paper's 12 B/param
+    # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
+    # instead of 14, for a CPU update about 3x slower (docs/host-store.md); auto: only when the
+    # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
+    split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
@@ -152,6 +156,7 @@ class EngineSettings:
     device: str
     compute_dtype: Literal["float32", "bfloat16"]
     master_dtype: Literal["float32", "bfloat16"]
+    split_masters: bool  # host tiles keep float32 masters as the bf16 shadow plus the low halves
     checkpoint_every: int
     weight_buffers: int
     offload_checkpoints: bool

@@ -10,8 +10,11 @@ before it settled:
                        beside everything else (their updates are the ones the next step waits for
                        on the host; recompute is not exposed time, so tiles come first)
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
-The last two leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates, and an
-over-estimate costs only speed. With no device bound (the CPU) they choose 0.
+  split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
+                       the 14-byte plan does not fit the host and the 12-byte one does: the split
+                       update is about 3x slower on the CPU, where the GPU's backward may not hide it
+The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
+and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.
 """
 from __future__ import annotations
 
@@ -69,9 +72,10 @@ class Machine:
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
-            machine: Machine, ranks: Ranks = Ranks()) -> EngineSettings:
+            machine: Machine, ranks: Ranks = Ranks(), data_bytes: int = 0) -> EngineSettings:
     """`ranks`: data-parallel ranks split each micro-batch's rows (data.batch_size is global) and
-    share one host store per host (distributed.py)."""
+    share one host store per host (distributed.py). `data_bytes`: the tokenised examples the host
+    holds beside the plan (memory.plan)."""
     _check_against_shape(engine, shape)
     check_ranks(ranks, data.batch_size, "cuda" if machine.is_cuda else "cpu", machine.gpus)
     if shape.router_aux_coef and ranks.distributed:
@@ -81,8 +85,10 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     compute = engine.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
+    splittable = engine.master_dtype == "float32" and compute == "bfloat16"  # store.can_split
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
+        split_masters=splittable and engine.split_masters is True,
         checkpoint_every=engine.checkpoint_every, weight_buffers=engine.weight_buffers,
         offload_checkpoints=engine.offload_checkpoints, grad_slabs=engine.grad_slabs,
         device_tiles=0 if engine.device_tiles == "auto" else engine.device_tiles,
@@ -100,6 +106,8 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.no_recompute_layers == "auto":
         s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
+    if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
+        s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes))
     return s
 
 
@@ -120,6 +128,13 @@ def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) ->
         return None
     candidates = [c for c in MLP_CHUNKS if c < s.tokens]
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
+
+
+def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int) -> bool:
+    """Whether the host takes the plan only with split masters: the 14-byte one over it, the 12-byte one within."""
+    def fits(split: bool) -> bool:
+        return memory.plan(shape, replace(s, split_masters=split), data_bytes).host_bytes <= host_available
+    return not fits(False) and fits(True)
 
 
 def _most_that_fit(shape: ModelShape, s: EngineSettings, field: str, count: int, device_free: int | None) -> int:

@@ -4,8 +4,15 @@ A tile holds, for its parameters laid out flat (decayed matrices first, then nor
 each aligned to 64 elements): the master weights and both AdamW moments in one page-aligned block,
 and the `shadow`: the compute-dtype copy that streams to the device, kept in pinned memory so each
 layer reaches the GPU in one DMA. When the master's dtype is the compute dtype (bf16 masters on
-GPU, float32 on CPU) the shadow is the master itself. With float32 masters that is 4 + 4 + 4 + 2 =
-14 bytes per parameter.
+GPU, float32 on CPU) the shadow is the master itself.
+
+Float32 masters with bf16 compute can be held split (`engine.split_masters`, docs/host-store.md):
+the shadow, the float32 master rounded to nearest even, is the master's high half, and the block
+keeps only its low 16 bits (`low`), so the master is 2 + 2 bytes, the shadow included, and a tile
+12 bytes per parameter with the moments instead of 14, for a slower CPU update. The master is
+recovered exactly from the two halves (`join`); the one case two halves cannot tell apart, a
+master exactly halfway between two bf16 values and rounded down, is flagged in the sign bit of its
+`exp_avg_sq`, which AdamW never makes negative.
 
 Gradients are summed over the micro-batches on the device and update a tile straight from the
 pinned slab they return into (see optim.py). Only clipping, whose global norm is known at the
@@ -25,7 +32,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,26 +98,114 @@ def pinned_bytes(nbytes: int, pinned: bool) -> int:
     return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
 
 
-def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False) -> int:
-    """Host bytes of one tile (the admission check uses the same arithmetic as the allocation)."""
+def can_split(master: torch.dtype, compute: torch.dtype) -> bool:
+    """A host tile of these dtypes can keep its master as the shadow plus the low halves."""
+    return master == torch.float32 and compute == torch.bfloat16
+
+
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False,
+               split: bool = False) -> int:
+    """Host bytes of one tile (the admission check uses the same arithmetic as the allocation);
+    `split`: its master held split, where the dtypes allow it."""
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
+    state = (2 + grad) * seg(torch.float32)
     if master == compute:  # the master is its own shadow, in pinned memory
-        return pinned_bytes(seg(master), pinned) + (2 + grad) * seg(torch.float32)
-    return seg(master) + (2 + grad) * seg(torch.float32) + pinned_bytes(seg(compute), pinned)
+        return pinned_bytes(seg(master), pinned) + state
+    kept = seg(torch.int16) if split and can_split(master, compute) else seg(master)  # the low halves, or the whole master
+    return kept + state + pinned_bytes(seg(compute), pinned)
+
+
+# ---- split masters (docs/host-store.md) ----
+TIE = -(1 << 15)  # the low half of a master halfway between two bf16 values
+_ROW, _SUB = 1024, 64  # the search for TIE: minima over rows, then over the sub-rows of rows that hold one
+_SIGN = -(1 << 31)
+# elements per thread of one block of a join's or split's casts: each cast is a pass over memory,
+# and a block's float32 master and widened low halves stay in the cores' caches between them (on the
+# 2-core box, 1 thread: 2^16-2^18 alike, 2^14 and 2^20 slower; more threads favour fewer blocks)
+_BLOCK = 1 << 18
+
+
+def _blocks(n: int) -> Iterator[tuple[int, int]]:
+    step = _BLOCK * torch.get_num_threads()
+    return ((c, min(n, c + step)) for c in range(0, n, step))
+
+
+def _ties(low: torch.Tensor) -> torch.Tensor:
+    """Positions (int64) where `low` (int16) holds TIE: about one element in 2^16 of trained weights.
+    Two reductions read `low` once; what follows touches a few sub-rows (below torch's grain size,
+    so it runs on the calling thread alone)."""
+    body = low.numel() - low.numel() % _ROW
+    subs = low[:body].view(-1, _SUB)
+    sub_min = subs.amin(1).view(-1, _ROW // _SUB)  # per row of _ROW, its sub-rows' minima
+    hit = (sub_min.amin(1) == TIE).nonzero().squeeze(1)
+    at = []
+    if hit.numel():
+        r, c = (sub_min[hit] == TIE).nonzero().unbind(1)
+        sub = hit[r] * (_ROW // _SUB) + c  # sub-rows holding a TIE
+        i, j = (subs[sub] == TIE).nonzero().unbind(1)
+        at.append(sub[i] * _SUB + j)
+    if body < low.numel():
+        at.append((low[body:] == TIE).nonzero().squeeze(1) + body)
+    return torch.cat(at) if len(at) > 1 else at[0] if at else hit
+
+
+def split(master: torch.Tensor, shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """Store float32 `master` as its bf16 `shadow` (rounded to nearest even, the cast the stream
+    has always had) and its `low` 16 bits; flag in `exp_avg_sq`'s sign the halfway masters that were
+    rounded down (their two halves read as the master 2^16 below). All 1-D, of one length."""
+    bits = master.view(torch.int32)
+    for c, d in _blocks(master.numel()):
+        shadow[c:d].copy_(master[c:d])
+        low[c:d].copy_(bits[c:d])  # int32 -> int16 keeps the low 16 bits
+    at = _ties(low)
+    if at.numel():
+        down = (bits[at] & -(1 << 16)) == (shadow.view(torch.int16)[at].to(torch.int32) << 16)
+        v = exp_avg_sq.view(torch.int32)
+        flags = v[at]
+        v[at] = torch.where(down, flags | _SIGN, flags & ~_SIGN)
+
+
+def join(shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor, out: torch.Tensor,
+         wide: torch.Tensor | None = None, take: bool = False) -> torch.Tensor:
+    """The float32 masters `split` stored, into `out`; `wide`: int32 scratch of at least one block's
+    length (_blocks), or of the same length.
+    `take`: clear the flags too, leaving `exp_avg_sq` as AdamW expects it (then `split` must follow)."""
+    blocks = list(_blocks(low.numel()))
+    wide = torch.empty(blocks[0][1] if blocks else 0, dtype=torch.int32) if wide is None else wide
+    bits = out.view(torch.int32)
+    for c, d in blocks:
+        out[c:d].copy_(shadow[c:d])  # bf16 -> float32 is exact: the bf16 bits become the high half, the low half 0
+        w = wide[: d - c]
+        w.copy_(low[c:d])  # sign-extended: the master minus its shadow, in units of the last place
+        bits[c:d].add_(w)
+    at = _ties(low)
+    if at.numel():
+        v = exp_avg_sq.view(torch.int32)
+        flags = v[at]
+        bits[at] += (flags < 0).to(torch.int32) << 16
+        if take:
+            v[at] = flags & ~_SIGN
+    return out
 
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 grad: bool, device: torch.device | None = None, alloc: Alloc = _page_aligned):
+                 grad: bool, device: torch.device | None = None, alloc: Alloc = _page_aligned, split: bool = False):
         """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer);
-        `alloc(nbytes, pinned)`: where the host blocks come from (a shared arena: distributed.py)."""
+        `alloc(nbytes, pinned)`: where the host blocks come from (a shared arena: distributed.py);
+        `split`: a host tile with float32 masters and a bf16 shadow keeps only the masters' low halves."""
         self.name = name
         self.layout = layout
         self.on_device = device is not None
+        self.master_dtype = master
+        self.split = split and not self.on_device and can_split(master, compute)
         n = layout.numel
         state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
         self.grad: torch.Tensor | None = None
+        # `master`: the whole master, where one is kept (a split tile has `low` instead)
+        self.master: torch.Tensor | None = None
+        self.low: torch.Tensor | None = None
         if self.on_device:  # the step's gradient stays in its device accumulator until the update
             self.master = torch.empty(n, dtype=master, device=device)
             self.exp_avg, self.exp_avg_sq = torch.empty(2, n, dtype=torch.float32, device=device)
@@ -120,7 +216,10 @@ class Tile:
             self.shadow = self.master
             self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state, alloc)
         else:
-            self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state], alloc)
+            if self.split:
+                self.low, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [torch.int16, *state], alloc)
+            else:  # a whole master beside its shadow (bf16 masters with float32 compute stream a float32 copy)
+                self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state], alloc)
             (self.shadow,) = _carve(alloc(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
         if grad and not self.on_device:
             self.grad = rest[0]
@@ -137,17 +236,57 @@ class Tile:
         size = sum(-(-n * d.itemsize // PAGE) * PAGE for d in dtypes)
         return _carve(alloc(size, False), n, dtypes)
 
-    def master_views(self) -> list[torch.Tensor]:
-        return self.layout.views(self.master)
-
     @property
     def source(self) -> torch.Tensor:
         """What a load copies into a device buffer: the pinned shadow, or a device tile's master."""
         return self.master if self.on_device else self.shadow
 
+    def read_master(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of the master in its dtype: a view, or a split tile's, joined (a copy)."""
+        if not self.split:
+            return self.master[lo:hi]
+        return join(self.shadow[lo:hi], self.low[lo:hi], self.exp_avg_sq[lo:hi],
+                    torch.empty(self.shadow[lo:hi].numel(), dtype=torch.float32))
+
+    def master_views(self) -> list[torch.Tensor]:
+        """Each parameter's master, shaped (views, or a split tile's joined copies)."""
+        return [self.read_master(o, o + s.numel).view(s.shape) for s, o in zip(self.layout.specs, self.layout.offsets)]
+
+    def write_master(self, values: torch.Tensor, lo: int = 0) -> None:
+        """Set elements [lo, lo + values.numel()) of the master, and of the shadow. A split tile's
+        flags live in `exp_avg_sq`: write the moments first."""
+        hi = lo + values.numel()
+        values = values.reshape(-1)
+        if self.split:
+            split(values.to(torch.float32).contiguous(), self.shadow[lo:hi], self.low[lo:hi], self.exp_avg_sq[lo:hi])
+            return
+        self.master[lo:hi].copy_(values)
+        self.refresh_shadow(lo, hi)
+
     def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
-        if self.shadow is not None and self.shadow is not self.master:
+        """Recast the shadow of a tile that keeps a whole master in another dtype than the shadow's."""
+        if self.shadow is not None and self.shadow is not self.master and not self.split:
             self.shadow[lo:hi].copy_(self.master[lo:hi])
+
+    def reset(self) -> None:
+        """Zero the master (shadow included), the moments and the gradient buffer."""
+        for t in (self.master, self.low, self.shadow, self.exp_avg, self.exp_avg_sq, self.grad):
+            if t is not None:
+                t.zero_()
+        self.ready.set()
+
+    @contextmanager
+    def plain_state(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Master and moments as a resume saves them, while the block runs: a split tile's master
+        joined (one tile's float32 copy), its flags out of `exp_avg_sq` and put back after."""
+        if not self.split:
+            yield {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+            return
+        master = join(self.shadow, self.low, self.exp_avg_sq, torch.empty(self.layout.numel), take=True)
+        try:
+            yield {"master": master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        finally:
+            self.write_master(master)
 
 
 class HostStore:
@@ -157,12 +296,12 @@ class HostStore:
         the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note).
         `alloc`: where host blocks come from (the ranks' shared arena: distributed.py)."""
         self.shape = shape
-        master, compute, pinned, clipping = s.master, s.compute, s.pinned, s.clipping
+        master, compute, pinned, clipping, split = s.master, s.compute, s.pinned, s.clipping, s.split_masters
         where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
-        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], alloc)
+        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], alloc, split)
         self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
-                            where[i + 1], alloc) for i in range(shape.num_layers)]
-        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping, None, alloc)
+                            where[i + 1], alloc, split) for i in range(shape.num_layers)]
+        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping, None, alloc, split)
 
     @property
     def tiles(self) -> list[Tile]:
@@ -178,7 +317,7 @@ class HostStore:
             if k < s.device_tiles:
                 device += numel * (s.master.itemsize + 8)
             else:  # a shared store is one registered file: no power-of-two rounding of pinned blocks
-                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned and s.ranks == 1)
+                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned and s.ranks == 1, s.split_masters)
         return host, device
 
     # ---- filling the store ----
@@ -194,28 +333,29 @@ class HostStore:
             if only is not None and tile not in only:
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            tile.master.zero_()
-            for spec, view in zip(tile.layout.specs, tile.master_views()):
+            tile.reset()
+            for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
                 if spec.init == "normal":
-                    view.copy_(torch.empty(spec.shape).normal_(0.0, std, generator=gen))
+                    tile.write_master(torch.empty(spec.shape).normal_(0.0, std, generator=gen), offset)
                 elif spec.init == "ones":
-                    view.fill_(1.0)
-            self._reset_state(tile)
+                    tile.write_master(torch.ones(spec.numel), offset)
 
     def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None) -> None:
         """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time."""
         directory = Path(directory)
         files = pretrained_shards(directory)
         tiles = self.tiles if only is None else only
-        where, skip = {}, set()
+        where, skip = {}, set()  # name -> (tile, offset, shape): a contiguous range of the tile
         for tile in self.tiles:
-            for name, view in self.shape.checkpoint_tensors(tile.name, tile.master_views()):
-                if tile in tiles:
-                    where[name] = view
-                else:
+            layout = torch.empty(tile.layout.numel, device="meta")  # views that know their offsets
+            for name, view in self.shape.checkpoint_tensors(tile.name, tile.layout.views(layout)):
+                if tile not in tiles:
                     skip.add(name)
+                    continue
+                assert view.is_contiguous(), name
+                where[name] = (tile, view.storage_offset(), tuple(view.shape))
         for tile in tiles:
-            tile.master.zero_()
+            tile.reset()
         missing = set(where)
         unexpected = []
         for file in files:
@@ -228,25 +368,15 @@ class HostStore:
                             unexpected.append(name)
                         continue
                     tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(where[name].shape):
+                    tile, offset, shape = where[name]
+                    if tuple(tensor.shape) != shape:
                         raise ValueError(f"model.pretrained: {name} has shape {tuple(tensor.shape)}, "
-                                         f"the config implies {tuple(where[name].shape)}")
-                    where[name].copy_(tensor)
+                                         f"the config implies {shape}")
+                    tile.write_master(tensor, offset)
                     missing.discard(name)
         if missing or unexpected:
             raise ValueError(f"model.pretrained: checkpoint does not match the config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        for tile in tiles:
-            self._reset_state(tile)
-
-    @staticmethod
-    def _reset_state(tile: Tile) -> None:
-        tile.exp_avg.zero_()
-        tile.exp_avg_sq.zero_()
-        if tile.grad is not None:
-            tile.grad.zero_()
-        tile.refresh_shadow()
-        tile.ready.set()
 
 
 def _shard(path: Path):

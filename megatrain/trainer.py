@@ -83,6 +83,8 @@ class Trainer:
         memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared)
         self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
+        if data_bytes:  # the data's bytes may be what makes split masters needed (engine.split_masters: auto)
+            self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
         self.memory_plan = memory.plan(shape, s, data_bytes)
         memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
         self.comm = Comm.init(ranks, self.device.torch)
@@ -350,7 +352,8 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
     else:
         lines.append(f"data: synthetic; step: {d.grad_accum} x {d.batch_size} x {d.seq_len} = "
                      f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
-    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters, checkpoint every "
+    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters"
+                 f"{' (split: shadow + low halves)' if s.split_masters else ''}, checkpoint every "
                  f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
                  f"{s.no_recompute_layers} layers kept from recompute"
                  + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
@@ -371,9 +374,10 @@ def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
     ranks = Ranks(0, gpus, 0, gpus)
     device = Device(_rank_device(cfg.engine.device, ranks))
     machine = Machine.of(device, cfg.engine)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)
     data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
-    p = memory.plan(shape, s, data.nbytes + (held_out.nbytes if held_out else 0))
+    data_bytes = data.nbytes + (held_out.nbytes if held_out else 0)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
+    p = memory.plan(shape, s, data_bytes)
     try:
         memory.admit(p, machine.host_available, machine.device_free, shared_memory_free() if gpus > 1 else None)
         verdict = "fits this machine"

@@ -12,6 +12,7 @@ the update that the next step waits for:
   H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
              plus offloaded checkpoints, at the probe's pinned link bandwidth
   CPU        AdamW over the host tiles: OPTIMIZER_BYTES per parameter at the host's memcpy rate
+             (split masters: SPLIT_RATE of it)
   tail       the first host tile's update (its gradient arrives last, its weights are read first)
              less the device tiles' backward that hides it
 
@@ -39,6 +40,9 @@ from suite.spec import RunSpec
 # AdamW per parameter on the host: read the gradient, master and both moments (4 B each), write the
 # master, the moments and the bf16 shadow
 OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
+# split masters (engine.split_masters): the update runs at this fraction of the whole masters' rate
+# (experiments/probes/adamw_rate.py on the 2-core CPU machine, docs/host-store.md)
+SPLIT_RATE = 0.41
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ def project(spec: RunSpec, m: MachineModel) -> Projection:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
-    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9)  # seconds per parameter
+    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE if s.split_masters else 1.0)  # s per param
     gpu = _causal(hw, shape, L, sched.recomputed_layers, lens) / _layer_hw_rate(m)
     first_host = embed or head if s.device_tiles == 0 else layer
     tail = max(0.0, first_host * rate - gpu * len(on_device) / L)

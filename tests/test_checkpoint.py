@@ -21,9 +21,11 @@ def config(tmp_path, steps, engine=None, **extra):
     })
 
 
-def test_save_pretrained_round_trip(tmp_path):
+@pytest.mark.parametrize("engine", [{}, {"compute_dtype": "bfloat16", "split_masters": True}], ids=["float32", "split-masters"])
+def test_save_pretrained_round_trip(tmp_path, engine):
+    """Split float32 masters (engine.split_masters, store.py): the export joins them."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
-    trainer = Trainer(config(tmp_path, 2))
+    trainer = Trainer(config(tmp_path, 2, engine))
     try:
         for mbs in random_batches(2, 2, 2, 16, 256, pad=True):
             trainer.train_step(mbs)
@@ -40,9 +42,11 @@ def test_save_pretrained_round_trip(tmp_path):
     assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
 
 
-@pytest.mark.parametrize("engine", [{}, {"device_tiles": 2}], ids=["host", "device-tiles"])
+@pytest.mark.parametrize("engine", [{}, {"device_tiles": 2}, {"compute_dtype": "bfloat16", "split_masters": True}],
+                         ids=["host", "device-tiles", "split-masters"])
 def test_resume_equals_uninterrupted(tmp_path, engine):
-    """Device tiles' master and moments go through the saved state like the host tiles'."""
+    """Device tiles' master and moments go through the saved state like the host tiles'; split
+    masters (engine.split_masters) are saved joined, with plain moments, and split again on resume."""
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
     whole = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "a")))
     try:

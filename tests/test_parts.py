@@ -25,13 +25,18 @@ def shape_of(preset: str, **overrides) -> ModelShape:
 
 
 def settings(shape: ModelShape, engine: EngineConfig | None = None, *, master="float32", compute="bfloat16",
-             tokens=16384, microbatches=1, clipping=False, pinned=False, device_free=None) -> EngineSettings:
+             tokens=16384, microbatches=1, clipping=False, pinned=False, device_free=None,
+             host=2**60) -> EngineSettings:
     """A run's resolved engine settings: one sequence of `tokens` per micro-batch, a device of
-    `device_free` bytes (None: unbounded), a GPU's pinned buffers where `pinned`."""
+    `device_free` bytes (None: unbounded), `host` bytes of host memory, a GPU's pinned buffers
+    where `pinned`."""
     engine = replace(engine or EngineConfig(), master_dtype=master, compute_dtype=compute)
     data = DataConfig(seq_len=tokens, grad_accum=microbatches)
     return resolve(engine, data, OptimConfig(max_grad_norm=1.0 if clipping else None), shape,
-                   Machine(pinned, device_free, 2**60))
+                   Machine(pinned, device_free, host))
+
+
+SPLIT = EngineConfig(split_masters=True)
 
 
 def test_lr_schedule():
@@ -49,26 +54,32 @@ def test_layout_is_aligned_and_decay_first():
     assert all(o % ALIGN == 0 for o in layout.offsets)
     for spec, offset in zip(layout.specs, layout.offsets):
         assert (offset < layout.decay_numel) == spec.decay
-    store = HostStore(arch, settings(arch, clipping=True))
+    assert not HostStore(arch, settings(arch)).layers[0].split  # auto, with the host to spare: whole masters
+    store = HostStore(arch, settings(arch, SPLIT, clipping=True))
     tile = store.layers[0]
-    for t in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
+    assert tile.split and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
+    for t in (tile.low, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
-    # one layer-contiguous block: master, moments and gradient buffer follow each other
-    assert tile.exp_avg.data_ptr() > tile.master.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
+    # one layer-contiguous block: the low halves, moments and gradient buffer follow each other
+    assert tile.exp_avg.data_ptr() > tile.low.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
     assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
 
 
-def test_host_bytes_per_parameter():
-    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow),
-    18 with it (a float32 gradient waits for the global norm)."""
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_host_bytes_per_parameter(split):
+    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow), 18
+    with it (a float32 gradient waits for the global norm); split (engine.split_masters), 12 and 16:
+    the master's low halves beside the shadow that is its high halves."""
     arch = shape_of("tiny-llama", num_hidden_layers=8)
-    for clipping, per_param in ((False, 14), (True, 18)):
-        store = HostStore(arch, settings(arch, clipping=clipping))
+    engine = EngineConfig(split_masters=split)
+    for clipping, per_param in ((False, 14 - 2 * split), (True, 18 - 2 * split)):
+        store = HostStore(arch, settings(arch, engine, clipping=clipping))
         layer = store.layers[0]
+        assert layer.split == split and (layer.master is None) == split
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
-        per_layer = HostStore.nbytes(arch, settings(arch, clipping=clipping))[0]
+        per_layer = HostStore.nbytes(arch, settings(arch, engine, clipping=clipping))[0]
         deeper = shape_of("tiny-llama", num_hidden_layers=16)
-        growth = HostStore.nbytes(deeper, settings(deeper, clipping=clipping))[0] - per_layer
+        growth = HostStore.nbytes(deeper, settings(deeper, engine, clipping=clipping))[0] - per_layer
         # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
         n = layer.layout.numel
         assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
@@ -96,14 +107,68 @@ def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
 
 def test_memory_plan_counts_bytes_per_parameter():
     arch = shape_of("qwen2.5-7b")
-    def per_param(master, clipping):
-        p = plan(arch, settings(arch, master=master, microbatches=4, clipping=clipping))
+    def per_param(master, clipping, engine=None):
+        p = plan(arch, settings(arch, engine, master=master, microbatches=4, clipping=clipping))
         return p.detail["store"] / n
     n = arch.total_params()
     assert 7.5e9 < n < 7.7e9
     assert 13.99 < per_param("float32", False) < 14.01  # fp32 master + 2 moments + bf16 shadow
     assert 17.99 < per_param("float32", True) < 18.01  # + a float32 gradient waiting for the norm
-    assert 9.99 < per_param("bfloat16", False) < 10.01
+    assert 11.99 < per_param("float32", False, SPLIT) < 12.01  # fp32 master as bf16 shadow + low halves
+    assert 15.99 < per_param("float32", True, SPLIT) < 16.01
+    assert 9.99 < per_param("bfloat16", False) < 10.01 and 9.99 < per_param("bfloat16", False, SPLIT) < 10.01
+    # the fixed part: the optimizer's scratch for a split tile's chunk (docs/host-store.md), only where split
+    from megatrain.optim import SCRATCH_BYTES
+    assert SCRATCH_BYTES == 1 << 27
+    for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", None, 0), ("bfloat16", SPLIT, 0)):
+        assert plan(arch, settings(arch, engine, master=master)).detail["optimizer_scratch"] == scratch
+
+
+def test_auto_splits_masters_only_when_the_host_needs_it():
+    """engine.split_masters auto: whole masters (14 B/param, the faster CPU update) while that plan
+    fits the stated host memory (engine.host_memory_gb); split (12 B/param) when only that one fits;
+    whole again when neither does (the refusal then names what splitting would save). true and
+    false hold whatever the host; float32 compute or bf16 masters have nothing to split."""
+    from megatrain.memory import DoesNotFit, admit
+    from megatrain.resolve import host_available_bytes
+    GiB = 2**30
+    arch = shape_of("qwen2.5-7b")
+    whole = plan(arch, settings(arch, EngineConfig(split_masters=False))).host_bytes
+    split = plan(arch, settings(arch, SPLIT)).host_bytes
+    assert whole - split > 14 * 2**30  # 2 bytes for each of 7.6 B parameters, less the scratch
+    def auto(gib, engine=None, **kw):
+        cfg = replace(engine or EngineConfig(), host_memory_gb=gib)
+        machine = Machine(False, None, host_available_bytes(cfg.host_memory_gb))
+        s = resolve(replace(cfg, master_dtype=kw.get("master", "float32"), compute_dtype=kw.get("compute", "bfloat16")),
+                    DataConfig(seq_len=16384), OptimConfig(max_grad_norm=None), arch, machine)
+        return s, machine
+    for gib, splits in ((whole / GiB, False), (whole / GiB + 1, False), (whole / GiB - 0.01, True),
+                        (split / GiB, True), (split / GiB - 0.01, False)):
+        s, machine = auto(gib)
+        assert s.split_masters == splits, gib
+        p = plan(arch, s)
+        assert 11.99 < p.detail["store"] / arch.total_params() - 2 * (not splits) < 12.01
+        if s.split_masters or gib >= whole / GiB:
+            admit(p, machine.host_available, None)
+    # neither fits: refused with the 14-byte plan, naming what splitting saves
+    s, machine = auto(split / GiB - 0.01)
+    with pytest.raises(DoesNotFit, match=r"engine.split_masters=true \(saves 1\d\.\d GiB: float32 masters in 12 bytes"):
+        admit(plan(arch, s), machine.host_available, None)
+    # turned off where it would have fit: refused, naming it
+    s, machine = auto(split / GiB, EngineConfig(split_masters=False))
+    assert not s.split_masters
+    with pytest.raises(DoesNotFit, match=r"engine.split_masters=true \(which makes it fit"):
+        admit(plan(arch, s), machine.host_available, None)
+    assert auto(4096, SPLIT)[0].split_masters  # forced, with the host to spare
+    for kw in ({"compute": "float32"}, {"master": "bfloat16"}):  # the master is its own shadow: nothing to split
+        for engine in (None, SPLIT):
+            s, machine = auto(split / GiB, engine, **kw)
+            assert not s.split_masters and plan(arch, s).split_saves == 0 and plan(arch, s).detail["optimizer_scratch"] == 0
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+    assert [load_config(tiny, [f"engine.split_masters={v}"]).engine.split_masters for v in ("true", "false", "auto")] \
+        == [True, False, "auto"]
+    with pytest.raises(ValueError, match="engine.split_masters must be true or false or 'auto', not 'yes please'"):
+        load_config(tiny, ["engine.split_masters=yes please"])
 
 
 def test_device_tiles_move_bytes_from_host_to_device():

@@ -1,5 +1,5 @@
 """The step model (suite/projection.py): the streamer's loads as the engine issues them, and the
-model against the committed measurements: link bytes exact, host bytes within 2%."""
+model against the committed measurements: link bytes exact, host bytes within 2% (or 0.5 GiB)."""
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,8 @@ def test_the_model_against_every_committed_measurement():
     for r in rows:
         for key in ("h2d_GB", "d2h_GB"):
             assert r[key]["error"] == pytest.approx(0, abs=0.005), (r["point"], key, r[key])
-        assert abs(r["host_GiB"]["error"]) < 0.02, (r["point"], r["host_GiB"])
+        host = r["host_GiB"]  # within 2%, or half a GiB of the plan's fixed runtime term on small runs
+        assert abs(host["projected"] - host["measured"]) < max(0.02 * host["measured"], 0.5), (r["point"], host)
         assert r["device_GiB"]["error"] > -0.05, (r["point"], r["device_GiB"])  # admission errs high
     assert {r["machine"] for r in rows} >= {"h100", "h200x4"}
 

@@ -63,7 +63,7 @@ def test_gpus_experiments_run_the_baselines_beside_megatrain(path):
 
 @pytest.mark.parametrize("path", [p for p in GRIDS if "host_gib" in grid.load(p)], ids=lambda p: p.stem)
 def test_points_over_the_host_are_marked_not_dropped(path):
-    # The sizing is data: a MegaTrain point over host_gib at 14 B/param says so (expect: oom_host),
+    # The sizing is data: a MegaTrain point over host_gib at 12 B/param says so (expect: oom_host),
     # and one that fits does not.
     g = grid.load(path)
     for key, p in grid.points(g).items():

@@ -42,7 +42,7 @@ def run(engine: dict, steps: int, lr: float, device: str) -> list[dict]:
                 mbs.append(Batch(ids, ids.clone()))
             loss = trainer.train_step(mbs)["loss"]
             trainer.engine.worker.flush()
-            out.append({"loss": loss, "masters": {t.name: t.master.detach().float().cpu().clone()
+            out.append({"loss": loss, "masters": {t.name: t.read_master().detach().float().cpu().clone()
                                                   for t in trainer.store.tiles}})
     finally:
         settings = trainer.settings
