@@ -86,6 +86,25 @@ def store_params(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def train_save_reload(trainer, batches, out) -> dict[str, torch.Tensor]:
+    """Train on `batches`, export with save_pretrained, load with `from_pretrained`: the loaded state,
+    checked equal to the trained store to the bit; the trainer is closed."""
+    try:
+        for mbs in batches:
+            trainer.train_step(mbs)
+        trainer.save_pretrained(out)
+        ours = store_params(trainer)
+    finally:
+        trainer.close()
+    state = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    if trainer.shape.tied:
+        state.pop("lm_head.weight")
+    assert set(state) == set(ours)
+    for name, value in ours.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    return state
+
+
 @pytest.fixture
 def cuda_only():
     if not torch.cuda.is_available():

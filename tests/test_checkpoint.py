@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_batches, store_params, tiny_checkpoint
+from conftest import random_batches, store_params, tiny_checkpoint, train_save_reload
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
 
@@ -25,19 +25,8 @@ def config(tmp_path, steps, engine=None, **extra):
 def test_save_pretrained_round_trip(tmp_path, engine):
     """Split float32 masters (engine.split_masters, store.py): the export joins them."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
-    trainer = Trainer(config(tmp_path, 2, engine))
-    try:
-        for mbs in random_batches(2, 2, 2, 16, 256, pad=True):
-            trainer.train_step(mbs)
-        trainer.save_pretrained(tmp_path / "out")
-        ours = store_params(trainer)
-    finally:
-        trainer.close()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    state = loaded.state_dict()
-    assert set(state) == set(ours)
-    for name, value in ours.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    state = train_save_reload(Trainer(config(tmp_path, 2, engine)), random_batches(2, 2, 2, 16, 256, pad=True),
+                              tmp_path / "out")
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "init").state_dict()
     assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import random_batches, store_params, tiny_checkpoint
+from conftest import random_batches, tiny_checkpoint, train_save_reload
 from megatrain.cli import main
 from megatrain.config import ModelConfig
 from megatrain.metrics import model_flops
@@ -66,20 +66,7 @@ def test_save_pretrained_round_trip(tmp_path, preset):
     write them (and the store loads them so: tiny_checkpoint writes that layout)."""
     tiny_checkpoint(tmp_path / "init", preset)
     _, trainer = make_trainer(tmp_path, preset, {}, 2, 2, 0.5, {}, steps=2)
-    try:
-        for mbs in random_batches(2, 2, BATCH, SEQ, 256, pad=True):
-            trainer.train_step(mbs)
-        trainer.save_pretrained(tmp_path / "out")
-        ours = store_params(trainer)
-    finally:
-        trainer.close()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    state = loaded.state_dict()
-    if trainer.shape.tied:
-        state.pop("lm_head.weight")
-    assert set(state) == set(ours)
-    for name, value in ours.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    state = train_save_reload(trainer, random_batches(2, 2, BATCH, SEQ, 256, pad=True), tmp_path / "out")
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "init").state_dict()
     name = "model.layers.0.mlp.experts.down_proj"
     assert not torch.equal(initial[name], state[name])
