@@ -51,7 +51,8 @@ class MegaTrain(System):
     def info(self) -> dict:
         t = self.trainer
         out = {"memory_plan": t.memory_plan.detail, "engine": dataclasses.asdict(t.settings),
-               "master_dtype": t.settings.master_dtype, "compute_dtype": str(t.settings.compute)}
+               "master_dtype": t.settings.master_dtype, "compute_dtype": str(t.settings.compute),
+               "setup_s": t.setup_s}
         if self.options.get("trace"):
             t.write_trace(self.options["trace"])
         if self.options.get("ceiling") and t.device.is_cuda:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -325,13 +326,14 @@ class HostStore:
         """Seeded init in the `transformers` manner (ParamSpec.init): N(0, initializer_range) matrices
         and attention sinks, unit norms, zero biases.
 
-        Each tile draws from its own generator, so the result does not depend on tile order;
-        `only`: these tiles (a shared store's other ranks fill their device tiles alone).
+        Each tile draws from its own generator, so the result does not depend on tile order, and
+        the tiles are filled in parallel (`in_parallel`): one thread's draws run at about 0.2 G
+        numbers per second, minutes for a 30B model; `only`: these tiles (a shared store's other
+        ranks fill their device tiles alone).
         """
         std = getattr(self.shape.config, "initializer_range", 0.02)
-        for index, tile in enumerate(self.tiles):
-            if only is not None and tile not in only:
-                continue
+
+        def fill(index: int, tile: Tile) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
             tile.reset()
             for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
@@ -339,6 +341,7 @@ class HostStore:
                     tile.write_master(torch.empty(spec.shape).normal_(0.0, std, generator=gen), offset)
                 elif spec.init == "ones":
                     tile.write_master(torch.ones(spec.numel), offset)
+        in_parallel(fill, [(i, t) for i, t in enumerate(self.tiles) if only is None or t in only])
 
     def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None) -> None:
         """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time."""
@@ -377,6 +380,25 @@ class HostStore:
         if missing or unexpected:
             raise ValueError(f"model.pretrained: checkpoint does not match the config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+
+def in_parallel(fn: Callable[..., None], jobs: list[tuple]) -> None:
+    """`fn(*job)` for every job, on as many threads as torch's intra-op pool has, each job's own
+    ops on one thread (the pool is set to 1 meanwhile: no thread fans out again); the first error
+    is raised once all have stopped."""
+    before = torch.get_num_threads()
+    threads = min(before, len(jobs))
+    if threads <= 1:
+        for job in jobs:
+            fn(*job)
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(fn, *job) for job in jobs]:
+                done.result()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _shard(path: Path):

@@ -94,6 +94,7 @@ class Trainer:
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
+        clock = time.perf_counter()
         self.arena = flags = None
         if ranks.distributed:  # one store per host, in shared memory, filled by the host's first rank
             names = ["embed", *(f"layer.{i}" for i in range(shape.num_layers)), "head"]
@@ -104,8 +105,14 @@ class Trainer:
             flags = Flags(self.arena.take(Flags.nbytes(len(names), ranks.local_world)), names, ranks.local_rank)
         else:
             self.store = HostStore(shape, s, self.device.torch)
+        # seconds spent allocating the store, filling it and building the engine (its buffers)
+        self.setup_s = {"store": time.perf_counter() - clock}
+        clock = time.perf_counter()
         self._fill_store()
+        self.setup_s["fill"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps, self.comm, flags)
+        self.setup_s["engine"] = time.perf_counter() - clock
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
         if cfg.resume:

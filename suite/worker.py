@@ -63,7 +63,9 @@ def run(spec: RunSpec, out: str | None) -> dict:
     _write(out, result)
     system = None
     try:
+        start = time.perf_counter()
         system = load(spec.system)(spec, device)
+        result["setup_s"] = time.perf_counter() - start  # building the model and its state
         if system.model_flops_per_step is not None:  # it runs another model (Ratel's own GPT): count that one
             flops = result["model_flops_per_step"] = system.model_flops_per_step
         data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
