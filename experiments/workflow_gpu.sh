@@ -27,10 +27,10 @@ case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
 state=/tmp/workflow_gpu  # a detached run's log, exit status and hardware
 # The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
-hw=$(python3 - "profiles/$profile/config.yaml" "$@" <<'PY'
+hw=$(python3 - "profiles/$profile/workflow.yaml" "$@" <<'PY'
 import sys, yaml
 grids = [a[5:] for a in sys.argv[2:] if a.startswith("grid=")]
-grids = grids or [c[5:] for c in yaml.safe_load(open(sys.argv[1]))["config"] if c.startswith("grid=")]
+grids = grids or [yaml.safe_load(open(sys.argv[1]))["grid"]]
 print(yaml.safe_load(open(grids[-1]))["hardware"])
 PY
 )

@@ -3,6 +3,8 @@ ids unique, command lines well formed, and the aggregation of real harness resul
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,11 +132,20 @@ def test_grid_command_line_runs_a_point_outside_the_workflow(capsys):
 
 def test_profiles_pick_existing_grids_and_are_linked():
     for profile in sorted((ROOT / "profiles").glob("*/config.yaml")):
-        cfg = yaml.safe_load(profile.read_text())
-        [entry] = [c for c in cfg["config"] if c.startswith("grid=")]
-        assert (ROOT / entry.removeprefix("grid=")).is_file(), profile
+        [configfile] = yaml.safe_load(profile.read_text())["configfiles"]
+        assert (ROOT / configfile).parent == profile.parent, profile
+        assert (ROOT / yaml.safe_load((ROOT / configfile).read_text())["grid"]).is_file(), profile
         link = ROOT / profile.parent.name
         assert link.is_symlink() and link.resolve() == profile.parent.resolve(), link
+
+
+def test_a_config_on_the_command_line_adds_to_the_profiles():
+    """`--config host_memory_gb=N` with a profile keeps the profile's grid and states the host's size."""
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n",
+                          "results/h200/points/scale/7b_zero3.json", "--config", "host_memory_gb=250"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "MEGATRAIN_HOST_MEMORY_GB=250 exec python -m suite run --system zero3 --preset qwen2.5-7b" in dry.stdout + dry.stderr
 
 
 def test_overrides_reach_the_harness_spec(tmp_path, monkeypatch):
