@@ -17,8 +17,9 @@ the update that the next step waits for:
              less the device tiles' backward that hides it
 
 Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
-model is checked against; `check` compares the model with every measured point, `python -m suite
-project` prints both. A machine of the paper's has assumed constants, named as such.
+model is checked against; `check` compares the model with every measured one-GPU point (it models
+one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine of
+the paper's has assumed constants, named as such.
 """
 from __future__ import annotations
 
@@ -203,8 +204,9 @@ def check(roots: list[Path]) -> list[dict]:
     for f, r in measured_points(roots):
         m = machine_of(r.get("env") or {})
         spec = r.get("spec")
-        if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}):
-            continue  # a run on an unprobed machine, on a file's data (lengths vary) or a local checkpoint
+        if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}) \
+                or spec.get("gpus", 1) > 1:
+            continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
         pr = project(RunSpec.from_dict(spec), m)
         med, peak = r["median"], r.get("peak") or {}
         row = {"machine": m.name, "point": str(f), "bound": pr.bound}
