@@ -200,6 +200,7 @@ def test_paper_points_sit_at_our_models_and_a_bound_looks_like_one(tmp_path):
     assert len(arrows) == 1
     assert plot._bound("above", 250) == "lower" and plot._bound(None, ">250") == "lower"
     assert plot._bound("before OOM", 518) is None and plot._number(">250") == 250
+    assert "the paper's points are the paper's" in fig._suptitle.get_text()  # drawn here, so named
 
 
 def test_a_line_breaks_where_the_settings_change(tmp_path):
@@ -276,3 +277,35 @@ def test_smoke_test_figure_says_so_and_keeps_to_its_own_scale(tmp_path):
     assert host.get_ylim()[0] == 0  # 1 GiB on every point: a flat line from zero, not a cliff
     empty = fig.axes[2]  # no device memory on the CPU
     assert any(t.get_text() == "no value measured" for t in empty.texts)
+
+
+def test_gpus_figure_scales_each_line_and_lists_a_refused_point_without_drawing_it(tmp_path):
+    """The GPU-count experiment: tokens/s over the table's `gpus`, the 1-GPU point's ideal scaling
+    dashed in the line's colour and the speed-up beside the 2-GPU point; a refusal is listed by id
+    under the axes, in no panel; no paper points, so the title names none."""
+    def point(system: str, gpus: int, tokens: float | None, status: str = "ok") -> dict:
+        r = _result(system, "qwen2.5-7b", status=status)
+        r["spec"] |= {"gpus": gpus, "batch_size": 2 * gpus}
+        r["median"] = {"tokens_per_s": tokens} if tokens else {}
+        return r
+    df = _table(tmp_path, "gpus", {"7b_g1": point("megatrain", 1, 1000.0), "7b_g2": point("megatrain", 2, 1970.0),
+                                   "7b_g2_zero3": point("zero3", 2, None, status="oom_host")})
+    assert list(df["gpus"]) == list(df["x"]) == [1, 2, 2]
+    csv, png, pdf = (tmp_path / f"gpus.{e}" for e in ("csv", "png", "pdf"))
+    df.to_csv(csv, index=False)
+    assert plot.main(["--csv", str(csv), "--experiment", "gpus", "--hardware", "h200", "--png", str(png),
+                      "--pdf", str(pdf)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and pdf.read_bytes()[:4] == b"%PDF"
+    fig = plot.figure(pd.read_csv(csv), "gpus", "h200")
+    throughput, host = fig.axes
+    line = _lines(fig)["measured (h200): megatrain (qwen2.5-7b)"][0]
+    assert line.get_xydata().tolist() == [[1, 1000], [2, 1970]]
+    [ideal] = [ln for ln in throughput.get_lines() if ln.get_gid() == plot.IDEAL]
+    assert list(ideal.get_ydata()) == [1000, 2000] and ideal.get_color() == line.get_color()
+    assert [t.get_text() for t in throughput.texts] == ["1.97x"]
+    assert [t.get_text() for t in throughput.get_xticklabels()] == ["1", "2"]
+    # the refused point (its host memory is in the table) is drawn nowhere, not even in the band
+    assert {ln.get_label() for ax in fig.axes for ln in ax.get_lines()} == {line.get_label(), "_nolegend_"}
+    assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
+    assert any(t.get_text() == "not drawn, refused (oom_host): 7b_g2_zero3" for t in fig.texts)
+    assert fig._suptitle.get_text() == "gpus: measured on h200"

@@ -21,11 +21,11 @@ import pandas as pd
 from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
 
-MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq",
+MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
                     "options", "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
-INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "params", "hidden_size"]
+INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "gpus", "params", "hidden_size"]
 
 
 def _size_b(model) -> float | None:
@@ -86,7 +86,9 @@ class Experiment:
     paper: tuple[str, ...]
     x: str
     label: str
-    kind: str = "line"  # "line": one line per system over x; "bars": one bar per point
+    # "line": one line per system over x; "bars": one bar per point; "scaling": one line per model and
+    # system over the GPU count, beside its ideal linear scaling
+    kind: str = "line"
     log_x: bool = False
     panels: tuple[str, ...] = ("model_tflops", "peak_host_GiB", "peak_device_GiB")
     paper_x: object = None  # Callable[[DataFrame], Series] over the paper's rows
@@ -141,6 +143,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                           paper_y={"model_tflops": "tflops", "peak_host_GiB": "cpu_mem_GB",
                                    "peak_device_GiB": "gpu_mem_GB"},
                           paper_hardware="RTX A6000 / RTX 3090"),
+    # data-parallel ranks on one host (docs/data-parallel.md): the same batch per GPU, so the batch
+    # grows with the count by design; no paper artefact (the paper trains on one GPU)
+    "gpus": Experiment((), "gpus", "GPU count (data-parallel ranks on one host)", kind="scaling",
+                       panels=("tokens_per_s", "peak_host_GiB"), varies=("batch",)),
 }
 GENERIC = Experiment((), "id", "grid point", kind="bars", panels=("model_tflops",))
 
@@ -183,6 +189,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "preset": model.get("preset") or model.get("config"),
         "layers": (model.get("overrides") or {}).get("num_hidden_layers"),
         "batch": spec["batch_size"], "accum": spec["grad_accum"], "seq": spec["seq_len"],
+        "gpus": spec.get("gpus") or 1,  # results from before the field ran on one GPU
         "options": options_text(spec.get("options")),
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,

@@ -130,7 +130,8 @@ def not_run(point: dict[str, Any]) -> dict[str, Any]:
     table made before the whole grid has run (`--config partial=true`) keeps its row."""
     return {"system": point["system"], "status": "not_run", "reason": "no result yet", "params": params(point),
             "spec": {"model": model(point), "seq_len": point["seq"], "batch_size": point["batch"],
-                     "grad_accum": point["accum"], "options": point.get("options", {})}}
+                     "grad_accum": point["accum"], "gpus": point.get("gpus", 1),
+                     "options": point.get("options", {})}}
 
 
 def argv(point: dict[str, Any]) -> list[str]:

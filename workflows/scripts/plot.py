@@ -18,6 +18,11 @@ panels and the paper's matching columns); an unknown experiment gets bars of TFL
   paper's Tables 5 and 6 print an allocation), the legend and the axis label say which is which.
 - Ablation bars (aggregate.Experiment.reference): each bar relative to its own side's full
   configuration, ours to ours and the paper's to the paper's.
+- A GPU-count experiment (kind "scaling"): one line per model and system over the GPU count, its
+  ideal linear scaling from its 1-GPU point dashed in its colour, each point's speed-up over that
+  point beside it; its points without a value are listed by id under the axes (several lines share
+  an x, so a marker in the band would not say whose it is), refused apart from not attempted.
+- The title speaks of the paper's points only where some are drawn.
 - --smoke-test (the CPU grid): the figure says it is a smoke test, without the paper's points.
 The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
 """
@@ -54,6 +59,7 @@ NO_VALUE = {  # status -> (marker, colour, legend label)
 }
 OTHER_NO_VALUE = ("X", "purple", "failed ({})")
 SETTINGS_CHANGE = "settings-change"  # gid of the dotted segment between points of differing settings
+IDEAL = "ideal-scaling"  # gid of the dashed ideal linear scaling from a line's 1-GPU point
 # one colour per system in every figure; a second series of a system (fewer layers) takes the next
 # marker and a colour of its own
 SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
@@ -63,9 +69,10 @@ MEASURED = dict(linestyle="-")
 PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
 LEGEND_COLUMNS = 3
 BAND = 0.14  # the "no value" band under zero, as a fraction of the axis' top
-YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "peak_host_GiB": "peak host memory (GiB)",
-           "peak_device_GiB": "peak device memory, allocated (GiB)"}
-TITLES = {"model_tflops": "Throughput", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
+YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "tokens_per_s": "throughput (tokens/s)",
+           "peak_host_GiB": "peak host memory (GiB)", "peak_device_GiB": "peak device memory, allocated (GiB)"}
+TITLES = {"model_tflops": "Throughput", "tokens_per_s": "Throughput", "peak_host_GiB": "Host memory",
+          "peak_device_GiB": "Device memory"}
 SMOKE_TITLE = "CPU smoke test: not a performance result"
 LOWER = ("above", "over", "more than", "at least", ">")
 UPPER = ("below", "under", "less than", "at most", "<")
@@ -265,6 +272,22 @@ def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) ->
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
+def _draw_runs(ax, g: pd.DataFrame, spec: Experiment, y: str, name: str, label: str, marker: str, color: str,
+               notes: list[str]) -> None:
+    """A series' points: solid between points of the same settings, dotted where they change (the
+    change added to `notes`)."""
+    pieces = runs(g, spec)
+    for k, piece in enumerate(pieces):
+        ax.plot(piece["x"], piece[y], marker=marker, color=color, label=label if k == 0 else "_nolegend_", **MEASURED)
+        if k:
+            a, b = pieces[k - 1].iloc[-1], piece.iloc[0]
+            ax.plot([a["x"], b["x"]], [a[y], b[y]], linestyle=":", color=color, alpha=0.7,
+                    gid=SETTINGS_CHANGE, label="_nolegend_")
+            note = f"{name} {_fmt(a['x'])}->{_fmt(b['x'])}: {setting_changes(settings(a, spec), settings(b, spec))}"
+            if note not in notes:
+                notes.append(note)
+
+
 def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One panel per quantity; one line per system over the experiment's x. Returns the figure, the
     axes and the note's lines (settings that changed along a line)."""
@@ -283,19 +306,7 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     for ax, y in zip(axes, spec.panels):
         ok = ok_all[ok_all[y].notna()].sort_values("x")
         for system, g in ok.groupby(_series(ok, spec), sort=False):
-            marker, color = style[system]
-            pieces = runs(g, spec)
-            for k, piece in enumerate(pieces):
-                ax.plot(piece["x"], piece[y], marker=marker, color=color,
-                        label=f"measured ({hardware}): {system}" if k == 0 else "_nolegend_", **MEASURED)
-                if k:
-                    a, b = pieces[k - 1].iloc[-1], piece.iloc[0]
-                    ax.plot([a["x"], b["x"]], [a[y], b[y]], linestyle=":", color=color, alpha=0.7,
-                            gid=SETTINGS_CHANGE, label="_nolegend_")
-                    note = (f"{system} {_fmt(a['x'])}->{_fmt(b['x'])}: "
-                            f"{setting_changes(settings(a, spec), settings(b, spec))}")
-                    if note not in notes:
-                        notes.append(note)
+            _draw_runs(ax, g, spec, y, system, f"measured ({hardware}): {system}", *style[system], notes)
         ref = paper_points(paper, spec, y)
         values = list(ok[y])
         if ref is not None and len(ref):
@@ -329,6 +340,70 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
             if len(xs) == 1:  # one x (the CPU's one tiny model): centred, not at the frame
                 ax.set_xlim(min(xs) / 3, min(xs) * 3)
     return fig, axes, [(f"settings differ (dotted): {n}", "0.25") for n in notes]
+
+
+def _model_series(rows: pd.DataFrame) -> pd.Series:
+    """One line per system and model: "megatrain (qwen2.5-7b)"."""
+    return rows["system"] + " (" + rows["preset"].astype(str) + ")"
+
+
+def _not_drawn(rows: pd.DataFrame) -> list[tuple[str, str]]:
+    """The points without a value by id, a line per status (refused apart from not attempted), in the
+    status' colour."""
+    bad = rows[rows["status"] != "ok"]
+    out = []
+    for status in sorted(bad["status"].unique(), key=lambda s: (s == "not_run", s)):
+        _, color, label = no_value_style(status)
+        out.append((f"not drawn, {label}: {', '.join(sorted(bad[bad['status'] == status]['id']))}", color))
+    return out
+
+
+def scaling(df: pd.DataFrame, spec: Experiment, hardware: str):
+    """One line per system and model over the GPU count. In the first panel each line's ideal linear
+    scaling from its 1-GPU point (dashed, its colour) and each further point's speed-up over that
+    point; the other panels (host memory) the same lines alone. The points without a value are the
+    note's, by id: never drawn."""
+    ours = _split(df)[0]
+    ours = ours.assign(x=pd.to_numeric(ours["x"], errors="coerce"))
+    ok = ours[(ours["status"] == "ok") & ours["x"].notna()]
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=(5.4 * len(spec.panels), 4.4), squeeze=False)
+    axes = list(axes[0])
+    names = sorted(set(_model_series(ok)), key=lambda n: (n.split(" (")[0], _size_b(n) or 0, n)) if len(ok) else []
+    style = series_styles(names)
+    counts = sorted((ok if len(ok) else ours)["x"].dropna().unique())
+    notes: list[str] = []
+    for ax, y in zip(axes, spec.panels):
+        pts = ok[ok[y].notna()].sort_values("x")
+        values, speedups = list(pts[y]), []
+        for name, g in pts.groupby(_model_series(pts), sort=False):
+            marker, color = style[name]
+            _draw_runs(ax, g, spec, y, name, f"measured ({hardware}): {name}", marker, color, notes)
+            one = g[g["x"] == 1][y]
+            if y != spec.panels[0] or one.empty or len(g) < 2:
+                continue
+            ax.plot(g["x"], one.iloc[0] * g["x"], linestyle="--", color=color, alpha=0.6, gid=IDEAL,
+                    label="_nolegend_")
+            values.append(one.iloc[0] * g["x"].max())
+            speedups += [(x, v, f"{v / one.iloc[0]:.2f}x", color) for x, v in zip(g["x"], g[y]) if x != 1]
+        top = _axis_top(values)
+        _floor(ax, top, band=False)
+        # beside its point, moved up where two labels at one count would overprint, on white where
+        # they cross a line
+        for x in sorted({x for x, *_ in speedups}):
+            last = -np.inf
+            for _, v, text, color in sorted(s for s in speedups if s[0] == x):
+                last = max(v, last + 0.05 * top)
+                ax.annotate(text, (x, v), xytext=(6, last), textcoords=("offset points", "data"), fontsize=7,
+                            color=color, va="center", bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none",
+                                                                alpha=0.8))
+        if not values:
+            ax.text(0.5, 0.55, "no value measured", transform=ax.transAxes, ha="center", color="0.4")
+        if counts:
+            lo, hi = counts[0], counts[-1]
+            ax.set_xticks(counts, [_fmt(c) for c in counts])
+            ax.set_xlim(lo - 0.25 * max(hi - lo, 1), hi + 0.35 * max(hi - lo, 1))
+        ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
+    return fig, axes, [*_not_drawn(ours), *((f"settings differ (dotted): {n}", "0.25") for n in notes)]
 
 
 def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
@@ -421,26 +496,30 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
         df = df.assign(x=df[spec.x] if spec.x in df else df["id"])
     if smoke:  # the paper's GPU numbers beside a CPU smoke test would only set the scale
         df = df[df["source"] == "measured"]
-    fig, axes, notes = (bars if spec.kind == "bars" else lines)(df, spec, hardware)
+    fig, axes, notes = {"bars": bars, "scaling": scaling}.get(spec.kind, lines)(df, spec, hardware)
     entries: dict = {}  # one legend for the figure, below the panels (inside one, it covered data)
-    changed = False
+    gids = set()
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-        changed |= any(ln.get_gid() == SETTINGS_CHANGE for ln in ax.get_lines())
+        gids |= {ln.get_gid() for ln in ax.get_lines()}
         ax.grid(alpha=0.3)
-    if changed:
+    if SETTINGS_CHANGE in gids:
         entries["settings differ between the joined points (note)"] = Line2D([], [], linestyle=":", color="grey")
+    if IDEAL in gids:
+        entries["ideal: linear scaling from the line's 1-GPU point (its colour)"] = Line2D([], [], linestyle="--",
+                                                                                          color="black")
+    paper_drawn = any(label.startswith("paper") for label in entries)
     width, height = fig.get_figwidth(), fig.get_figheight()  # inches
     # the texts wrapped to the width (about 13 characters an inch at size 10, 19 at size 7)
     if smoke:
         title = SMOKE_TITLE + "\n" + textwrap.fill(f"{name}: tiny models on {hardware}, checking the workflow end "
                                                     "to end; no paper overlay", int(13 * width))
     else:
-        title = textwrap.fill(f"{name}: measured on {hardware}; the paper's points are the paper's, not "
-                              "measured here", int(13 * width))
+        title = textwrap.fill(f"{name}: measured on {hardware}" + ("; the paper's points are the paper's, not "
+                              "measured here" if paper_drawn else ""), int(13 * width))
     fig.suptitle(title, fontsize=10)
-    if spec.kind != "bars":
+    if spec.kind == "line":
         notes = [(_failed_note(df[df["source"] == "measured"], spec.label), "red"), *notes]
     note_lines = [(w, color) for n, color in notes if n for w in textwrap.wrap(n, int(19 * width))]
     note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
