@@ -111,7 +111,7 @@ class EngineConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     master_dtype: Literal["float32", "bfloat16"] = "float32"  # float32: true full precision; bfloat16: the paper's 12 B/param
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14, for a CPU update about 3x slower (docs/host-store.md); auto: only when the
+    # instead of 14, for a CPU update about 2x slower (docs/host-store.md); auto: only when the
     # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
     split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
