@@ -148,6 +148,17 @@ def test_a_config_on_the_command_line_adds_to_the_profiles():
     assert "MEGATRAIN_HOST_MEMORY_GB=250 exec python -m suite run --system zero3 --preset qwen2.5-7b" in dry.stdout + dry.stderr
 
 
+def test_partial_tables_run_no_probe_on_the_drawing_machine():
+    """`--config partial=true` draws tables from what was measured: no bandwidth probe runs here to
+    be filed as the grid's machine's Table 1 (the h200 grid has no probe result committed)."""
+    assert not (ROOT / "results/h200/probes/bandwidth.json").exists()
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", "-F", "tables", "--config",
+                          "partial=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    out = dry.stdout + dry.stderr
+    assert "table2_models" in out and "rule bandwidth" not in out and "table1_memory_hierarchy" not in out
+
+
 def test_overrides_reach_the_harness_spec(tmp_path, monkeypatch):
     # grid.argv's --override/--layers flags parse back into the RunSpec's model overrides.
     import suite.__main__ as cli

@@ -10,8 +10,13 @@ BANDWIDTH_ARGS = " ".join(
     + [f"--{key.replace('_', '-')} {BANDWIDTH[key]}"
        for key in ("size_gib", "disk_gib", "disk_dir") if key in BANDWIDTH]
 )
+PROBE = f"results/{HW}/probes/bandwidth.json"
+# `--config partial=true` runs nothing but tables and figures: Table 1 only where this machine's
+# probe has run (never a probe of the machine that draws the tables, filed under the grid's)
 HARDWARE_TABLES = expand(
-    f"results/{HW}/tables/{{name}}.{{ext}}", name=("table1_memory_hierarchy", "table2_models"), ext=("csv", "md")
+    f"results/{HW}/tables/{{name}}.{{ext}}", ext=("csv", "md"),
+    name=[n for n in ("table1_memory_hierarchy", "table2_models")
+          if not (PARTIAL and n == "table1_memory_hierarchy" and not os.path.exists(PROBE))],
 )
 
 
@@ -19,7 +24,7 @@ rule bandwidth:
     """Each memory tier's bandwidth on this machine (host, HBM, PCIe, disk): one JSON of tiers, a
     tier the machine lacks as a row with status "absent"."""
     output:
-        f"results/{HW}/probes/bandwidth.json",
+        PROBE,
     conda:
         "envs/megatrain.yaml"
     log:
@@ -35,7 +40,7 @@ rule bandwidth:
 rule table1_memory_hierarchy:
     """The probe's tiers -> Table 1 (CSV + Markdown), the paper's vendor figures apart."""
     input:
-        probe=f"results/{HW}/probes/bandwidth.json",
+        probe=PROBE,
         paper="workflows/paper/table1_memory_hierarchy.yaml",
     output:
         csv=f"results/{HW}/tables/table1_memory_hierarchy.csv",
