@@ -22,7 +22,7 @@ from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
-                    "options", "status", "reason", "model_tflops", "step_time_s", "tokens_per_s", "params",
+                    "options", "status", "reason", "model_tflops", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
 INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "gpus", "params", "hidden_size"]
@@ -193,7 +193,9 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "options": options_text(spec.get("options")),
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,
-        "model_tflops": med.get("model_tflops"), "step_time_s": med.get("step_time_s"),
+        "model_tflops": med.get("model_tflops"),
+        # MegaTrain with `ceiling`: model TFLOP/s over one decoder layer's alone on the same batch
+        "ceiling_ratio": result.get("ratio_to_ceiling"), "step_time_s": med.get("step_time_s"),
         "tokens_per_s": med.get("tokens_per_s"), "params": params,
         "peak_host_GiB": host / GiB if host else None,
         "peak_device_GiB": device / GiB if device else None,
