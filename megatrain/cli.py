@@ -7,6 +7,18 @@ import sys
 from megatrain.config import load_config, settings_help
 
 
+def parse_with_settings(parser: argparse.ArgumentParser, argv: list[str] | None, dest: str) -> argparse.Namespace:
+    """`parser.parse_args`, with `key.sub=value` settings taken wherever they stand among the flags
+    (argparse takes a positional list in one run only: `--steps 3 a.b=1` would be refused)."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or dest not in vars(args)]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        setattr(args, dest, [*(getattr(args, dest, None) or []), *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatrain", description="Layer-streaming full-precision LLM training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
                        help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
                             "terminal, e.g. redirected to a file; output_dir/metrics.jsonl has them either way)")
-    args = parser.parse_args(argv)
+    args = parse_with_settings(parser, argv, "overrides")
     try:
         cfg = load_config(args.config, args.overrides)
         from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid

@@ -7,6 +7,7 @@ import inspect
 import signal
 import sys
 
+from megatrain.cli import parse_with_settings
 from megatrain.config import parse_overrides
 from megatrain.units import GiB
 from suite.accuracy.experiment import Settings
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds before a system's training is killed")
     a.add_argument("--option", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                    help="a system option, repeatable (e.g. megatrain:engine.checkpoint_every=1)")
-    args = p.parse_args(argv)
+    args = parse_with_settings(p, argv, "option")
     if args.command == "run" and bool(args.preset) == bool(args.config):
         p.error("run: give exactly one of --preset and --config")
     if args.command == "table":

@@ -7,6 +7,8 @@ waits with `Popen.wait(timeout)`: no polling loop. Whatever happens, one JSON re
 atomically to `out`, with the worker's steps so far: an interrupted runner (SIGTERM, Ctrl-C) kills
 the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
 with it (the kernel signals a worker whose parent dies), though no result can then be written.
+A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
+faulthandler) and then killed: the result says where it was (`stacks`), a hang as well as a slow step.
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             except BaseException:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
                 raise
-            timed_out, interrupted, sampler, nvml_before = False, None, None, None
+            timed_out, interrupted, sampler, nvml_before, stacks = False, None, None, None, None
             try:  # from the worker's first instant: a SIGTERM while the sampler starts must kill it too
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
                 # the ranks' shared host store counted once, not once per rank
@@ -96,6 +98,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
+                stacks = _stacks(proc, log)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             except BaseException as e:  # interrupted (Ctrl-C, SIGTERM): the worker's tree goes too
@@ -117,6 +120,8 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         result["reason"] = reason or _timeout_reason(spec, result["steps"], wall)
     if status != "ok":
         result["log_tail"] = tail
+    if stacks:
+        result["stacks"] = stacks
     measured = result["steps"][spec.warmup:]
     if status == "timeout" and measured:  # a slow system: what it measured before the limit, flagged
         result["median"] = medians(measured)
@@ -157,6 +162,17 @@ def _dies_with(parent: int):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
         die_with_parent(signal.SIGKILL, parent)
     return preexec
+
+
+def _stacks(proc: subprocess.Popen, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
+    """The Python stacks of the worker tree's processes, as faulthandler writes them to the log on
+    SIGUSR1 (suite.worker registers it; a helper process without it just ends early)."""
+    start = log.stat().st_size
+    os.killpg(proc.pid, signal.SIGUSR1)
+    time.sleep(wait_s)
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        return f.read()[-limit:]
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -8,9 +8,11 @@ process tree's host-memory and NVML peaks and the final status.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -126,6 +128,7 @@ _OOM_STATUS = {"host": "oom_host", "disk": "oom_host", "device": "oom_device"}  
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks where a late point is
     spec_path, out = argv
     spec = RunSpec.from_dict(json.loads(open(spec_path).read()))
     if int(os.environ.get("RANK", 0)) != 0:

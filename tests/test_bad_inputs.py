@@ -1,6 +1,7 @@
 """Bad input fails early with a clear error that names the setting, and writes nothing."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -168,3 +169,16 @@ def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, override
     assert not out.exists()  # nothing written
     with pytest.raises(ValueError, match=message):  # --debug shows the traceback instead
         main(["train", "--debug", *args[1:], *(o.format(d=bad_files) for o in overrides)])
+
+
+def test_settings_stand_anywhere_among_the_flags():
+    """`key.sub=value` settings after a flag join the ones before it; anything else unknown is refused."""
+    from megatrain.cli import parse_with_settings
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int)
+    p.add_argument("overrides", nargs="*")
+    args = parse_with_settings(p, ["a=1", "--steps", "3", "b.c=2", "d=x y"], "overrides")
+    assert args.steps == 3 and args.overrides == ["a=1", "b.c=2", "d=x y"]
+    for bad in (["--steps", "3", "--bogus"], ["a=1", "--steps", "3", "stray"]):
+        with pytest.raises(SystemExit):
+            parse_with_settings(p, bad, "overrides")

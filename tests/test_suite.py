@@ -119,6 +119,8 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     assert r["partial_samples"] == len(r["steps"]) - 1 > 0
     assert f"{len(r['steps'])} of 100001 steps done" in r["reason"]
     assert r["median"]["step_time_s"] > 0
+    # where it was when the limit came: the worker's Python stacks, its step loop among them
+    assert "most recent call first" in r["stacks"] and "suite/worker.py" in r["stacks"]
 
 
 def _running(process) -> bool:
