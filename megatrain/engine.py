@@ -358,6 +358,7 @@ class Engine:
         is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
         it. The rate layer streaming can at best reach."""
         dev, unit = self.dev, self.layer_units[0]
+        self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
         self.streamer.start([unit])
         w = self.streamer.acquire()
         gen = torch.Generator(device=dev.torch).manual_seed(0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import random_batches
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
 from megatrain.memory import plan
 from megatrain.optim import lr_at
@@ -471,3 +472,19 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
     assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
     write_text(target, "new\n")
     assert target.read_text() == "new\n"
+
+
+def test_the_layer_ceiling_runs_before_and_after_steps():
+    """Engine.layer_ceiling (the suite's `ceiling` option, the layer-kernel probe) times one layer's
+    forward, recompute and backward whether or not a step has run: it opens its own timeline step."""
+    cfg = load_config(base={"model": {"preset": "tiny-qwen2"}, "engine": {"device": "cpu"},
+                            "data": {"source": "synthetic", "seq_len": 16, "batch_size": 2}, "steps": 1})
+    trainer = Trainer(cfg)
+    try:
+        before = trainer.engine.layer_ceiling(2, 16, reps=1)
+        trainer.train_step(random_batches(1, 1, 2, 16, trainer.shape.vocab, pad=False)[0])
+        after = trainer.engine.layer_ceiling(2, 16, reps=1)
+    finally:
+        trainer.close()
+    for row in (before, after):
+        assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["tokens"] == 32

@@ -1,0 +1,102 @@
+"""Probe: where one decoder layer's time goes (issue 24's first measurement), on the engine's own
+single-layer ceiling (Engine.layer_ceiling: forward, recompute and backward of one micro-batch,
+weights resident, the step's saved-tensor hooks).
+
+For each SDPA backend that runs at the shape (torch.nn.attention.sdpa_kernel; `default` is torch's
+own choice) the ceiling's seconds and model TFLOP/s; then, under the default, one profiled ceiling
+whose device kernels are summed by kind: matrix products, attention, and the rest (norms, rotary,
+SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give.
+
+    python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
+
+On the CPU (a check of the probe itself): --preset tiny-qwen2 --seq 64 --batch 2 --device cpu.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megatrain.config import load_config
+from megatrain.trainer import Trainer
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+MATMUL = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "::mm", "addmm", "bmm")
+ATTENTION = ("flash", "fmha", "attention", "cudnn", "sdpa")
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ATTENTION):
+        return "attention"
+    if any(k in low for k in MATMUL):
+        return "matmul"
+    return "other"
+
+
+def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
+    """Device (or, on the CPU, operator self) time per kind over one ceiling repetition."""
+    cuda = trainer.device.is_cuda
+    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.engine.layer_ceiling(batch, seq, reps=1)
+    totals: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or (not cuda and e.key.startswith("ProfilerStep")):
+            continue
+        totals[kind(e.key)] += us
+        top[e.key] += us
+    # two repetitions ran (the ceiling's warm-up and one timed): halve to one
+    return {"seconds_by_kind": {k: v / 2e6 for k, v in sorted(totals.items())},
+            "top_kernels": [{"name": k[:120], "seconds": v / 2e6}
+                            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    cfg = load_config(base={
+        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
+        "engine": {"device": args.device, "checkpoint_every": 1},
+        "optim": {"lr": 1e-5},
+        "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
+    trainer = Trainer(cfg)
+    rows = {}
+    try:
+        rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+        for name, backend in BACKENDS.items():
+            try:
+                with sdpa_kernel([backend]):
+                    rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+            except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
+                rows[name] = {"error": str(e).splitlines()[0][:200]}
+        breakdown = kernel_breakdown(trainer, args.batch, args.seq)
+    finally:
+        trainer.close()
+    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch, "device": str(trainer.device.torch),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "torch": torch.__version__, "ceilings": rows, **breakdown}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for name, row in rows.items():
+        print(f"{name:10s} " + (f"{row['seconds'] * 1e3:8.1f} ms  {row['model_tflops']:6.1f} model TFLOP/s"
+                                if "seconds" in row else row["error"]))
+    total = sum(breakdown["seconds_by_kind"].values())
+    for k, s in breakdown["seconds_by_kind"].items():
+        print(f"{k:10s} {s * 1e3:8.1f} ms  {s / total:5.1%}")
+
+
+if __name__ == "__main__":
+    main()
