@@ -34,7 +34,7 @@ from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
 from megatrain.schedule import Schedule
 from megatrain.shapes import ModelShape
-from megatrain.store import Layout
+from megatrain.store import PAGE, Layout, pinned_bytes
 from megatrain.units import GiB
 from suite.spec import RunSpec
 
@@ -94,6 +94,19 @@ class Projection:
     model_tflops: float
     terms: dict[str, float]  # seconds of each resource, and what bounds the step
     bound: str
+    rounded_shadows: int  # what torch's pinned allocator adds to the store's shadows (in host_bytes)
+
+
+def _rounded_shadows(shape: ModelShape, s) -> int:
+    """Bytes torch's pinned allocator adds to the store's host tiles' shadows, each rounded up to a
+    power of two (a 14B layer's 550 MB shadow takes 1 GiB); a point run with the shadows registered
+    at their exact size (info.pinned_shadows, the exact-pinned branch) did without them."""
+    total = 0
+    for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
+        if k >= s.device_tiles:
+            seg = -(-Layout.of(specs).numel * s.compute.itemsize // PAGE) * PAGE
+            total += pinned_bytes(seg, True) - seg
+    return total
 
 
 def _engine_inputs(spec: RunSpec):
@@ -176,7 +189,8 @@ def project(spec: RunSpec, m: MachineModel) -> Projection:
     bound = max(terms, key=terms.get)
     step = terms[bound] + tail
     return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
-                      {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound)
+                      {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound,
+                      _rounded_shadows(shape, s) if s.pinned and s.ranks == 1 else 0)
 
 
 def machine_of(env: dict) -> MachineModel | None:
@@ -209,9 +223,11 @@ def check(roots: list[Path]) -> list[dict]:
             continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
         pr = project(RunSpec.from_dict(spec), m)
         med, peak = r["median"], r.get("peak") or {}
+        exact = (r.get("info") or {}).get("pinned_shadows") == "exact"
+        host = pr.host_bytes - (pr.rounded_shadows if exact else 0)
         row = {"machine": m.name, "point": str(f), "bound": pr.bound}
         for key, predicted, measured in (
-                ("host_GiB", pr.host_bytes / GiB, (peak.get("host_rss_bytes") or 0) / GiB),
+                ("host_GiB", host / GiB, (peak.get("host_rss_bytes") or 0) / GiB),
                 ("device_GiB", pr.device_bytes / GiB, (med.get("peak_device_allocated_bytes") or 0) / GiB),
                 ("step_s", pr.step_s, med.get("step_time_s") or 0),
                 ("h2d_GB", pr.terms["h2d_bytes"] / 1e9, (med.get("bytes_h2d") or 0) / 1e9),
