@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import weakref
 from abc import abstractmethod
 from typing import Any
@@ -49,6 +50,29 @@ def import_deepspeed():
     except ImportError:
         raise Unsupported("deepspeed is not installed (pip install -e '.[baselines]')") from None
     return deepspeed
+
+
+# DeepSpeed builds its ops (CPU Adam; async_io for ZeRO-Infinity) on first use through torch's JIT
+# loader, which serialises builds on a lock file and waits on it forever: a build killed half way (a
+# point's timeout, Ctrl-C, the OOM killer) leaves it, and every later point hangs silently
+# (pytorch/pytorch#189245). A build takes a minute or two; a lock far older than that is stale.
+JIT_OPS = ("cpu_adam", "async_io")
+STALE_LOCK_S = 300
+
+
+def stale_build_locks(ops=JIT_OPS) -> list[str]:
+    """The lock files of DeepSpeed ops' JIT builds older than STALE_LOCK_S, with their age."""
+    from torch.utils.cpp_extension import _get_build_directory
+    stale = []
+    for op in ops:
+        lock = os.path.join(_get_build_directory(op, verbose=False), "lock")
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:  # no lock: no build under way
+            continue
+        if age > STALE_LOCK_S:
+            stale.append(f"{lock} ({age / 60:.0f} min old)")
+    return stale
 
 
 def largest_tensor_numel(spec) -> int:
@@ -153,6 +177,9 @@ class ZeroSystem(System):
         if device.type != "cuda":
             raise Unsupported(f"{self.NAME} runs on a CUDA device, not on {device}")
         _plain_arch_list()
+        if stale := stale_build_locks():
+            raise Unsupported(f"{self.NAME}: torch's lock on building DeepSpeed's ops is left from an interrupted "
+                              f"build, and torch would wait on it forever: delete {' and '.join(stale)}")
         self.ranks = _init_distributed(deepspeed, device)
         self.admit(spec)  # after joining: the ranks decide on one reading of the host (hf.agreed)
         from transformers.integrations import HfDeepSpeedConfig

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -109,9 +110,11 @@ def test_missing_deepspeed_is_unsupported(name, system, monkeypatch):
 
 
 @pytest.fixture
-def fake_deepspeed(monkeypatch):
-    """No DeepSpeed and no process group: the constructor gets as far as its admission."""
+def fake_deepspeed(monkeypatch, tmp_path):
+    """No DeepSpeed and no process group: the constructor gets as far as its admission (its ops'
+    build directories under tmp_path)."""
     monkeypatch.setattr(deepspeed_zero, "import_deepspeed", lambda: None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
     monkeypatch.setattr(deepspeed_zero, "_init_distributed", lambda deepspeed, device: Ranks())
 
 
@@ -207,3 +210,18 @@ def test_arch_list_loses_arch_specific_suffixes(monkeypatch):
     _plain_arch_list()
     import os
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+
+
+def test_a_stale_build_lock_is_refused_by_name(fake_deepspeed):
+    """A JIT build of DeepSpeed's ops killed half way leaves torch's lock file, on which the next
+    build waits forever: an old one stops the point at once, naming the file; a fresh one (a build
+    under way) does not."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"
+    lock.touch()
+    assert deepspeed_zero.stale_build_locks() == []
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    with pytest.raises(Unsupported, match="interrupted build") as e:
+        ZeRO3Offload(spec("zero3"), torch.device("cuda"))
+    assert str(lock) in str(e.value) and "60 min old" in str(e.value)
