@@ -22,6 +22,7 @@ include: "workflows/accuracy.smk"
 rule all:
     default_target: True
     input:
+        all_points(),
         all_tables(),
         HARDWARE_TABLES,
         all_figures(),
@@ -31,6 +32,7 @@ rule all:
 
 rule tables:
     input:
+        all_points(),
         all_tables(),
         HARDWARE_TABLES,
         ACCURACY_OUTPUTS,
@@ -38,6 +40,7 @@ rule tables:
 
 rule figures:
     input:
+        all_points(),
         all_figures(),
 
 

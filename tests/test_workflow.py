@@ -148,6 +148,19 @@ def test_a_config_on_the_command_line_adds_to_the_profiles():
     assert "MEGATRAIN_HOST_MEMORY_GB=250 exec python -m suite run --system zero3 --preset qwen2.5-7b" in dry.stdout + dry.stderr
 
 
+def test_the_main_command_runs_the_points_a_committed_partial_table_lacks():
+    """The h200 tables and figures are committed from a partial drawing; `snakemake --profile h200`
+    must still run every point without a result (Snakemake reruns nothing for a missing input of an
+    output that exists), and a partial drawing must run none."""
+    missing = "results/h200/points/scale/7b_native.json"
+    assert not (ROOT / missing).exists() and (ROOT / "results/h200/tables/scale.csv").exists()
+    for extra, scheduled in (([], True), (["--config", "partial=true"], False)):
+        dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert dry.returncode == 0, dry.stderr[-2000:]
+        assert (f"output: {missing}" in dry.stdout + dry.stderr) == scheduled, extra
+
+
 def test_partial_tables_run_no_probe_on_the_drawing_machine():
     """`--config partial=true` draws tables from what was measured: no bandwidth probe runs here to
     be filed as the grid's machine's Table 1 (the h200 grid has no probe result committed)."""

@@ -56,6 +56,20 @@ def paper_option(wildcards):
     return " ".join(f"--paper {name}" for name in ([paper] if isinstance(paper, str) else paper))
 
 
+def experiment_points(experiment):
+    """An experiment's point results, every one asked for by name: a table or figure already there
+    (drawn with partial=true and committed) would otherwise let Snakemake skip the points it lacks,
+    since a missing input of an existing output reruns nothing. None with partial=true."""
+    if PARTIAL:
+        return []
+    ids = [p["id"] for p in GRID["experiments"][experiment]["points"]]
+    return expand(f"results/{HW}/points/{experiment}/{{id}}.json", id=ids)
+
+
+def all_points():
+    return [f for experiment in EXPERIMENTS for f in experiment_points(experiment)]
+
+
 def all_tables():
     return expand(f"results/{HW}/tables/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("csv", "md"))
 
@@ -65,7 +79,7 @@ def all_figures():
 
 
 def experiment_outputs(experiment):
-    """One experiment's table and figure: the input of its target rule (`snakemake ... depth`)."""
-    return expand(f"results/{HW}/tables/{experiment}.{{ext}}", ext=("csv", "md")) + expand(
-        f"plots/{HW}/{experiment}.{{ext}}", ext=("png", "pdf")
-    )
+    """One experiment's points, table and figure: the input of its target rule (`snakemake ... depth`)."""
+    return (experiment_points(experiment)
+            + expand(f"results/{HW}/tables/{experiment}.{{ext}}", ext=("csv", "md"))
+            + expand(f"plots/{HW}/{experiment}.{{ext}}", ext=("png", "pdf")))
