@@ -45,9 +45,13 @@ def host_memory_env(wildcards):
 PARTIAL = bool(config.get("partial", False))
 
 
+def point_files(experiment):
+    ids = [p["id"] for p in GRID["experiments"][experiment]["points"]]
+    return expand(f"results/{HW}/points/{experiment}/{{id}}.json", id=ids)
+
+
 def experiment_results(wildcards):
-    ids = [p["id"] for p in GRID["experiments"][wildcards.experiment]["points"]]
-    files = expand(f"results/{HW}/points/{wildcards.experiment}/{{id}}.json", id=ids)
+    files = point_files(wildcards.experiment)
     return [f for f in files if os.path.exists(f)] if PARTIAL else files
 
 
@@ -60,10 +64,7 @@ def experiment_points(experiment):
     """An experiment's point results, every one asked for by name: a table or figure already there
     (drawn with partial=true and committed) would otherwise let Snakemake skip the points it lacks,
     since a missing input of an existing output reruns nothing. None with partial=true."""
-    if PARTIAL:
-        return []
-    ids = [p["id"] for p in GRID["experiments"][experiment]["points"]]
-    return expand(f"results/{HW}/points/{experiment}/{{id}}.json", id=ids)
+    return [] if PARTIAL else point_files(experiment)
 
 
 def all_points():
