@@ -66,8 +66,12 @@ def run(spec: RunSpec, out: str | None) -> dict:
     system = None
     try:
         start = time.perf_counter()
+        print(f"{spec.system}: setting up {shape.total_params():,} parameters on {device} "
+              f"(model, state, the system's own builds)", file=sys.stderr, flush=True)
         system = load(spec.system)(spec, device)
         result["setup_s"] = time.perf_counter() - start  # building the model and its state
+        print(f"{spec.system}: set up in {result['setup_s']:.0f} s; {spec.total_steps} steps "
+              f"({spec.warmup} warm-up)", file=sys.stderr, flush=True)
         if system.model_flops_per_step is not None:  # it runs another model (Ratel's own GPT): count that one
             flops = result["model_flops_per_step"] = system.model_flops_per_step
         data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
