@@ -71,16 +71,17 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
         spec_file, partial = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps(spec.to_dict()))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
         start = time.perf_counter()
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
             torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
             launch = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker"]
-            # a SIGTERM or Ctrl-C while the worker starts waits for the `try` below, which records it
+            # a SIGTERM or Ctrl-C while the worker starts (git is asked for the commit first) waits
+            # for the `try` below, which records it
             signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
             try:
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
                 proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
                                         stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                         preexec_fn=_dies_with(os.getpid()),
