@@ -345,9 +345,9 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     """`key.sub=value` strings to (key, value) pairs; values parse as YAML scalars."""
     pairs = []
     for item in items:
-        if "=" not in item:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
             raise ValueError(f"override {item!r} is not of the form key.sub=value")
-        key, raw = item.split("=", 1)
         pairs.append((key.strip(), yaml.safe_load(raw)))
     return pairs
 

@@ -77,10 +77,12 @@ def _check(args) -> int:
 def _accuracy(args) -> int:
     from suite.accuracy.experiment import run
     options: dict = {}
-    for item in args.option:
-        system, _, setting = item.partition(":")
-        options.setdefault(system, {}).update(_options([setting]))
     try:
+        for item in args.system_options:
+            system, colon, setting = item.partition(":")
+            if not system or not colon:
+                raise ValueError(f"--option {item!r} is not of the form SYSTEM:KEY=VALUE")
+            options.setdefault(system, {}).update(_options([setting]))  # refuses all but key.sub=value
         settings = Settings(out=args.out, work=args.work, systems=args.systems.split(","), model=args.model,
                             pretrained=args.pretrained, metamath=args.metamath, problems=args.problems,
                             seed=args.seed, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--eval-batch", type=int, default=_default(Settings, "eval_batch"), help="problems generated at once")
     a.add_argument("--timeout", type=float, default=_default(Settings, "timeout_s"),
                    help="seconds before a system's training is killed")
-    a.add_argument("--option", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
+    a.add_argument("--option", dest="system_options", action="append", default=[], metavar="SYSTEM:KEY=VALUE",
                    help="a system option, repeatable (e.g. megatrain:engine.checkpoint_every=1)")
     args = parse_with_settings(p, argv, "option")
     if args.command == "run" and bool(args.preset) == bool(args.config):

@@ -182,3 +182,17 @@ def test_settings_stand_anywhere_among_the_flags():
     for bad in (["--steps", "3", "--bogus"], ["a=1", "--steps", "3", "stray"]):
         with pytest.raises(SystemExit):
             parse_with_settings(p, bad, "overrides")
+
+
+@pytest.mark.parametrize("option, message", [
+    ("megatrain", "SYSTEM:KEY=VALUE"), (":engine.k=1", "SYSTEM:KEY=VALUE"),
+    ("megatrain:=1", "key.sub=value"), ("megatrain:engine.k", "key.sub=value")])
+def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, option, message):
+    """`python -m suite accuracy --option` takes SYSTEM:KEY=VALUE: anything else is refused by name,
+    without a traceback and before anything is written."""
+    from suite.__main__ import main as suite_main
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert suite_main(["accuracy", "--out", str(out), "--work", str(work), "--option", option]) == 2
+    assert message in capsys.readouterr().err and not out.exists() and not work.exists()
+    with pytest.raises(SystemExit):  # a stray setting after the flags is no option of this command
+        suite_main(["accuracy", "--out", str(out), "--work", str(work), "engine.k=1"])
