@@ -152,8 +152,13 @@ def test_the_main_command_runs_the_points_a_committed_partial_table_lacks():
     """The h200 tables and figures are committed from a partial drawing; `snakemake --profile h200`
     must still run every point without a result (Snakemake reruns nothing for a missing input of an
     output that exists), and a partial drawing must run none."""
-    missing = "results/h200/points/scale/7b_native.json"
-    assert not (ROOT / missing).exists() and (ROOT / "results/h200/tables/scale.csv").exists()
+    points = grid.points(grid.load(ROOT / "workflows/grids/h200.yaml"))
+    lacking = [f"results/h200/points/{e}/{i}.json" for e, i in points
+               if not (ROOT / f"results/h200/points/{e}/{i}.json").exists()
+               and (ROOT / f"results/h200/tables/{e}.csv").exists()]
+    if not lacking:
+        pytest.skip("every h200 point with a committed table has a result")
+    missing = lacking[0]
     for extra, scheduled in (([], True), (["--config", "partial=true"], False)):
         dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", *extra],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
