@@ -34,7 +34,7 @@ from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
 from megatrain.schedule import Schedule
 from megatrain.shapes import ModelShape
-from megatrain.store import PAGE, Layout, pinned_bytes
+from megatrain.store import HostStore, Layout
 from megatrain.units import GiB
 from suite.spec import RunSpec
 
@@ -99,14 +99,10 @@ class Projection:
 
 def _rounded_shadows(shape: ModelShape, s) -> int:
     """Bytes torch's pinned allocator adds to the store's host tiles' shadows, each rounded up to a
-    power of two (a 14B layer's 550 MB shadow takes 1 GiB); a point run with the shadows registered
-    at their exact size (info.pinned_shadows, the exact-pinned branch) did without them."""
-    total = 0
-    for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
-        if k >= s.device_tiles:
-            seg = -(-Layout.of(specs).numel * s.compute.itemsize // PAGE) * PAGE
-            total += pinned_bytes(seg, True) - seg
-    return total
+    power of two (a 14B layer's 550 MB shadow takes 1 GiB), by the store's own arithmetic: what a
+    point run with its shadows registered at their exact size (`info.pinned_shadows: exact`) did
+    without."""
+    return HostStore.nbytes(shape, s)[0] - HostStore.nbytes(shape, replace(s, pinned=False))[0]
 
 
 def _engine_inputs(spec: RunSpec):
@@ -190,7 +186,7 @@ def project(spec: RunSpec, m: MachineModel) -> Projection:
     step = terms[bound] + tail
     return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
                       {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound,
-                      _rounded_shadows(shape, s) if s.pinned and s.ranks == 1 else 0)
+                      _rounded_shadows(shape, s))
 
 
 def machine_of(env: dict) -> MachineModel | None:
