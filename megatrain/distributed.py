@@ -8,8 +8,8 @@ sets. With one process nothing here runs a collective (`Comm.single()`).
 Where the state lives (docs/data-parallel.md):
   - one host store per host, in one shared-memory file (`SharedArena`) that the host's local rank
     0 creates and every local rank maps; the file is unlinked as soon as all have mapped it, so a
-    crash leaves nothing in /dev/shm. On a GPU each process registers the mapping with
-    cudaHostRegister (pinned for DMA), which the host allocator's pinned blocks were before.
+    crash leaves nothing in /dev/shm. On a GPU each process registers the blocks the device copies
+    from (the shadows) with cudaHostRegister, as a one-process store does (store.Blocks).
   - each local rank owns one contiguous part of every host tile (`part`): it gets the summed
     gradient of that part (reduce-scatter among the host's ranks, then all-reduce among the ranks of
     the same local rank on other hosts) and its CPU optimizer updates that part only.
@@ -116,7 +116,7 @@ class SharedArena:
     Local rank 0 creates the file; the others map it once it exists; once all have mapped it, it is
     unlinked (the mappings stay), so nothing is left behind whatever way the run ends."""
 
-    def __init__(self, nbytes: int, name: str, comm: "Comm", register: bool):
+    def __init__(self, nbytes: int, name: str, comm: "Comm"):
         self.path = SHM_DIR / name
         self.nbytes = -(-nbytes // PAGE) * PAGE
         try:
@@ -129,26 +129,16 @@ class SharedArena:
         finally:
             if comm.ranks.local_rank == 0:
                 self.path.unlink(missing_ok=True)
-        self.registered = False
-        if register:  # pinned for DMA without copying: the same pages in every process
-            err = torch.cuda.cudart().cudaHostRegister(self.memory.data_ptr(), self.nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the shared host store ({self.nbytes} bytes) failed: {err}")
-            self.registered = True
         self.cursor = 0
 
-    def take(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
-        """The next page-aligned block of `nbytes` (pinned or not: the whole file is registered)."""
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next page-aligned block of `nbytes` (each process registers the pinned ones with
+        CUDA itself: store.Blocks)."""
         start = self.cursor
         self.cursor += -(-nbytes // PAGE) * PAGE
         if self.cursor > self.nbytes:
             raise AssertionError(f"the shared store needs more than its {self.nbytes} bytes")
         return self.memory[start: start + nbytes]
-
-    def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
-            self.registered = False
 
 
 class Flags:

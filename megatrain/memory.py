@@ -1,7 +1,8 @@
 """Memory admission: the host and device bytes a run needs, computed before anything is allocated.
 
-The host side is exact for the store (the same arithmetic as the allocation, pinned buffers at the
-power-of-two size torch's pinned allocator gives them) plus the slabs and staging; the device side is an estimate of the streaming buffers, the head's chunk, the
+The host side is exact for the store (the same arithmetic as the allocation: its pinned shadows are
+registered at their exact size, store.Blocks) plus the slabs and staging (pinned by torch's
+allocator, at the power of two it rounds them up to); the device side is an estimate of the streaming buffers, the head's chunk, the
 checkpoints and one block's activations, with a fixed workspace margin. A run that does not fit
 stops with both numbers and what to change.
 """

@@ -72,12 +72,38 @@ class Layout:
         return [flat[base + o: base + o + s.numel].view(s.shape) for s, o in zip(self.specs, self.offsets)]
 
 
-def _page_aligned(nbytes: int, pinned: bool) -> torch.Tensor:
-    if pinned:  # cudaHostAlloc returns page-aligned memory
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def page_aligned(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % PAGE
     return raw[start: start + nbytes]
+
+
+class Blocks:
+    """Where a store's page-aligned blocks come from (`take(nbytes)`: fresh memory, or the ranks'
+    shared file: distributed.py), the pinned ones, the shadows the device copies from, registered
+    with CUDA (cudaHostRegister) at their exact size until `close`. Not torch's pinned allocator:
+    it rounds each block up to a power of two, and a 14B layer's 550 MB shadow took 1 GiB."""
+
+    def __init__(self, take: Callable[[int], torch.Tensor] = page_aligned, register: bool = False):
+        self.take = take
+        self.register = register
+        self.registered: list[torch.Tensor] = []
+
+    def __call__(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        block = self.take(nbytes)
+        if pinned and self.register:
+            err = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of a host store block ({nbytes} bytes) failed: {err}")
+            self.registered.append(block)
+        return block
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.synchronize()  # no copy still reads them
+        for block in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+        self.registered.clear()
 
 
 Alloc = Callable[[int, bool], torch.Tensor]  # (bytes, pinned) -> a page-aligned uint8 block
@@ -95,7 +121,7 @@ def _carve(block: torch.Tensor, numel: int, dtypes: list[torch.dtype]) -> list[t
 
 def pinned_bytes(nbytes: int, pinned: bool) -> int:
     """Host bytes an allocation of `nbytes` takes: torch's pinned (CUDA host) allocator rounds each
-    up to a power of two (a 7B layer's 466 MB shadow takes 512 MiB)."""
+    up to a power of two (a 7B layer's 932 MB float32 gradient slab takes 1 GiB)."""
     return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
 
 
@@ -104,17 +130,16 @@ def can_split(master: torch.dtype, compute: torch.dtype) -> bool:
     return master == torch.float32 and compute == torch.bfloat16
 
 
-def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, pinned: bool = False,
-               split: bool = False) -> int:
+def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool, split: bool = False) -> int:
     """Host bytes of one tile (the admission check uses the same arithmetic as the allocation);
     `split`: its master held split, where the dtypes allow it."""
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
     state = (2 + grad) * seg(torch.float32)
-    if master == compute:  # the master is its own shadow, in pinned memory
-        return pinned_bytes(seg(master), pinned) + state
+    if master == compute:  # the master is its own shadow
+        return seg(master) + state
     kept = seg(torch.int16) if split and can_split(master, compute) else seg(master)  # the low halves, or the whole master
-    return kept + state + pinned_bytes(seg(compute), pinned)
+    return kept + state + seg(compute)
 
 
 # ---- split masters (docs/host-store.md) ----
@@ -192,10 +217,11 @@ def join(shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor, out:
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
-                 grad: bool, device: torch.device | None = None, alloc: Alloc = _page_aligned, split: bool = False):
+                 grad: bool, device: torch.device | None = None, alloc: Alloc | None = None, split: bool = False):
         """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer);
-        `alloc(nbytes, pinned)`: where the host blocks come from (a shared arena: distributed.py);
+        `alloc(nbytes, pinned)`: where the host blocks come from (its store's `Blocks`);
         `split`: a host tile with float32 masters and a bf16 shadow keeps only the masters' low halves."""
+        alloc = alloc or Blocks(register=pinned)  # a tile alone (probes, tests); a store passes its own
         self.name = name
         self.layout = layout
         self.on_device = device is not None
@@ -292,12 +318,13 @@ class Tile:
 
 class HostStore:
     def __init__(self, shape: ModelShape, s: EngineSettings, device: torch.device | None = None,
-                 alloc: Alloc = _page_aligned):
+                 take: Callable[[int], torch.Tensor] = page_aligned):
         """With clipping every host tile keeps a gradient buffer (updates wait for the global norm);
         the first `s.device_tiles` tiles, in forward order, live on `device` (see the module note).
-        `alloc`: where host blocks come from (the ranks' shared arena: distributed.py)."""
+        `take(nbytes)`: where host blocks come from (the ranks' shared file: distributed.py)."""
         self.shape = shape
         master, compute, pinned, clipping, split = s.master, s.compute, s.pinned, s.clipping, s.split_masters
+        self.blocks = alloc = Blocks(take, register=pinned)
         where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
         self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], alloc, split)
         self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
@@ -317,9 +344,13 @@ class HostStore:
             numel = Layout.of(specs).numel
             if k < s.device_tiles:
                 device += numel * (s.master.itemsize + 8)
-            else:  # a shared store is one registered file: no power-of-two rounding of pinned blocks
-                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.pinned and s.ranks == 1, s.split_masters)
+            else:
+                host += tile_bytes(numel, s.master, s.compute, s.clipping, s.split_masters)
         return host, device
+
+    def close(self) -> None:
+        """Unregister the pinned blocks (the device no longer reads them)."""
+        self.blocks.close()
 
     # ---- filling the store ----
     def init_random(self, seed: int, only: list[Tile] | None = None) -> None:

@@ -100,7 +100,7 @@ class Trainer:
             names = ["embed", *(f"layer.{i}" for i in range(shape.num_layers)), "head"]
             store_bytes = HostStore.nbytes(shape, s)[0]
             self.arena = SharedArena(store_bytes + Flags.nbytes(len(names), ranks.local_world),
-                                     self.comm.run_name(), self.comm, register=self.device.is_cuda)
+                                     self.comm.run_name(), self.comm)
             self.store = HostStore(shape, s, self.device.torch, self.arena.take)
             flags = Flags(self.arena.take(Flags.nbytes(len(names), ranks.local_world)), names, ranks.local_rank)
         else:
@@ -318,9 +318,7 @@ class Trainer:
     def close(self) -> None:
         self.engine.close()
         self.sampler.close()
-        if self.arena is not None:
-            self.comm.barrier()  # unregistered once no rank's copy can still read it
-            self.arena.close()
+        self.store.close()
         self.comm.close()
 
 

@@ -34,7 +34,7 @@ from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
 from megatrain.schedule import Schedule
 from megatrain.shapes import ModelShape
-from megatrain.store import HostStore, Layout
+from megatrain.store import PAGE, Layout, pinned_bytes
 from megatrain.units import GiB
 from suite.spec import RunSpec
 
@@ -94,15 +94,19 @@ class Projection:
     model_tflops: float
     terms: dict[str, float]  # seconds of each resource, and what bounds the step
     bound: str
-    rounded_shadows: int  # what torch's pinned allocator adds to the store's shadows (in host_bytes)
+    rounded_shadows: int  # what the store took more while torch's pinned allocator held its shadows
 
 
 def _rounded_shadows(shape: ModelShape, s) -> int:
-    """Bytes torch's pinned allocator adds to the store's host tiles' shadows, each rounded up to a
-    power of two (a 14B layer's 550 MB shadow takes 1 GiB), by the store's own arithmetic: what a
-    point run with its shadows registered at their exact size (`info.pinned_shadows: exact`) did
-    without."""
-    return HostStore.nbytes(shape, s)[0] - HostStore.nbytes(shape, replace(s, pinned=False))[0]
+    """Bytes torch's pinned allocator added to the store's host tiles' shadows, each rounded up to
+    a power of two, before the store registered them at their exact size (store.Blocks): how the
+    points measured until then were allocated (a 14B layer's 550 MB shadow took 1 GiB)."""
+    total = 0
+    for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
+        if k >= s.device_tiles:
+            seg = -(-Layout.of(specs).numel * s.compute.itemsize // PAGE) * PAGE
+            total += pinned_bytes(seg, True) - seg
+    return total
 
 
 def _engine_inputs(spec: RunSpec):
@@ -219,8 +223,10 @@ def check(roots: list[Path]) -> list[dict]:
             continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
         pr = project(RunSpec.from_dict(spec), m)
         med, peak = r["median"], r.get("peak") or {}
+        # the allocator the point ran with: shadows at their exact size, or (a result without
+        # `pinned_shadows`) torch's power-of-two pinned blocks
         exact = (r.get("info") or {}).get("pinned_shadows") == "exact"
-        host = pr.host_bytes - (pr.rounded_shadows if exact else 0)
+        host = pr.host_bytes + (0 if exact else pr.rounded_shadows)
         row = {"machine": m.name, "point": str(f), "bound": pr.bound}
         for key, predicted, measured in (
                 ("host_GiB", host / GiB, (peak.get("host_rss_bytes") or 0) / GiB),

@@ -383,10 +383,11 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
 
 
 def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
-    """torch's pinned allocator hands out powers of two: with a GPU the plan counts each pinned
-    buffer (shadows, slabs, staging, offloaded checkpoints) at that size (on the H100 this brought
-    the plan from 2-6 GiB under every measured host peak to 0.3-0.5 GiB over it)."""
-    from megatrain.store import pinned_bytes, tile_bytes
+    """torch's pinned allocator hands out powers of two: with a GPU the plan counts the slabs,
+    staging and offloaded checkpoints at that size (on the H100 this brought the plan from 2-6 GiB
+    under every measured host peak to 0.3-0.5 GiB over it); the store's shadows are registered at
+    their exact size (store.Blocks), so the store's bytes do not depend on pinning."""
+    from megatrain.store import pinned_bytes
     assert pinned_bytes(466_000_000, True) == 512 * 2**20 and pinned_bytes(466_000_000, False) == 466_000_000
     assert pinned_bytes(2**30, True) == 2**30 and pinned_bytes(0, True) == 0
     arch = shape_of("qwen2.5-7b")
@@ -397,10 +398,7 @@ def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
     layer, h = Layout.of(arch.layer_specs).numel, arch.hidden
     assert pinned["grad_slabs"] == 4 * pinned_bytes(layer * 4, True) > pageable["grad_slabs"]
     assert pinned["checkpoint_offload"] == 28 * 512 * 2**20 and pageable["checkpoint_offload"] == 28 * 65536 * h * 2
-    shadow_extra = sum(tile_bytes(Layout.of(s).numel, torch.float32, torch.bfloat16, False, True)
-                       - tile_bytes(Layout.of(s).numel, torch.float32, torch.bfloat16, False, False)
-                       for s in [arch.embed_specs, *[arch.layer_specs] * 28, arch.head_specs])
-    assert pinned["store"] - pageable["store"] == shadow_extra > 28 * 60 * 2**20
+    assert pinned["store"] == pageable["store"]
 
 
 def test_schedule_lists_every_op_once_in_step_order():
