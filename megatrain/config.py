@@ -130,6 +130,10 @@ class EngineConfig:
     # activations stay on the device); auto: as many as the memory plan leaves device room for
     no_recompute_layers: int | Literal["auto"] = 0
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
+    # the host AdamW of whole float32 masters: compiled (torch.compile's C++ CPU code, the update and
+    # the bf16 shadow's refresh in one pass: fused_adamw.py; needs a C++ compiler) or eager (torch's
+    # fused AdamW, then the shadow); auto: compiled on a GPU run where it builds, else eager
+    optimizer_kernel: Literal["auto", "compiled", "eager"] = "auto"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
@@ -166,6 +170,7 @@ class EngineSettings:
     mlp_chunk_tokens: int | None
     no_recompute_layers: int
     optimizer_threads: int | None
+    optimizer_kernel: Literal["compiled", "eager"]  # compiled: for the tiles with whole float32 masters and a bf16 shadow
     timeline: bool
     tokens: int  # per micro-batch (batch_size x seq_len)
     seq_len: int  # tokens per sequence at most

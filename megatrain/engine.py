@@ -146,7 +146,8 @@ class Engine:
         ranks = self.comm.ranks
         self.parts = {t: part(t.layout.numel, ranks.local_world, ranks.local_rank)[:2] for t in host_tiles}
         self.worker = OptimizerWorker(host_tiles, optim, total_steps, self.timeline, self.parts,
-                                      None if flags is None else (lambda tile: flags.mark(tile.name)))
+                                      None if flags is None else (lambda tile: flags.mark(tile.name)),
+                                      settings.optimizer_kernel == "compiled")
         self.streamer.peers = flags
         self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain import fused_adamw
 from megatrain.config import OptimConfig
 from megatrain.store import Tile, join, split
 from megatrain.timeline import Kind, Timeline, Track
@@ -56,12 +57,14 @@ class Scratch:
 
 
 def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float, cfg: OptimConfig,
-          grad_scale: float, found_inf: torch.Tensor | None = None, scratch: Scratch | None = None) -> None:
+          grad_scale: float, found_inf: torch.Tensor | None = None, scratch: Scratch | None = None,
+          compiled: bool = False) -> None:
     """One AdamW update of elements [lo, hi) of a tile from `grad` (float32, hi - lo elements),
     then refresh that range of the shadow. A device tile's runs on the current stream; its
     `found_inf` (a float32 scalar there, nonzero when the gradient is not finite) makes the kernel
     leave weights and moments as they are, without a host sync. A split tile's master is joined
-    chunk by chunk into `scratch`, updated there and split back."""
+    chunk by chunk into `scratch`, updated there and split back. `compiled`: a host tile with a whole
+    float32 master and a bf16 shadow updates both in one pass (fused_adamw.py)."""
     decay_end = tile.layout.decay_numel if cfg.decay == "matrices" else tile.layout.numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master_dtype == torch.float32
@@ -69,6 +72,12 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
         scratch = Scratch()
     if grad_scale != 1.0:
         grad.mul_(grad_scale)
+    if compiled and fp32_master and not tile.split and not tile.on_device and tile.shadow.dtype == torch.bfloat16:
+        for a, b, wd in ((lo, min(hi, decay_end), cfg.weight_decay), (max(lo, decay_end), hi, 0.0)):
+            if a < b:
+                fused_adamw.update(tile.master[a:b], grad[a - lo: b - lo], tile.exp_avg[a:b], tile.exp_avg_sq[a:b],
+                                   tile.shadow[a:b], step, lr, wd, cfg)
+        return
     for a0 in range(lo, hi, CHUNK):
         b0 = min(hi, a0 + CHUNK)
         if tile.split:
@@ -114,10 +123,14 @@ class _Finish:
 
 class OptimizerWorker:
     def __init__(self, tiles: list[Tile], cfg: OptimConfig, total_steps: int, timeline: Timeline,
-                 parts: dict[Tile, tuple[int, int]] | None = None, published: Callable[[Tile], None] | None = None):
+                 parts: dict[Tile, tuple[int, int]] | None = None, published: Callable[[Tile], None] | None = None,
+                 compiled: bool = False):
         """`parts`: the elements [lo, hi) of each tile this worker updates (data-parallel ranks
         share the others: distributed.py), default all; `published(tile)`: called once this
-        worker's part of a tile is written, before the tile's `ready` is set."""
+        worker's part of a tile is written, before the tile's `ready` is set; `compiled`: the
+        one-pass update where it applies (adamw)."""
+        self.compiled = compiled
+        self.threads = torch.get_num_threads()  # the worker's own OpenMP team, for compiled code too
         self.tiles = tiles  # in the order the forward reads them
         self.parts = parts or {tile: (0, tile.layout.numel) for tile in tiles}
         self.published = published
@@ -179,6 +192,7 @@ class OptimizerWorker:
 
     # ---- worker thread ----
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)
         handlers = {_Begin: self._do_begin, _Dense: self._do_dense, _Finish: self._do_finish}
         while (task := self._tasks.get()) is not None:
             try:
@@ -230,7 +244,8 @@ class OptimizerWorker:
         if tile.read_done is not None:
             tile.read_done.synchronize()  # an H2D copy may still be reading the shadow
         lr = lr_at(self.updates_done, self.cfg, self.total_steps)
-        adamw(tile, lo, hi, grad, self.updates_done + 1, lr, self.cfg, scale, scratch=self._scratch)
+        adamw(tile, lo, hi, grad, self.updates_done + 1, lr, self.cfg, scale, scratch=self._scratch,
+              compiled=self.compiled)
 
     def _done(self, tile: Tile) -> None:
         if self.published is not None:

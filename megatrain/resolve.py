@@ -95,7 +95,11 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         loss_chunk_tokens=engine.loss_chunk_tokens,
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
-        optimizer_threads=engine.optimizer_threads, timeline=engine.timeline,
+        optimizer_threads=engine.optimizer_threads,
+        # auto: compiled on a GPU run (the trainer falls back to eager where it cannot build)
+        optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
+            engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
+        timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain import checkpoint, memory
+from megatrain import checkpoint, fused_adamw, memory
 from megatrain.batch import Batch
 from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer, make_sources
@@ -87,6 +87,11 @@ class Trainer:
             self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
         self.memory_plan = memory.plan(shape, s, data_bytes)
         memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
+        if s.optimizer_kernel == "compiled" and (why := fused_adamw.probe(cfg.optim)):
+            if cfg.engine.optimizer_kernel == "compiled":
+                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
+                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the eager update
         self.comm = Comm.init(ranks, self.device.torch)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         if s.optimizer_threads:

@@ -1,0 +1,60 @@
+"""The host AdamW of a whole float32 master and its bf16 shadow in one pass over memory.
+
+The eager update (optim.adamw) is torch's fused AdamW, which reads the gradient, the master and
+both moments and writes the master and the moments (28 bytes a parameter), then a second pass
+that reads the master again to write its bf16 shadow (6 more). The update is bound by memory
+bandwidth, so here `torch.compile` (inductor's C++ code for the CPU, vectorised and threaded with
+OpenMP) turns the same arithmetic and the shadow's cast into one loop: 30 bytes a parameter, about
+1.3x the eager rate on the 2-core CPU machine (experiments/probes/adamw_rate.py).
+
+The arithmetic is torch's fused AdamW's (decoupled decay, `lerp` for the first moment, bias
+corrections folded into the step size and the denominator), in another order of roundings: the
+weights agree with the eager update to a few float32 ulps, not bit for bit, and the shadow is the
+same round-to-nearest-even cast of the master. Split masters (store.split/join) keep the eager
+path: inductor leaves code with int16 values unvectorised, and its scalar loop is no faster.
+
+Building the kernel needs a C++ compiler, as torch.compile on the CPU always does: `probe` compiles
+it once, before the run starts, so a machine without one is told at once (or, under `auto`, runs the
+eager update).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatrain.config import OptimConfig
+
+
+def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt,
+            beta1: float, beta2: float, eps: float) -> None:
+    """In place, as torch's fused AdamW: decay, moments, step; then the shadow from the new master."""
+    param.mul_(decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    param.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps))
+    shadow.copy_(param)
+
+
+_compiled = torch.compile(_update, dynamic=True)
+
+
+def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           shadow: torch.Tensor, step: int, lr: float, weight_decay: float, cfg: OptimConfig) -> None:
+    """AdamW update number `step` (1-based) of float32 `param` and its moments from `grad`, and
+    `shadow` (bf16) recast from the result; all 1-D, of one length, on the CPU."""
+    beta1, beta2 = cfg.betas
+    scalar = lambda x: torch.tensor(x, dtype=torch.float32)  # tensors: no recompile as lr and step change
+    _compiled(param, grad, exp_avg, exp_avg_sq, shadow, scalar(1 - lr * weight_decay),
+              scalar(lr / (1 - beta1 ** step)), scalar(math.sqrt(1 - beta2 ** step)), beta1, beta2, cfg.eps)
+
+
+def probe(cfg: OptimConfig) -> str | None:
+    """Compile and run the kernel on a few elements: None if it works, else why not."""
+    try:
+        n = 256
+        update(torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16),
+               1, 1e-3, 0.0, cfg)
+    except Exception as e:  # the compiler's own error types (a missing C++ compiler, a failed build)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None

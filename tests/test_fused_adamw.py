@@ -1,0 +1,85 @@
+"""The one-pass host AdamW (megatrain/fused_adamw.py) against the eager update it replaces, and its
+setting's refusals. Compiles a small C++ kernel (torch.compile, seconds, cached after)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_batches, store_params, tiny_checkpoint
+from megatrain import fused_adamw, optim
+from megatrain.config import OptimConfig, load_config
+from megatrain.shapes import ParamSpec
+from megatrain.store import Layout, Tile
+from megatrain.trainer import Trainer
+
+N = 5000  # a decayed matrix and a bias, neither a multiple of the vector width
+
+
+def tile_with_state(seed: int) -> Tile:
+    specs = [ParamSpec("w.weight", (N // 50, 50)), ParamSpec("w.bias", (37,))]
+    tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False)
+    gen = torch.Generator().manual_seed(seed)
+    n = tile.layout.numel
+    tile.write_master(torch.randn(n, generator=gen) * 0.02)
+    tile.exp_avg.copy_(torch.randn(n, generator=gen) * 1e-4)
+    tile.exp_avg_sq.copy_(torch.rand(n, generator=gen) * 1e-6)
+    return tile
+
+
+def test_one_pass_update_tracks_torchs_fused_adamw():
+    """Three updates of a tile (decayed matrix, undecayed bias): masters and moments within a few
+    float32 ulps of the eager update (of each quantity's scale: a first moment that nearly cancels
+    keeps the absolute error, not the relative one), and the shadow the master's bf16 cast exactly."""
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.1)
+    eager, one_pass = tile_with_state(0), tile_with_state(0)
+    gen = torch.Generator().manual_seed(1)
+    for step in (1, 2, 3):
+        grad = torch.randn(eager.layout.numel, generator=gen) * 1e-3
+        optim.adamw(eager, 0, eager.layout.numel, grad.clone(), step, 1e-3, cfg, 1.0)
+        optim.adamw(one_pass, 0, one_pass.layout.numel, grad.clone(), step, 1e-3, cfg, 1.0, compiled=True)
+    for name in ("master", "exp_avg", "exp_avg_sq"):  # a few ulps of each quantity's scale
+        expected = getattr(eager, name)
+        torch.testing.assert_close(getattr(one_pass, name), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    assert torch.equal(one_pass.shadow, one_pass.master.to(torch.bfloat16))
+    assert not torch.equal(one_pass.master, tile_with_state(0).master), "the update moved nothing"
+
+
+def tree(tmp_path, kernel: str) -> dict:
+    return {"model": {"pretrained": str(tmp_path / "init")},
+            "engine": {"device": "cpu", "compute_dtype": "bfloat16", "optimizer_kernel": kernel},
+            "optim": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+            "data": {"seq_len": 16, "batch_size": 2, "grad_accum": 2}, "steps": 3}
+
+
+def test_a_run_with_the_one_pass_update_tracks_the_eager_one(tmp_path):
+    """bf16 compute on the CPU (a shadow to refresh), clipping: 3 steps alike within float32 ulps."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    runs = []
+    for kernel in ("eager", "compiled"):
+        trainer = Trainer(load_config(base=tree(tmp_path, kernel)))
+        try:
+            assert trainer.settings.optimizer_kernel == kernel
+            batches = random_batches(3, 2, 2, 16, trainer.shape.vocab, pad=True)
+            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
+        finally:
+            trainer.close()
+    (eager_losses, eager), (losses, params) = runs
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=0)
+    for name in eager:
+        torch.testing.assert_close(params[name], eager[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_compiled_update_that_cannot_build_is_refused(tmp_path, monkeypatch):
+    """engine.optimizer_kernel: compiled on a machine where torch.compile cannot build is refused
+    by name before the store is allocated; auto on the CPU is the eager update."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    monkeypatch.setattr(fused_adamw, "probe", lambda cfg: "InvalidCxxCompiler: no working C++ compiler found")
+    monkeypatch.setattr("megatrain.trainer.HostStore", None)  # reaching the allocation would fail otherwise
+    with pytest.raises(ValueError, match="optimizer_kernel: compiled, but torch.compile cannot build"):
+        Trainer(load_config(base=tree(tmp_path, "compiled")))
+    monkeypatch.undo()
+    trainer = Trainer(load_config(base=tree(tmp_path, "auto")))
+    try:
+        assert trainer.settings.optimizer_kernel == "eager"
+    finally:
+        trainer.close()
