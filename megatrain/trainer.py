@@ -87,17 +87,18 @@ class Trainer:
             self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
         self.memory_plan = memory.plan(shape, s, data_bytes)
         memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
-        if s.optimizer_kernel == "compiled" and (why := fused_adamw.probe(cfg.optim)):
-            if cfg.engine.optimizer_kernel == "compiled":
-                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
-                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
-            self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the eager update
         self.comm = Comm.init(ranks, self.device.torch)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
+        # built with the thread count just set (compiled CPU code fixes its OpenMP team), before the store
+        if s.optimizer_kernel == "compiled" and (why := fused_adamw.probe(cfg.optim)):
+            if cfg.engine.optimizer_kernel == "compiled":
+                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
+                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the eager update
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
         clock = time.perf_counter()
         self.arena = flags = None
