@@ -5,8 +5,9 @@ both moments and writes the master and the moments (28 bytes a parameter), then 
 that reads the master again to write its bf16 shadow (6 more). The update is bound by memory
 bandwidth, so here `torch.compile` (inductor's C++ code for the CPU, vectorised and threaded with
 OpenMP) turns the same arithmetic and the shadow's cast into one loop: 30 bytes a parameter. On the
-2-core CPU machine (experiments/probes/adamw_rate.py, 32 M elements, three interleaved runs) 1.08-1.21
-G elements/s against 0.78-1.04 eager, about 1.2x; the GPU hosts' rate is the measurement that counts.
+2-core CPU machine (experiments/probes/adamw_rate.py, 32 M elements, two threads, two interleaved
+runs) 1.13-1.16 G elements/s against 0.86-0.87 eager, 1.3x (0.61 on one thread); the GPU hosts'
+rate is the measurement that counts.
 
 The arithmetic is torch's fused AdamW's (decoupled decay, `lerp` for the first moment, bias
 corrections folded into the step size and the denominator), in another order of roundings: the
@@ -18,7 +19,12 @@ join, update and split on the 2-core machine.
 
 Building the kernel needs a C++ compiler, as torch.compile on the CPU always does: `probe` compiles
 it once, before the run starts, so a machine without one is told at once (or, under `auto`, runs the
-eager update).
+eager update). `optim.rates` then times both updates on arrays larger than the caches, in the
+thread count the optimizer worker uses, and `auto` keeps the compiled one only where it is faster.
+Inductor chooses a kernel's OpenMP parallelism at build time, from the sizes it first sees: built
+by the probe's few elements it came out as one serial loop (seen on the CPU machine), and a 14B run
+with that build on the two-H200 host stepped at half the rate (results/h200/speed/README.md). `cpp.dynamic_threads` always emits the parallel region and lets
+the calling thread's team size decide.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt
     shadow.copy_(param)
 
 
-_compiled = torch.compile(_update, dynamic=True)
+_compiled = torch.compile(_update, dynamic=True, options={"cpp.dynamic_threads": True})
 
 
 def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -61,3 +67,4 @@ def probe(cfg: OptimConfig) -> str | None:
     except Exception as e:  # the compiler's own error types (a missing C++ compiler, a failed build)
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
+

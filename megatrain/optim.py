@@ -24,7 +24,8 @@ import torch
 
 from megatrain import fused_adamw
 from megatrain.config import OptimConfig
-from megatrain.store import Tile, join, split
+from megatrain.shapes import ParamSpec
+from megatrain.store import Layout, Tile, join, split
 from megatrain.timeline import Kind, Timeline, Track
 
 CHUNK = 1 << 24  # elements per fused AdamW call (measured on the H100 host: 1 << 20 is 25% slower)
@@ -98,6 +99,22 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
             tile.master[a0:b0].copy_(param)
         tile.refresh_shadow(a0, b0)
 
+
+
+def rates(cfg: OptimConfig, n: int = 1 << 25, reps: int = 3) -> dict[str, float]:
+    """G elements a second of the eager and the compiled update of a host tile (a float32 master,
+    a bf16 shadow; the best of `reps`, interleaved) over `n` elements, more than the caches hold, in
+    the calling thread's thread count: what `engine.optimizer_kernel: auto` chooses by."""
+    tile = Tile("probe", Layout.of([ParamSpec("w", (n,))]), torch.float32, torch.bfloat16, pinned=False, grad=False)
+    tile.reset()
+    grad = torch.full((n,), 1e-3)
+    best = {"eager": float("inf"), "compiled": float("inf")}
+    for step in range(1, reps + 1):
+        for kernel in best:
+            start = time.perf_counter()
+            adamw(tile, 0, n, grad, step, 1e-4, cfg, 1.0, compiled=kernel == "compiled")
+            best[kernel] = min(best[kernel], time.perf_counter() - start)
+    return {kernel: round(n / t / 1e9, 3) for kernel, t in best.items()}
 
 @dataclass(frozen=True)
 class _Begin:

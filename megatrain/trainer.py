@@ -30,7 +30,7 @@ from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as che
 from megatrain.engine import Engine
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
-from megatrain.optim import lr_at
+from megatrain.optim import lr_at, rates
 from megatrain.resolve import Machine, resolve
 from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
@@ -93,12 +93,18 @@ class Trainer:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
-        # built with the thread count just set (compiled CPU code fixes its OpenMP team), before the store
-        if s.optimizer_kernel == "compiled" and (why := fused_adamw.probe(cfg.optim)):
-            if cfg.engine.optimizer_kernel == "compiled":
-                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
-                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
-            self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the eager update
+        # built and timed with the thread count just set (the optimizer worker's), before the store
+        self.optimizer_rates = None
+        if s.optimizer_kernel == "compiled":
+            asked = cfg.engine.optimizer_kernel == "compiled"
+            if why := fused_adamw.probe(cfg.optim):
+                if asked:
+                    raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
+                                     f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            else:
+                self.optimizer_rates = rates(cfg.optim)
+            if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
+                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
         clock = time.perf_counter()
         self.arena = flags = None

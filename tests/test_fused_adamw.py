@@ -2,11 +2,13 @@
 setting's refusals. Compiles a small C++ kernel (torch.compile, seconds, cached after)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import random_batches, store_params, tiny_checkpoint
-from megatrain import fused_adamw, optim
+from megatrain import fused_adamw, optim, trainer as trainer_module
 from megatrain.config import OptimConfig, load_config
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
@@ -83,3 +85,26 @@ def test_a_compiled_update_that_cannot_build_is_refused(tmp_path, monkeypatch):
         assert trainer.settings.optimizer_kernel == "eager"
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("compiled_rate, chosen", [(0.5, "eager"), (2.0, "compiled")])
+def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkeypatch, compiled_rate, chosen):
+    """Where `auto` resolves to the compiled update (a GPU run), the trainer times both on this host
+    and keeps the faster; the rates are reported. (A serial build ran at a fraction of the eager rate.)"""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    real = trainer_module.resolve
+    monkeypatch.setattr(trainer_module, "resolve",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), optimizer_kernel="compiled"))
+    monkeypatch.setattr(trainer_module, "rates", lambda cfg: {"eager": 1.0, "compiled": compiled_rate})
+    trainer = Trainer(load_config(base=tree(tmp_path, "auto")))
+    try:
+        assert trainer.settings.optimizer_kernel == chosen
+        assert trainer.optimizer_rates == {"eager": 1.0, "compiled": compiled_rate}
+    finally:
+        trainer.close()
+
+
+def test_the_rates_time_both_updates():
+    """optim.rates runs both updates (compiling the one-pass kernel) and gives positive rates."""
+    got = optim.rates(OptimConfig(), n=1 << 16, reps=2)
+    assert set(got) == {"eager", "compiled"} and all(r > 0 for r in got.values())
