@@ -23,8 +23,9 @@ eager update). `optim.rates` then times both updates on arrays larger than the c
 thread count the optimizer worker uses, and `auto` keeps the compiled one only where it is faster.
 Inductor chooses a kernel's OpenMP parallelism at build time, from the sizes it first sees: built
 by the probe's few elements it came out as one serial loop (seen on the CPU machine), and a 14B run
-with that build on the two-H200 host stepped at half the rate (results/h200/speed/README.md). `cpp.dynamic_threads` always emits the parallel region and lets
-the calling thread's team size decide.
+with that build on the two-H200 host stepped at half the rate (results/h200/speed/ab_2026-11-23).
+`cpp.dynamic_threads` always emits the parallel region and lets the calling thread's team size
+decide.
 """
 from __future__ import annotations
 
