@@ -95,6 +95,7 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         # built and timed with the thread count just set (the optimizer worker's), before the store
         self.optimizer_rates = None
+        clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
             asked = cfg.engine.optimizer_kernel == "compiled"
             if why := fused_adamw.probe(cfg.optim):
@@ -105,6 +106,10 @@ class Trainer:
                 self.optimizer_rates = rates(cfg.optim)
             if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
                 self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
+        # seconds spent building and timing the compiled update (inductor's first build: tens of
+        # seconds on a fresh machine, its cache's reuse after), allocating the store, filling it and
+        # building the engine (its buffers)
+        self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
         clock = time.perf_counter()
         self.arena = flags = None
@@ -117,8 +122,7 @@ class Trainer:
             flags = Flags(self.arena.take(Flags.nbytes(len(names), ranks.local_world)), names, ranks.local_rank)
         else:
             self.store = HostStore(shape, s, self.device.torch)
-        # seconds spent allocating the store, filling it and building the engine (its buffers)
-        self.setup_s = {"store": time.perf_counter() - clock}
+        self.setup_s["store"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self._fill_store()
         self.setup_s["fill"] = time.perf_counter() - clock

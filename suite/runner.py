@@ -62,6 +62,18 @@ def classify(returncode: int | None, timed_out: bool, worker_status: str | None,
     return "error", f"the worker exited with code {returncode} without a result (see log_tail)"
 
 
+def worker_env(spec: RunSpec) -> dict:
+    """The worker's environment. Several ranks each get their share of the host's cores for their
+    CPU work (a baseline's CPU Adam, OpenMP): torchrun would give each one thread, unless told, and
+    ZeRO-3's 2-GPU point ran its CPU Adam so (results/h200/speed/baselines_2026-11-23). The engine's
+    ranks take the same share themselves (trainer.py)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
+    if spec.gpus > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.gpus)))
+    return env
+
+
 def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
               python: str = sys.executable, gpu_index: int | None = 0) -> dict:
     """Run `spec` in a fresh process; write and return its result. `log` keeps the worker's output."""
@@ -80,10 +92,9 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             # for the `try` below, which records it
             signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
             try:
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
-                env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
                 proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
-                                        stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        stdout=log_file, stderr=subprocess.STDOUT, env=worker_env(spec),
+                                        start_new_session=True,
                                         preexec_fn=_dies_with(os.getpid()),
                                         cwd=Path(__file__).resolve().parent.parent)
             except BaseException:

@@ -70,6 +70,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
               f"(model, state, the system's own builds)", file=sys.stderr, flush=True)
         system = load(spec.system)(spec, device)
         result["setup_s"] = time.perf_counter() - start  # building the model and its state
+        result["env"]["cpu_threads"] = torch.get_num_threads()  # this rank's, as the system set them up
         print(f"{spec.system}: set up in {result['setup_s']:.0f} s; {spec.total_steps} steps "
               f"({spec.warmup} warm-up)", file=sys.stderr, flush=True)
         if system.model_flops_per_step is not None:  # it runs another model (Ratel's own GPT): count that one

@@ -274,8 +274,24 @@ def test_fsdp2_on_two_ranks_trains_as_one(tmp_path):
                                rtol=1e-5, atol=0)
     torch.testing.assert_close(weights[2], weights[1], rtol=1e-5, atol=1e-7)
     assert results[2]["model_flops_per_step"] == results[1]["model_flops_per_step"]  # the global step's
+    assert results[2]["env"]["cpu_threads"] == max(1, os.cpu_count() // 2)  # each rank its share of the cores
     # each rank's own memory counts (no shared store): the tree of 2 ranks holds more than 1 rank
     assert results[2]["peak"]["host_rss_bytes"] > results[1]["peak"]["host_rss_bytes"]
+
+
+def test_the_harness_gives_each_rank_its_share_of_the_cores(monkeypatch):
+    """Not torchrun's one OpenMP thread a worker (a baseline's CPU Adam ran so); a user's own
+    OMP_NUM_THREADS is kept."""
+    from suite.runner import worker_env
+    from suite.spec import RunSpec
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = dict(system="zero3", model={"preset": "tiny-llama"}, seq_len=32, batch_size=4)
+    assert worker_env(RunSpec(**spec, gpus=2))["OMP_NUM_THREADS"] == "16"
+    assert worker_env(RunSpec(**spec, gpus=4))["OMP_NUM_THREADS"] == "8"
+    assert "OMP_NUM_THREADS" not in worker_env(RunSpec(**spec, gpus=1))  # one process: torch's own default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_env(RunSpec(**spec, gpus=2))["OMP_NUM_THREADS"] == "3"
 
 
 def test_every_system_takes_the_same_rows_of_a_global_batch():

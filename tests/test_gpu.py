@@ -244,17 +244,3 @@ def test_harness_on_two_gpus_tracks_one_gpu(tmp_path, cuda_only, system):
         assert r["status"] == "ok", r.get("log_tail")
         losses[gpus] = [s["loss"] for s in r["steps"]]
     torch.testing.assert_close(losses[2], losses[1], rtol=1e-2, atol=0)
-
-
-def test_store_shadows_are_pinned_at_their_size_until_close(tmp_path, cuda_only):
-    """The shadows the device copies from are registered with CUDA (page-locked: DMA, no staging)
-    at their exact size, and unregistered when the run closes."""
-    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
-    _, trainer = gpu_trainer(tmp_path)
-    host = [t for t in trainer.store.tiles if not t.on_device]
-    try:
-        assert host and all(t.shadow.is_pinned() for t in host)
-        assert len(trainer.store.blocks.registered) == len(host)
-    finally:
-        trainer.close()
-    assert not any(t.shadow.is_pinned() for t in host)
