@@ -35,7 +35,7 @@ class MegaTrain(System):
         }
         cfg = load_config(None, [], base=tree)
         from megatrain.trainer import Trainer
-        self.trainer = Trainer(cfg)  # DoesNotFit says which memory ran short
+        self.trainer = Trainer(cfg, progress=False)  # DoesNotFit says which memory ran short; the harness logs its own lines
 
     def step(self, microbatches) -> dict:
         row = self.trainer.train_step(microbatches)

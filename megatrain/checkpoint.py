@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.io import atomic_dir, complete_dir
+from megatrain.progress import Advance, nothing
 from megatrain.shapes import ModelShape
 from megatrain.store import HostStore
 
@@ -22,7 +23,7 @@ SHARD_BYTES = 4 << 30
 
 
 def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype: torch.dtype = torch.float32,
-                    tokenizer=None) -> None:
+                    tokenizer=None, advance: Advance = nothing) -> None:
     """Write config.json, generation_config.json, safetensors shards in `dtype` and the tokenizer
     (if given): a folder that `AutoModelForCausalLM.from_pretrained` loads and generates from.
 
@@ -55,6 +56,7 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
                 shard[name] = view.to("cpu", dtype).contiguous()
                 size += nbytes
                 total += nbytes
+                advance(view.numel())
         flush()
         if len(files) == 1:
             os.replace(files[0][0], tmp / "model.safetensors")
@@ -71,12 +73,13 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-def save_state(store: HostStore, path: str | Path, meta: dict) -> None:
+def save_state(store: HostStore, path: str | Path, meta: dict, advance: Advance = nothing) -> None:
     """Master weights and both moments of every tile, plus `meta` (step, data position, config)."""
     with atomic_dir(path) as tmp:
         for tile in store.tiles:
             with tile.plain_state() as state:
                 save_file({k: state[k].cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")
+            advance(tile.layout.params)
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -86,7 +89,7 @@ def saved_state(path: str | Path) -> Path | None:
     return path if path is not None and (path / "state.json").is_file() else None
 
 
-def load_state(store: HostStore, path: str | Path, only: list | None = None) -> dict:
+def load_state(store: HostStore, path: str | Path, only: list | None = None, advance: Advance = nothing) -> dict:
     """The saved state into the store's tiles (`only`: into these; a shared store's other ranks
     read their device tiles alone), every tile's version bumped; returns the saved meta."""
     found = saved_state(path)
@@ -111,4 +114,5 @@ def load_state(store: HostStore, path: str | Path, only: list | None = None) -> 
                     getattr(tile, k).copy_(t)
         tile.version += 1
         tile.ready.set()
+        advance(tile.layout.params)
     return json.loads((path / "state.json").read_text())

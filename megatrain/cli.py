@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             print(plan_report(cfg, args.gpus))
             return 0
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, progress=not args.no_progress)
     except ValueError as e:  # a setting, a file or the memory plan refused the run: nothing was built
         if args.debug:
             raise

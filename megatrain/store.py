@@ -42,6 +42,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain.config import EngineSettings
+from megatrain.progress import Advance, nothing
 from megatrain.shapes import ModelShape, ParamSpec
 
 PAGE = 4096
@@ -55,6 +56,11 @@ class Layout:
     offsets: tuple[int, ...]
     numel: int  # padded total
     decay_numel: int  # elements [0, decay_numel) take weight decay
+
+    @property
+    def params(self) -> int:
+        """The parameters, without the padding."""
+        return sum(spec.numel for spec in self.specs)
 
     @staticmethod
     def of(specs: list[ParamSpec]) -> "Layout":
@@ -353,14 +359,14 @@ class HostStore:
         self.blocks.close()
 
     # ---- filling the store ----
-    def init_random(self, seed: int, only: list[Tile] | None = None) -> None:
+    def init_random(self, seed: int, only: list[Tile] | None = None, advance: Advance = nothing) -> None:
         """Seeded init in the `transformers` manner (ParamSpec.init): N(0, initializer_range) matrices
         and attention sinks, unit norms, zero biases.
 
         Each tile draws from its own generator, so the result does not depend on tile order, and
         the tiles are filled in parallel (`in_parallel`): one thread's draws run at about 0.2 G
         numbers per second, minutes for a 30B model; `only`: these tiles (a shared store's other
-        ranks fill their device tiles alone).
+        ranks fill their device tiles alone); `advance(n)` as each tile's n parameters are filled.
         """
         std = getattr(self.shape.config, "initializer_range", 0.02)
 
@@ -372,10 +378,12 @@ class HostStore:
                     tile.write_master(torch.empty(spec.shape).normal_(0.0, std, generator=gen), offset)
                 elif spec.init == "ones":
                     tile.write_master(torch.ones(spec.numel), offset)
+            advance(tile.layout.params)
         in_parallel(fill, [(i, t) for i, t in enumerate(self.tiles) if only is None or t in only])
 
-    def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None) -> None:
-        """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time."""
+    def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None, advance: Advance = nothing) -> None:
+        """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time;
+        `advance(n)` as each tensor's n parameters are in."""
         directory = Path(directory)
         files = pretrained_shards(directory)
         tiles = self.tiles if only is None else only
@@ -408,6 +416,7 @@ class HostStore:
                                          f"the config implies {shape}")
                     tile.write_master(tensor, offset)
                     missing.discard(name)
+                    advance(tensor.numel())
         if missing or unexpected:
             raise ValueError(f"model.pretrained: checkpoint does not match the config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")

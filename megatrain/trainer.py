@@ -31,6 +31,7 @@ from megatrain.engine import Engine
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at, rates
+from megatrain.progress import bar, say
 from megatrain.resolve import Machine, resolve
 from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
@@ -61,11 +62,14 @@ def _normal(value):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, progress: bool = True):
         """Under torchrun, one of the run's data-parallel ranks (distributed.py): each rank takes its
-        rows of every micro-batch, the ranks of a host share one host store, one rank writes."""
+        rows of every micro-batch, the ranks of a host share one host store, one rank writes.
+        `progress`: bars on stderr for the long work outside the steps (filling the store, saving
+        and loading), from the first rank."""
         self.cfg = cfg
         self.ranks = ranks = Ranks.from_env()
+        self.progress = progress and ranks.rank == 0
         hf = load_hf_config(cfg.model)
         self.shape = shape = ModelShape(hf)
         limit = getattr(hf, "max_position_embeddings", None)
@@ -97,6 +101,8 @@ class Trainer:
         self.optimizer_rates = None
         clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
+            say("building the host AdamW (torch.compile: up to a minute on a machine's first run, "
+                         "then from its cache) and timing it against the eager update", self.progress)
             asked = cfg.engine.optimizer_kernel == "compiled"
             if why := fused_adamw.probe(cfg.optim):
                 if asked:
@@ -111,6 +117,7 @@ class Trainer:
         # building the engine (its buffers)
         self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
         self.arch = Architecture(shape, s.mlp_chunk_tokens)
+        say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
         self.arena = flags = None
         if ranks.distributed:  # one store per host, in shared memory, filled by the host's first rank
@@ -139,10 +146,13 @@ class Trainer:
         copy per GPU, by every rank), then every rank waits for it."""
         cfg, first = self.cfg, self.ranks.local_rank == 0
         tiles = None if first else [t for t in self.store.tiles if t.on_device]
+        total = sum(t.layout.params for t in tiles or self.store.tiles)
         if cfg.model.pretrained:
-            self.store.load_pretrained(cfg.model.pretrained, tiles)
+            with bar("loading the weights", total, self.progress) as advance:
+                self.store.load_pretrained(cfg.model.pretrained, tiles, advance)
         else:
-            self.store.init_random(cfg.seed, tiles)
+            with bar("initialising the weights", total, self.progress) as advance:
+                self.store.init_random(cfg.seed, tiles, advance)
         self.comm.barrier()
 
     def _check_output_dir(self) -> None:
@@ -298,7 +308,12 @@ class Trainer:
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = load_tokenizer(tok_dir)
-        checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype), tokenizer)
+        with bar(f"saving the model to {path}", self._numel(), self.progress) as advance:
+            checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
+                                       tokenizer, advance)
+
+    def _numel(self) -> int:
+        return sum(t.layout.params for t in self.store.tiles)
 
     def _all_updated(self) -> bool:
         """Wait until every rank's updates are written; True on the rank that writes (the store is
@@ -313,7 +328,8 @@ class Trainer:
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
                 "settings": dataclasses.asdict(self.settings)}
-        checkpoint.save_state(self.store, path, meta)
+        with bar(f"saving the training state to {path}", self._numel(), self.progress) as advance:
+            checkpoint.save_state(self.store, path, meta, advance)
 
     def load_state(self, path: str | Path) -> None:
         """Every rank reads the step and data position; a shared store is read once per host
@@ -321,7 +337,8 @@ class Trainer:
         self.engine.worker.flush()
         self.comm.barrier()
         tiles = None if self.ranks.local_rank == 0 else [t for t in self.store.tiles if t.on_device]
-        meta = checkpoint.load_state(self.store, path, tiles)
+        with bar("loading the training state", self._numel(), self.progress and tiles is None) as advance:
+            meta = checkpoint.load_state(self.store, path, tiles, advance)
         self.comm.barrier()
         self.step = meta["step"]
         self.engine.worker.updates_done = self.engine.worker.steps_begun = meta["updates_done"]

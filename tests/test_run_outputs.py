@@ -11,12 +11,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import store_params, tiny_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.data.source import collate
+from megatrain.shapes import ModelShape
 from megatrain.trainer import Trainer
 from tiny_tokenizer import byte_tokenizer
 
@@ -229,3 +230,30 @@ def test_console_and_json_lines(tmp_path, capsys):
     assert "memory plan: host" in captured.err and "step 2: loss" in captured.err and "step 4: loss" in captured.err
     assert main(["train", "--config", str(path), "--no-progress", "--no-json"]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_progress_bars_for_loading_and_saving(tmp_path, capsys):
+    """The long work outside the steps shows a bar on stderr that reaches the model's parameters:
+    loading the weights, saving the state and the model, loading the state on resume; none with
+    --no-progress (the training bar is the runlog's own)."""
+    data = setup(tmp_path)
+    path = tmp_path / "run.yaml"
+    run = {"model": {"pretrained": str(tmp_path / "init")}, "engine": {"device": "cpu"}, "steps": 2,
+           "data": {"source": "file", "path": str(data), "format": "chat", "seq_len": 128},
+           "output_dir": str(tmp_path / "out")}
+    path.write_text(json.dumps(run))
+    assert main(["train", "--config", str(path), "--no-json"]) == 0
+    err = capsys.readouterr().err
+    total = ModelShape(AutoConfig.from_pretrained(tmp_path / "init")).total_params()
+    done = f"{total / 1e3:.0f}k/{total / 1e3:.0f}k"  # tqdm's count at the end: every parameter
+    for what in ("loading the weights", "saving the training state", "saving the model"):
+        assert any(what in line and done in line and "100%|██████████|" in line
+                   for line in err.replace("\r", "\n").splitlines()), what
+    path.write_text(json.dumps({**run, "steps": 3, "resume": True, "resume_changes": True}))
+    assert main(["train", "--config", str(path), "--no-json"]) == 0
+    err = capsys.readouterr().err
+    assert any("loading the training state" in line and done in line for line in err.replace("\r", "\n").splitlines())
+    assert main(["train", "--config", str(path), "--no-json", "--no-progress", "steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "loading the" not in err and "saving the" not in err
+
