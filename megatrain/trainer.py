@@ -101,8 +101,8 @@ class Trainer:
         self.optimizer_rates = None
         clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
-            say("building the host AdamW (torch.compile: up to a minute on a machine's first run, "
-                         "then from its cache) and timing it against the eager update", self.progress)
+            say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
+                "its cache) and timing it against the eager update", self.progress)
             asked = cfg.engine.optimizer_kernel == "compiled"
             if why := fused_adamw.probe(cfg.optim):
                 if asked:
