@@ -6,8 +6,9 @@ that reads the master again to write its bf16 shadow (6 more). The update is bou
 bandwidth, so here `torch.compile` (inductor's C++ code for the CPU, vectorised and threaded with
 OpenMP) turns the same arithmetic and the shadow's cast into one loop: 30 bytes a parameter. On the
 2-core CPU machine (experiments/probes/adamw_rate.py, 32 M elements, two threads, two interleaved
-runs) 1.13-1.16 G elements/s against 0.86-0.87 eager, 1.3x (0.61 on one thread); the GPU hosts'
-rate is the measurement that counts.
+runs) 1.13-1.16 G elements/s against 0.86-0.87 eager, 1.3x (0.61 on one thread); on the two-H200
+host (32 threads) 7.73 against 6.41, 1.2x, and a 14B step's CPU update 2.53 s against 3.41
+(results/h200/speed/adamw_2026-11-23).
 
 The arithmetic is torch's fused AdamW's (decoupled decay, `lerp` for the first moment, bias
 corrections folded into the step size and the denominator), in another order of roundings: the

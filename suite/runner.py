@@ -64,9 +64,9 @@ def classify(returncode: int | None, timed_out: bool, worker_status: str | None,
 
 def worker_env(spec: RunSpec) -> dict:
     """The worker's environment. Several ranks each get their share of the host's cores for their
-    CPU work (a baseline's CPU Adam, OpenMP): torchrun would give each one thread, unless told, and
-    ZeRO-3's 2-GPU point ran its CPU Adam so (results/h200/speed/baselines_2026-11-23). The engine's
-    ranks take the same share themselves (trainer.py)."""
+    CPU work (a baseline's CPU Adam, OpenMP): unless told, torchrun gives each worker one thread,
+    and a baseline's optimizer then runs serially (results/h200/speed/baselines_2026-11-23). The
+    engine's ranks take the same share themselves (trainer.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
     if spec.gpus > 1:

@@ -280,8 +280,8 @@ def test_fsdp2_on_two_ranks_trains_as_one(tmp_path):
 
 
 def test_the_harness_gives_each_rank_its_share_of_the_cores(monkeypatch):
-    """Not torchrun's one OpenMP thread a worker (a baseline's CPU Adam ran so); a user's own
-    OMP_NUM_THREADS is kept."""
+    """Not torchrun's one OpenMP thread a worker (a baseline's CPU Adam would run serially); a
+    user's own OMP_NUM_THREADS is kept."""
     from suite.runner import worker_env
     from suite.spec import RunSpec
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
