@@ -67,4 +67,9 @@ class Device:
             torch.cuda.synchronize(self.torch)
 
     def free_bytes(self) -> int | None:
-        return torch.cuda.mem_get_info(self.torch)[0] if self.is_cuda else None
+        """What a new run on this device can allocate: the driver's free memory and the blocks this
+        process's allocator holds cached but unused (an earlier run's, closed: reused, not lost)."""
+        if not self.is_cuda:
+            return None
+        cached = torch.cuda.memory_reserved(self.torch) - torch.cuda.memory_allocated(self.torch)
+        return torch.cuda.mem_get_info(self.torch)[0] + cached

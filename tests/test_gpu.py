@@ -155,6 +155,18 @@ def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
     assert segments and segments[0]["is_expandable"]
 
 
+def test_free_bytes_count_what_a_closed_run_left_cached(cuda_only):
+    """A second run in one process (a probe's variants, a notebook) is admitted against the memory
+    the first one's allocator keeps cached, not refused for it."""
+    from megatrain.device import Device
+    device = Device("cuda")
+    before = device.free_bytes()
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del x  # cached by the allocator, free to the driver no longer
+    assert torch.cuda.mem_get_info()[0] < before - (1 << 29)
+    assert device.free_bytes() >= before - (64 << 20)
+
+
 MOE = {"tiny-gpt-oss": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32},
        "tiny-qwen3-moe": {"hidden_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "head_dim": 32,
                           "num_hidden_layers": 4}}
