@@ -99,7 +99,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         # auto: compiled on a GPU run (the trainer falls back to eager where it cannot build)
         optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
             engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
-        timeline=engine.timeline,
+        norm_kernel=engine.norm_kernel, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)

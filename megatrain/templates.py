@@ -42,11 +42,12 @@ class Template:
 
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
-    chunked_mlp.py)."""
+    chunked_mlp.py) and its norms' kernel (lean_norm.py)."""
 
-    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None):
+    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
+        self.compiled_norms = compiled_norms
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
@@ -65,7 +66,7 @@ class Architecture:
             module.train()
             for sub in module.modules():
                 if isinstance(sub, self._norm_cls):
-                    make_lean(sub, float32_scale=s.family == "gpt_oss")
+                    make_lean(sub, float32_scale=s.family == "gpt_oss", compiled=self.compiled_norms)
                 elif is_router(sub):  # its logits feed the auxiliary loss (moe.py)
                     capture_logits(sub)
             if self.mlp_chunk:

@@ -100,6 +100,29 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
     train_and_compare(tmp_path, "tiny-qwen2", {}, 1, 2, 0.5, True, {"no_recompute_layers": 1, "mlp_chunk_tokens": 7})
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss"])
+def test_compiled_norms_train_as_the_reference(tmp_path, preset):
+    """engine.norm_kernel: compiled (float32 on the CPU: the fused kernels' sums in another order)
+    within the reference's tolerances, the norms of kept layers and over token chunks included."""
+    import megatrain.lean_norm as lean_norm
+    calls = {"_compiled_forward": 0, "_compiled_backward": 0}
+
+    def counted(name):
+        kernel = getattr(lean_norm, name)
+
+        def call(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return call
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lean_norm, "CHUNK", 5)
+        for name in calls:
+            patch.setattr(lean_norm, name, counted(name))
+        train_and_compare(tmp_path, preset, {"output_router_logits": False} if preset == "tiny-gpt-oss" else {},
+                          2, 2, 0.5, True, {"norm_kernel": "compiled", "no_recompute_layers": 1})
+    assert calls["_compiled_forward"] > 0 and calls["_compiled_backward"] > 0  # the run used them
+
+
 def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None):
     model = tiny_checkpoint(tmp_path / "init", preset, overrides)
     cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, optim=optim)

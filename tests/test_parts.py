@@ -382,6 +382,36 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     torch.testing.assert_close(lean.weight.grad, library.weight.grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("float32_scale", [False, True], ids=["qwen2", "gpt-oss-scale"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scale, dtype, chunk):
+    """engine.norm_kernel: compiled, the forward and the written-out backward built by
+    torch.compile: the library's output and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (its products stay in float32 where the library's round to bf16)."""
+    import megatrain.lean_norm as lean_norm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    if chunk:
+        monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+    cls = GptOssRMSNorm if float32_scale else Qwen2RMSNorm
+    library, fused = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        library.weight.normal_(1.0, 0.3)
+        fused.weight.copy_(library.weight)
+    lean_norm.make_lean(fused, float32_scale=float32_scale, compiled=True)
+    x = torch.randn(3, 10, 64, dtype=dtype)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [library(xs[0]), fused(xs[1])]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for got, want in ((ys[1], ys[0]), (xs[1].grad, xs[0].grad), (fused.weight.grad, library.weight.grad)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
     """torch's pinned allocator hands out powers of two: with a GPU the plan counts the slabs,
     staging and offloaded checkpoints at that size (on the H100 this brought the plan from 2-6 GiB

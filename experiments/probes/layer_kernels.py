@@ -5,7 +5,8 @@ weights resident, the step's saved-tensor hooks).
 For each SDPA backend that runs at the shape (torch.nn.attention.sdpa_kernel; `default` is torch's
 own choice) the ceiling's seconds and model TFLOP/s; then, under the default, one profiled ceiling
 whose device kernels are summed by kind: matrix products, attention, and the rest (norms, rotary,
-SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give.
+SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give. The
+default ceiling and the breakdown again with the norms' compiled kernels (engine.norm_kernel).
 
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
@@ -58,6 +59,30 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
                             for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]]}
 
 
+def measure(args, norm_kernel: str, backends: bool) -> dict:
+    """The ceilings (each SDPA backend's too, with `backends`) and the kernel breakdown of one
+    layer built with `norm_kernel` (engine.norm_kernel)."""
+    cfg = load_config(base={
+        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
+        "engine": {"device": args.device, "checkpoint_every": 1, "norm_kernel": norm_kernel},
+        "optim": {"lr": 1e-5},
+        "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
+    trainer = Trainer(cfg, progress=False)
+    rows = {}
+    try:
+        rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+        for name, backend in BACKENDS.items() if backends else ():
+            try:
+                with sdpa_kernel([backend]):
+                    rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+            except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
+                rows[name] = {"error": str(e).splitlines()[0][:200]}
+        breakdown = kernel_breakdown(trainer, args.batch, args.seq)
+    finally:
+        trainer.close()
+    return {"device": str(trainer.device.torch), "ceilings": rows, **breakdown}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-7b")
@@ -67,35 +92,20 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    cfg = load_config(base={
-        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
-        "engine": {"device": args.device, "checkpoint_every": 1},
-        "optim": {"lr": 1e-5},
-        "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
-    trainer = Trainer(cfg)
-    rows = {}
-    try:
-        rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
-        for name, backend in BACKENDS.items():
-            try:
-                with sdpa_kernel([backend]):
-                    rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
-            except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
-                rows[name] = {"error": str(e).splitlines()[0][:200]}
-        breakdown = kernel_breakdown(trainer, args.batch, args.seq)
-    finally:
-        trainer.close()
-    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch, "device": str(trainer.device.torch),
+    runs = {kernel: measure(args, kernel, backends=kernel == "eager") for kernel in ("eager", "compiled")}
+    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "ceilings": rows, **breakdown}
+              "torch": torch.__version__, "norm_kernels": runs}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    for name, row in rows.items():
-        print(f"{name:10s} " + (f"{row['seconds'] * 1e3:8.1f} ms  {row['model_tflops']:6.1f} model TFLOP/s"
-                                if "seconds" in row else row["error"]))
-    total = sum(breakdown["seconds_by_kind"].values())
-    for k, s in breakdown["seconds_by_kind"].items():
-        print(f"{k:10s} {s * 1e3:8.1f} ms  {s / total:5.1%}")
+    for kernel, run in runs.items():
+        for name, row in run["ceilings"].items():
+            print(f"norms {kernel:8s} sdpa {name:10s} " + (
+                f"{row['seconds'] * 1e3:8.1f} ms  {row['model_tflops']:6.1f} model TFLOP/s"
+                if "seconds" in row else row["error"]))
+        total = sum(run["seconds_by_kind"].values())
+        for k, sec in run["seconds_by_kind"].items():
+            print(f"norms {kernel:8s} {k:15s} {sec * 1e3:8.1f} ms  {sec / total:5.1%}")
 
 
 if __name__ == "__main__":
