@@ -42,12 +42,13 @@ class Template:
 
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
-    chunked_mlp.py) and its norms' kernel (lean_norm.py)."""
+    chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py)."""
 
-    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False):
+    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
+                 compiled_mlp: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
-        self.compiled_norms = compiled_norms
+        self.compiled_norms, self.compiled_mlp = compiled_norms, compiled_mlp
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
@@ -72,7 +73,7 @@ class Architecture:
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
             elif s.gated_mlp:
-                skip_unread_down(module.mlp)
+                skip_unread_down(module.mlp, compiled=self.compiled_mlp)
             self._templates[kind] = Template(module)
         template = self._templates[kind]
         template.module.self_attn.layer_idx = index

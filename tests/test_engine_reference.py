@@ -100,15 +100,21 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
     train_and_compare(tmp_path, "tiny-qwen2", {}, 1, 2, 0.5, True, {"no_recompute_layers": 1, "mlp_chunk_tokens": 7})
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss"])
-def test_compiled_norms_train_as_the_reference(tmp_path, preset):
-    """engine.norm_kernel: compiled (float32 on the CPU: the fused kernels' sums in another order)
-    within the reference's tolerances, the norms of kept layers and over token chunks included."""
+@pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {"norm_kernel": "compiled"}),
+                                            ("tiny-gpt-oss", {"norm_kernel": "compiled"}),
+                                            ("tiny-qwen2", {"mlp_kernel": "compiled"})])
+def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
+    """engine.norm_kernel and engine.mlp_kernel: compiled (float32 on the CPU: the fused kernels'
+    arithmetic in another order) within the reference's tolerances, kept layers, the norms over
+    token chunks and the recompute's unread down projection included."""
     import megatrain.lean_norm as lean_norm
-    calls = {"_compiled_forward": 0, "_compiled_backward": 0}
+    import megatrain.swiglu as swiglu
+    module = lean_norm if "norm_kernel" in engine else swiglu
+    names = ("_compiled_forward", "_compiled_backward") if module is lean_norm else ("_compiled_product", "_compiled_grads")
+    calls = dict.fromkeys(names, 0)
 
     def counted(name):
-        kernel = getattr(lean_norm, name)
+        kernel = getattr(module, name)
 
         def call(*args):
             calls[name] += 1
@@ -117,10 +123,10 @@ def test_compiled_norms_train_as_the_reference(tmp_path, preset):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lean_norm, "CHUNK", 5)
         for name in calls:
-            patch.setattr(lean_norm, name, counted(name))
+            patch.setattr(module, name, counted(name))
         train_and_compare(tmp_path, preset, {"output_router_logits": False} if preset == "tiny-gpt-oss" else {},
-                          2, 2, 0.5, True, {"norm_kernel": "compiled", "no_recompute_layers": 1})
-    assert calls["_compiled_forward"] > 0 and calls["_compiled_backward"] > 0  # the run used them
+                          2, 2, 0.5, True, {**engine, "no_recompute_layers": 1})
+    assert all(calls.values()), calls  # the run used them
 
 
 def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None):

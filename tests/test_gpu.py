@@ -258,11 +258,12 @@ def test_harness_on_two_gpus_tracks_one_gpu(tmp_path, cuda_only, system):
     torch.testing.assert_close(losses[2], losses[1], rtol=1e-2, atol=0)
 
 
-def test_compiled_norms_track_eager_norms(tmp_path, cuda_only):
-    """engine.norm_kernel: compiled (torch.compile's fused kernels, forward and backward) against
-    the library's eager norms, in bf16 on the device over 20 steps: rounding apart (its products
-    stay in float32 where the library's round to bf16), within bf16 tolerance."""
+@pytest.mark.parametrize("engine", [{"norm_kernel": "compiled"}, {"mlp_kernel": "compiled"}])
+def test_compiled_kernels_track_eager_kernels(tmp_path, cuda_only, engine):
+    """engine.norm_kernel and engine.mlp_kernel: compiled (torch.compile's fused kernels, forward
+    and backward) against the library's eager ops, in bf16 on the device over 20 steps: rounding
+    apart (their products stay in float32 where the library's round to bf16), within bf16 tolerance."""
     start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
-    runs = base_and(tmp_path, {"norm_kernel": "compiled"}, steps=STEPS)
+    runs = base_and(tmp_path, engine, steps=STEPS)
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-2, atol=0)
     assert_same_direction(start, runs)

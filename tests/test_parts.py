@@ -412,6 +412,32 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scal
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
+    """engine.mlp_kernel: compiled, silu(gate) * up and its written-out backward built by
+    torch.compile: the library's values and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (silu(gate) is not rounded to bf16 before the product)."""
+    import torch.nn.functional as F
+    from megatrain.swiglu import swiglu
+    gate, up = torch.randn(3, 10, 96, dtype=dtype), torch.randn(3, 10, 96, dtype=dtype)
+    gates = [gate.clone().requires_grad_() for _ in range(2)]
+    ups = [up.clone().requires_grad_() for _ in range(2)]
+    ys = [F.silu(gates[0]) * ups[0], swiglu(gates[1], ups[1])]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for got, want in ((ys[1], ys[0]), (gates[1].grad, gates[0].grad), (ups[1].grad, ups[0].grad)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):
+    with pytest.raises(ValueError, match="engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this gpt_oss"):
+        resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), DataConfig(seq_len=16, batch_size=1), OptimConfig(),
+                shape_of("tiny-gpt-oss"), Machine(False, None, 1 << 40))
+
+
 def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():
     """torch's pinned allocator hands out powers of two: with a GPU the plan counts the slabs,
     staging and offloaded checkpoints at that size (on the H100 this brought the plan from 2-6 GiB
