@@ -9,11 +9,12 @@ arithmetic, op for op, and the backward runs it again from the saved input befor
 differentiating it: the same ops, so the same gradients, for a norm's worth of elementwise work.
 Six hidden-size tensors less per layer and token: 21 GiB per layer at 512K tokens of the 7B shape.
 
-`compiled` (engine.norm_kernel): the same forward, and its backward written out (`_backward`, the
-gradients in the dtypes autograd computes them in), each built by torch.compile into one fused
-kernel, instead of a dozen elementwise kernels that each read and write hidden-size rows: on a GPU
-the norms' share of a layer's time is what it can save. Its sums run in another order, so it
-agrees with the library's norm to rounding, not bit for bit; eager stays the default.
+`compiled` (engine.norm_kernel): the same forward, and its backward written out (`_backward`: the
+gradients of the same products, the weight's summed in float32), each built by torch.compile into
+one fused kernel, instead of a dozen elementwise kernels that each read and write hidden-size
+rows: on a GPU the norms' share of a layer's time is what it can save. Inside a kernel the
+arithmetic stays in float32 and sums run in another order, so it agrees with the library's norm
+to rounding, not bit for bit; eager stays the default.
 
 Over CHUNK tokens both run a chunk of tokens at a time: the float32 temporaries of a norm (and of
 its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
