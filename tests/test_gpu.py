@@ -266,4 +266,7 @@ def test_compiled_kernels_track_eager_kernels(tmp_path, cuda_only, engine):
     start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
     runs = base_and(tmp_path, engine, steps=STEPS)
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-2, atol=0)
-    assert_same_direction(start, runs)
+    # over 20 steps Adam turns the kernels' rounding differences in near-zero gradients into steps of
+    # up to lr: the updates' direction as the float32 reference test bounds it
+    moved = [torch.cat([(params[k] - start[k]).flatten() for k in params if k in start]) for _, params in runs]
+    assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.9
