@@ -432,6 +432,33 @@ def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
+    """What the SiLU-gated MLP saves for its backward, through saved-tensor hooks: the library's
+    keeps four tokens x FFN tensors (gate, silu(gate), up, the product: ModelShape.mlp_kept), the
+    compiled product three (gate, up, the product); the memory plan's activations differ by one."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2MLP
+    from megatrain.unread_mlp import skip_unread_down
+    config = Qwen2Config(hidden_size=32, intermediate_size=80, hidden_act="silu")
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    counts = {}
+    for compiled in (False, True):
+        mlp = Qwen2MLP(config)
+        skip_unread_down(mlp, compiled=compiled)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            mlp(x).sum().backward()
+        counts[compiled] = saved.count(2 * 5 * 80)  # tokens x FFN (the down projection's input as 10 x 80)
+    assert counts == {False: 4, True: 3}
+    shape = shape_of("qwen2.5-7b")
+    assert shape.mlp_kept == 4 * shape.ffn
+    s = resolve(EngineConfig(device="cpu", no_recompute_layers=2), DataConfig(seq_len=4096, batch_size=2), OptimConfig(),
+                shape, Machine(False, None, 1 << 50))
+    eager, fused = (plan(shape, replace(s, mlp_kernel=k)).detail for k in ("eager", "compiled"))
+    ffn_tensor = s.tokens * shape.ffn * 4  # float32 compute on the CPU
+    assert eager["device.block_activations"] - fused["device.block_activations"] == s.checkpoint_every * ffn_tensor
+    assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
+
+
 def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):
     with pytest.raises(ValueError, match="engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this gpt_oss"):
         resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), DataConfig(seq_len=16, batch_size=1), OptimConfig(),
