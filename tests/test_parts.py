@@ -366,20 +366,30 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
     cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
-    library, lean = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
-    with torch.no_grad():
-        library.weight.normal_()
-        lean.weight.copy_(library.weight)
-    lean_norm.make_lean(lean)
-    x = torch.randn(3, 10, 64, dtype=dtype)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    ys = [library(xs[0]), lean(xs[1])]
-    dy = torch.randn_like(ys[0])
-    for y in ys:
-        y.backward(dy)
-    assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype)
+    assert torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
     tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(lean.weight.grad, library.weight.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
+
+
+def library_and_lean(cls, dtype, **lean):
+    """A library RMSNorm and its copy made lean (`lean`: make_lean's options), each run forward and
+    backward on the same input and output gradient: their (output, input gradient, weight gradient)."""
+    import megatrain.lean_norm as lean_norm
+    norms = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norms[0].weight.normal_(1.0, 0.3)
+        norms[1].weight.copy_(norms[0].weight)
+    lean_norm.make_lean(norms[1], **lean)
+    x = torch.randn(3, 10, 64, dtype=dtype)
+    dy = torch.randn_like(x)
+    out = []
+    for norm in norms:
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        y.backward(dy)
+        out.append((y.detach(), xi.grad, norm.weight.grad))
+    return out
 
 
 @pytest.mark.parametrize("float32_scale", [False, True], ids=["qwen2", "gpt-oss-scale"])
@@ -395,19 +405,9 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scal
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
     cls = GptOssRMSNorm if float32_scale else Qwen2RMSNorm
-    library, fused = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
-    with torch.no_grad():
-        library.weight.normal_(1.0, 0.3)
-        fused.weight.copy_(library.weight)
-    lean_norm.make_lean(fused, float32_scale=float32_scale, compiled=True)
-    x = torch.randn(3, 10, 64, dtype=dtype)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    ys = [library(xs[0]), fused(xs[1])]
-    dy = torch.randn_like(ys[0])
-    for y in ys:
-        y.backward(dy)
+    library, fused = library_and_lean(cls, dtype, float32_scale=float32_scale, compiled=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for got, want in ((ys[1], ys[0]), (xs[1].grad, xs[0].grad), (fused.weight.grad, library.weight.grad)):
+    for got, want in zip(fused, library):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
