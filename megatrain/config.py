@@ -134,6 +134,14 @@ class EngineConfig:
     # the bf16 shadow's refresh in one pass: fused_adamw.py; needs a C++ compiler) or eager (torch's
     # fused AdamW, then the shadow); auto: compiled on a GPU run where it builds, else eager
     optimizer_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    # the decoder layers' RMSNorms: eager (the library's ops, and autograd's backward through them)
+    # or compiled (torch.compile: forward and backward each one fused kernel; equal to rounding:
+    # lean_norm.py)
+    norm_kernel: Literal["compiled", "eager"] = "eager"
+    # the SiLU-gated MLP's silu(gate) * up: eager (the library's) or compiled (one fused kernel each
+    # way, gate and up kept: swiglu.py); the whole MLP only (a chunked MLP runs its own), refused
+    # for other MLPs
+    mlp_kernel: Literal["compiled", "eager"] = "eager"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
@@ -171,6 +179,8 @@ class EngineSettings:
     no_recompute_layers: int
     optimizer_threads: int | None
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: for the tiles with whole float32 masters and a bf16 shadow
+    norm_kernel: Literal["compiled", "eager"]
+    mlp_kernel: Literal["compiled", "eager"]
     timeline: bool
     tokens: int  # per micro-batch (batch_size x seq_len)
     seq_len: int  # tokens per sequence at most

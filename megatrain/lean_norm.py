@@ -9,6 +9,13 @@ arithmetic, op for op, and the backward runs it again from the saved input befor
 differentiating it: the same ops, so the same gradients, for a norm's worth of elementwise work.
 Six hidden-size tensors less per layer and token: 21 GiB per layer at 512K tokens of the 7B shape.
 
+`compiled` (engine.norm_kernel): the same forward, and its backward written out (`_backward`: the
+gradients of the same products, the weight's summed in float32), each built by torch.compile into
+one fused kernel, instead of a dozen elementwise kernels that each read and write hidden-size
+rows: on a GPU the norms' share of a layer's time is what it can save. Inside a kernel the
+arithmetic stays in float32 and sums run in another order, so it agrees with the library's norm
+to rounding, not bit for bit; eager stays the default.
+
 Over CHUNK tokens both run a chunk of tokens at a time: the float32 temporaries of a norm (and of
 its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
 a layer's backward) are then a chunk's. Rows are independent, so the output and the input
@@ -33,42 +40,67 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: 
 
 
 def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool, dy: torch.Tensor):
+    """(dx, dw) by autograd through the forward's own ops."""
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
     with torch.enable_grad():
         y = _rms_norm(x, weight, eps, float32_scale)
     return torch.autograd.grad(y, (x, weight), dy)
 
 
+def _backward(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool, dy: torch.Tensor):
+    """(dx, dw) of `_rms_norm` written out for the compiled kernel: n = x r in float32 with
+    r = rsqrt(mean(x^2) + eps), dx = r (dn - n mean(dn n)); dn and dw from the products the forward
+    made (in the input's dtype, or, float32_scale, in float32); dw in float32."""
+    xf = x.to(torch.float32)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * r
+    if float32_scale:
+        dyf = dy.to(torch.float32)
+        dn, dw = dyf * weight, (dyf * n).reshape(-1, n.shape[-1]).sum(0)
+    else:
+        dn = (dy * weight).to(torch.float32)
+        dw = (dy * n.to(x.dtype)).to(torch.float32).reshape(-1, n.shape[-1]).sum(0)
+    dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+_compiled_forward = torch.compile(_rms_norm, dynamic=True)
+_compiled_backward = torch.compile(_backward, dynamic=True)
+
+
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float, float32_scale: bool):
+    def forward(ctx, x, weight, eps: float, float32_scale: bool, compiled: bool):
         ctx.save_for_backward(x, weight)  # the engine's hooks turn the weight into a reference
-        ctx.eps, ctx.float32_scale = eps, float32_scale
+        ctx.eps, ctx.float32_scale, ctx.compiled = eps, float32_scale, compiled
+        norm = _compiled_forward if compiled else _rms_norm
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= CHUNK:
-            return _rms_norm(x, weight, eps, float32_scale)
+            return norm(x, weight, eps, float32_scale)
         out = torch.empty_like(rows)
         for lo in range(0, rows.shape[0], CHUNK):
-            out[lo: lo + CHUNK] = _rms_norm(rows[lo: lo + CHUNK], weight, eps, float32_scale)
+            out[lo: lo + CHUNK] = norm(rows[lo: lo + CHUNK], weight, eps, float32_scale)
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        grads = _compiled_backward if ctx.compiled else _grads
         rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         if rows.shape[0] <= CHUNK:
-            dx, dw = _grads(x, weight, ctx.eps, ctx.float32_scale, dy)
-            return dx, dw, None, None
+            dx, dw = grads(x, weight, ctx.eps, ctx.float32_scale, dy)
+            return dx, dw.to(weight.dtype), None, None, None
         dx = torch.empty_like(rows)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, rows.shape[0], CHUNK):
-            dx[lo: lo + CHUNK], dw_chunk = _grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.float32_scale,
-                                                  drows[lo: lo + CHUNK])
+            dx[lo: lo + CHUNK], dw_chunk = grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.float32_scale,
+                                                 drows[lo: lo + CHUNK])
             dw += dw_chunk
-        return dx.view(x.shape), dw.to(weight.dtype), None, None
+        return dx.view(x.shape), dw.to(weight.dtype), None, None, None
 
 
-def make_lean(norm: nn.Module, float32_scale: bool = False) -> None:
+def make_lean(norm: nn.Module, float32_scale: bool = False, compiled: bool = False) -> None:
     """Make a decoder layer's RMSNorm keep only its input (its parameters and output unchanged);
-    `float32_scale`: the family's norm multiplies by its weight before casting back (GPT-OSS)."""
-    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon, float32_scale)
+    `float32_scale`: the family's norm multiplies by its weight before casting back (GPT-OSS);
+    `compiled`: the fused kernels (engine.norm_kernel)."""
+    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon, float32_scale, compiled)

@@ -71,7 +71,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (v * h if shape.tied else 0)
     unit = max(layer, head)
-    mlp = shape.mlp_kept  # per token, what a layer's MLP (or router and experts) keeps for its backward
+    # per token, what a layer's MLP (or router and experts) keeps for its backward; the compiled
+    # SwiGLU keeps gate and up, not the activation too (swiglu.py)
+    mlp = shape.mlp_kept - (shape.ffn if s.mlp_kernel == "compiled" else 0)
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint

@@ -99,7 +99,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         # auto: compiled on a GPU run (the trainer falls back to eager where it cannot build)
         optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
             engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
-        timeline=engine.timeline,
+        norm_kernel=engine.norm_kernel, mlp_kernel=engine.mlp_kernel, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)
@@ -123,6 +123,9 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
     if isinstance(engine.no_recompute_layers, int) and engine.no_recompute_layers > L:
         raise ValueError(f"engine.no_recompute_layers must be at most the model's {L} layers, "
                          f"not {engine.no_recompute_layers}")
+    if engine.mlp_kernel == "compiled" and not shape.gated_mlp:
+        raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
+                         f"model's is not (set engine.mlp_kernel: eager)")
 
 
 def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:

@@ -42,11 +42,13 @@ class Template:
 
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
-    chunked_mlp.py)."""
+    chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py)."""
 
-    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None):
+    def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
+                 compiled_mlp: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
+        self.compiled_norms, self.compiled_mlp = compiled_norms, compiled_mlp
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
@@ -65,13 +67,13 @@ class Architecture:
             module.train()
             for sub in module.modules():
                 if isinstance(sub, self._norm_cls):
-                    make_lean(sub, float32_scale=s.family == "gpt_oss")
+                    make_lean(sub, float32_scale=s.family == "gpt_oss", compiled=self.compiled_norms)
                 elif is_router(sub):  # its logits feed the auxiliary loss (moe.py)
                     capture_logits(sub)
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
             elif s.gated_mlp:
-                skip_unread_down(module.mlp)
+                skip_unread_down(module.mlp, compiled=self.compiled_mlp)
             self._templates[kind] = Template(module)
         template = self._templates[kind]
         template.module.self_attn.layer_idx = index

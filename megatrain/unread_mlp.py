@@ -17,6 +17,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from megatrain.swiglu import swiglu
+
 _OUTPUT_UNUSED = ContextVar("mlp_output_unused", default=False)
 
 
@@ -52,13 +54,17 @@ class _UnreadLinear(torch.autograd.Function):
         return dx, dw
 
 
-def _forward(mlp: nn.Module, whole, x: torch.Tensor) -> torch.Tensor:
-    if not unread():
+def _forward(mlp: nn.Module, whole, compiled: bool, x: torch.Tensor) -> torch.Tensor:
+    if not unread() and not compiled:
         return whole(x)
-    return _UnreadLinear.apply(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj.weight)
+    gated = swiglu(mlp.gate_proj(x), mlp.up_proj(x)) if compiled else mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    if unread():
+        return _UnreadLinear.apply(gated, mlp.down_proj.weight)
+    return mlp.down_proj(gated)
 
 
-def skip_unread_down(mlp: nn.Module) -> None:
+def skip_unread_down(mlp: nn.Module, compiled: bool = False) -> None:
     """Make a bias-free SiLU-gated MLP module (chunked_mlp.chunkable) leave its down projection's
-    forward out within `output_unused`."""
-    mlp.forward = partial(_forward, mlp, mlp.forward)
+    forward out within `output_unused`; `compiled`: its silu(gate) * up by swiglu.py's kernels
+    (engine.mlp_kernel)."""
+    mlp.forward = partial(_forward, mlp, mlp.forward, compiled)

@@ -100,6 +100,35 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
     train_and_compare(tmp_path, "tiny-qwen2", {}, 1, 2, 0.5, True, {"no_recompute_layers": 1, "mlp_chunk_tokens": 7})
 
 
+@pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {"norm_kernel": "compiled"}),
+                                            ("tiny-gpt-oss", {"norm_kernel": "compiled"}),
+                                            ("tiny-qwen2", {"mlp_kernel": "compiled"})])
+def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
+    """engine.norm_kernel and engine.mlp_kernel: compiled (float32 on the CPU: the fused kernels'
+    arithmetic in another order) within the reference's tolerances, kept layers, the norms over
+    token chunks and the recompute's unread down projection included."""
+    import megatrain.lean_norm as lean_norm
+    import megatrain.swiglu as swiglu
+    module = lean_norm if "norm_kernel" in engine else swiglu
+    names = ("_compiled_forward", "_compiled_backward") if module is lean_norm else ("_compiled_product", "_compiled_grads")
+    calls = dict.fromkeys(names, 0)
+
+    def counted(name):
+        kernel = getattr(module, name)
+
+        def call(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return call
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lean_norm, "CHUNK", 5)
+        for name in calls:
+            patch.setattr(module, name, counted(name))
+        train_and_compare(tmp_path, preset, {"output_router_logits": False} if preset == "tiny-gpt-oss" else {},
+                          2, 2, 0.5, True, {**engine, "no_recompute_layers": 1})
+    assert all(calls.values()), calls  # the run used them
+
+
 def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None):
     model = tiny_checkpoint(tmp_path / "init", preset, overrides)
     cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, optim=optim)

@@ -256,3 +256,17 @@ def test_harness_on_two_gpus_tracks_one_gpu(tmp_path, cuda_only, system):
         assert r["status"] == "ok", r.get("log_tail")
         losses[gpus] = [s["loss"] for s in r["steps"]]
     torch.testing.assert_close(losses[2], losses[1], rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("engine", [{"norm_kernel": "compiled"}, {"mlp_kernel": "compiled"}])
+def test_compiled_kernels_track_eager_kernels(tmp_path, cuda_only, engine):
+    """engine.norm_kernel and engine.mlp_kernel: compiled (torch.compile's fused kernels, forward
+    and backward) against the library's eager ops, in bf16 on the device over 20 steps: rounding
+    apart (their products stay in float32 where the library's round to bf16), within bf16 tolerance."""
+    start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
+    runs = base_and(tmp_path, engine, steps=STEPS)
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-2, atol=0)
+    # over 20 steps Adam turns the kernels' rounding differences in near-zero gradients into steps of
+    # up to lr: the updates' direction as the float32 reference test bounds it
+    moved = [torch.cat([(params[k] - start[k]).flatten() for k in params if k in start]) for _, params in runs]
+    assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.9

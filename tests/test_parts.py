@@ -366,20 +366,103 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
     cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
-    library, lean = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype)
+    assert torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
+    tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
+
+
+def library_and_lean(cls, dtype, **lean):
+    """A library RMSNorm and its copy made lean (`lean`: make_lean's options), each run forward and
+    backward on the same input and output gradient: their (output, input gradient, weight gradient)."""
+    import megatrain.lean_norm as lean_norm
+    norms = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
     with torch.no_grad():
-        library.weight.normal_()
-        lean.weight.copy_(library.weight)
-    lean_norm.make_lean(lean)
+        norms[0].weight.normal_(1.0, 0.3)
+        norms[1].weight.copy_(norms[0].weight)
+    lean_norm.make_lean(norms[1], **lean)
     x = torch.randn(3, 10, 64, dtype=dtype)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    ys = [library(xs[0]), lean(xs[1])]
+    dy = torch.randn_like(x)
+    out = []
+    for norm in norms:
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        y.backward(dy)
+        out.append((y.detach(), xi.grad, norm.weight.grad))
+    return out
+
+
+@pytest.mark.parametrize("float32_scale", [False, True], ids=["qwen2", "gpt-oss-scale"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scale, dtype, chunk):
+    """engine.norm_kernel: compiled, the forward and the written-out backward built by
+    torch.compile: the library's output and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (its products stay in float32 where the library's round to bf16)."""
+    import megatrain.lean_norm as lean_norm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    if chunk:
+        monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+    cls = GptOssRMSNorm if float32_scale else Qwen2RMSNorm
+    library, fused = library_and_lean(cls, dtype, float32_scale=float32_scale, compiled=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(fused, library):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
+    """engine.mlp_kernel: compiled, silu(gate) * up and its written-out backward built by
+    torch.compile: the library's values and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (silu(gate) is not rounded to bf16 before the product)."""
+    import torch.nn.functional as F
+    from megatrain.swiglu import swiglu
+    gate, up = torch.randn(3, 10, 96, dtype=dtype), torch.randn(3, 10, 96, dtype=dtype)
+    gates = [gate.clone().requires_grad_() for _ in range(2)]
+    ups = [up.clone().requires_grad_() for _ in range(2)]
+    ys = [F.silu(gates[0]) * ups[0], swiglu(gates[1], ups[1])]
     dy = torch.randn_like(ys[0])
     for y in ys:
         y.backward(dy)
-    assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
-    tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(lean.weight.grad, library.weight.grad, rtol=tol, atol=tol)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for got, want in ((ys[1], ys[0]), (gates[1].grad, gates[0].grad), (ups[1].grad, ups[0].grad)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
+    """What the SiLU-gated MLP saves for its backward, through saved-tensor hooks: the library's
+    keeps four tokens x FFN tensors (gate, silu(gate), up, the product: ModelShape.mlp_kept), the
+    compiled product three (gate, up, the product); the memory plan's activations differ by one."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2MLP
+    from megatrain.unread_mlp import skip_unread_down
+    config = Qwen2Config(hidden_size=32, intermediate_size=80, hidden_act="silu")
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    counts = {}
+    for compiled in (False, True):
+        mlp = Qwen2MLP(config)
+        skip_unread_down(mlp, compiled=compiled)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            mlp(x).sum().backward()
+        counts[compiled] = saved.count(2 * 5 * 80)  # tokens x FFN (the down projection's input as 10 x 80)
+    assert counts == {False: 4, True: 3}
+    shape = shape_of("qwen2.5-7b")
+    assert shape.mlp_kept == 4 * shape.ffn
+    s = resolve(EngineConfig(device="cpu", no_recompute_layers=2), DataConfig(seq_len=4096, batch_size=2), OptimConfig(),
+                shape, Machine(False, None, 1 << 50))
+    eager, fused = (plan(shape, replace(s, mlp_kernel=k)).detail for k in ("eager", "compiled"))
+    ffn_tensor = s.tokens * shape.ffn * 4  # float32 compute on the CPU
+    assert eager["device.block_activations"] - fused["device.block_activations"] == s.checkpoint_every * ffn_tensor
+    assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
+
+
+def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):
+    with pytest.raises(ValueError, match="engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this gpt_oss"):
+        resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), DataConfig(seq_len=16, batch_size=1), OptimConfig(),
+                shape_of("tiny-gpt-oss"), Machine(False, None, 1 << 40))
 
 
 def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():

@@ -5,7 +5,9 @@ weights resident, the step's saved-tensor hooks).
 For each SDPA backend that runs at the shape (torch.nn.attention.sdpa_kernel; `default` is torch's
 own choice) the ceiling's seconds and model TFLOP/s; then, under the default, one profiled ceiling
 whose device kernels are summed by kind: matrix products, attention, and the rest (norms, rotary,
-SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give.
+SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give. The
+default ceiling and the breakdown again with the compiled kernels (`--variants`: the norms',
+engine.norm_kernel; the MLP's product, engine.mlp_kernel; both).
 
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
@@ -58,25 +60,23 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
                             for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="qwen2.5-7b")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+VARIANTS = {"eager": {}, "both": {"norm_kernel": "compiled", "mlp_kernel": "compiled"},
+            "norm": {"norm_kernel": "compiled"}, "mlp": {"mlp_kernel": "compiled"}}
+
+
+def measure(args, kernels: dict, backends: bool) -> dict:
+    """The ceilings (each SDPA backend's too, with `backends`) and the kernel breakdown of one
+    layer built with `kernels` (engine.norm_kernel, engine.mlp_kernel)."""
     cfg = load_config(base={
         "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
-        "engine": {"device": args.device, "checkpoint_every": 1},
+        "engine": {"device": args.device, "checkpoint_every": 1, **kernels},
         "optim": {"lr": 1e-5},
         "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, progress=False)
     rows = {}
     try:
         rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
-        for name, backend in BACKENDS.items():
+        for name, backend in BACKENDS.items() if backends else ():
             try:
                 with sdpa_kernel([backend]):
                     rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
@@ -85,17 +85,36 @@ def main() -> None:
         breakdown = kernel_breakdown(trainer, args.batch, args.seq)
     finally:
         trainer.close()
-    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch, "device": str(trainer.device.torch),
+    return {"device": str(trainer.device.torch), "ceilings": rows, **breakdown}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    runs = {}
+    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "ceilings": rows, **breakdown}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    for name, row in rows.items():
-        print(f"{name:10s} " + (f"{row['seconds'] * 1e3:8.1f} ms  {row['model_tflops']:6.1f} model TFLOP/s"
-                                if "seconds" in row else row["error"]))
-    total = sum(breakdown["seconds_by_kind"].values())
-    for k, s in breakdown["seconds_by_kind"].items():
-        print(f"{k:10s} {s * 1e3:8.1f} ms  {s / total:5.1%}")
+              "torch": torch.__version__, "variants": runs}
+    for v in args.variants.split(","):  # the result written after each: a run cut short keeps what it measured
+        runs[v] = measure(args, VARIANTS[v], backends=v == "eager")
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    for kernel, run in runs.items():
+        for name, row in run["ceilings"].items():
+            print(f"{kernel:6s} sdpa {name:10s} " + (
+                f"{row['seconds'] * 1e3:8.1f} ms  {row['model_tflops']:6.1f} model TFLOP/s"
+                if "seconds" in row else row["error"]))
+        total = sum(run["seconds_by_kind"].values())
+        for k, sec in run["seconds_by_kind"].items():
+            print(f"{kernel:6s} {k:15s} {sec * 1e3:8.1f} ms  {sec / total:5.1%}")
 
 
 if __name__ == "__main__":

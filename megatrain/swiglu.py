@@ -1,0 +1,46 @@
+"""The SiLU-gated MLP's elementwise part, silu(gate) * up, as one kernel each way
+(engine.mlp_kernel: compiled).
+
+In the library's MLP this is two kernels forward (the activation, the product) and three backward,
+over the layer's largest elementwise tensors (tokens x FFN width: 5.3 times the hidden size at the
+7B shape), and autograd keeps gate, silu(gate) and up for the backward. Here torch.compile builds
+the forward into one kernel and the written-out backward (silu'(g) = s + g s (1 - s), as the chunked
+MLP's: chunked_mlp.py) into another, and only gate and up are kept: one tensor of tokens x FFN width
+less per layer. Inside a kernel the arithmetic stays in float32 where the library rounds silu(gate)
+to the compute dtype before the product: equal to rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, d = gate.to(torch.float32), up.to(torch.float32), dh.to(torch.float32)
+    sig = torch.sigmoid(g)
+    return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(up.dtype)
+
+
+_compiled_product = torch.compile(_product, dynamic=True)
+_compiled_grads = torch.compile(_grads, dynamic=True)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _compiled_product(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        return _compiled_grads(gate, up, dh)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, compiled, keeping gate and up for the backward."""
+    return _SwiGLU.apply(gate, up)
