@@ -189,6 +189,7 @@ class EngineSettings:
     pinned: bool  # the host buffers the device copies from are pinned (a GPU run)
     ranks: int = 1  # data-parallel ranks in all (tokens is one rank's micro-batch)
     local_ranks: int = 1  # ranks on this host, sharing one host store (distributed.py)
+    compile_workers: int = 0  # processes inductor starts per rank to build the compiled layer kernels
 
     @property
     def compute(self):

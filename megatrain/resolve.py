@@ -59,6 +59,9 @@ class Machine:
     device_free: int | None
     host_available: int
     gpus: int = 0  # on this host
+    # the processes inductor starts to build GPU kernels (its compile_threads: one per core, at
+    # most 32, or TORCHINDUCTOR_COMPILE_THREADS); they stay for the run
+    compile_workers: int = 0
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
@@ -68,7 +71,11 @@ class Machine:
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus)
+        workers = 0
+        if device.is_cuda:
+            import torch._inductor.config as inductor
+            workers = inductor.compile_threads if inductor.compile_threads > 1 else 0  # 1: built in-process
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, workers)
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
@@ -102,7 +109,8 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         norm_kernel=engine.norm_kernel, mlp_kernel=engine.mlp_kernel, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
-        local_ranks=ranks.local_world)
+        local_ranks=ranks.local_world,
+        compile_workers=machine.compile_workers if "compiled" in (engine.norm_kernel, engine.mlp_kernel) else 0)
     bound = machine.device_free
     if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:
         s = replace(s, mlp_chunk_tokens=_mlp_chunk(shape, s, bound))

@@ -154,7 +154,9 @@ def _transfers(plan: list, buffers: int) -> list:
 
 def project(spec: RunSpec, m: MachineModel) -> Projection:
     cfg, shape = _engine_inputs(spec)
-    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
+    # inductor's compile workers where the compiled layer kernels run: one per core of the machine, at most 32
+    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1,
+                      compile_workers=min(32, m.match[1]) if m.match else 0)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
     s = replace(s, device="cuda")
     p = memory.plan(shape, s)

@@ -12,6 +12,7 @@ import torch
 
 from conftest import random_batches
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
+from megatrain.distributed import Ranks
 from megatrain.memory import plan
 from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
@@ -457,6 +458,22 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
     ffn_tensor = s.tokens * shape.ffn * 4  # float32 compute on the CPU
     assert eager["device.block_activations"] - fused["device.block_activations"] == s.checkpoint_every * ffn_tensor
     assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
+
+
+def test_compiled_layer_kernels_count_inductors_compile_workers_on_the_host():
+    """The compiled layer kernels' GPU builds start inductor's compile workers, a process each, kept
+    for the run: the plan counts them for every rank of the host, and nothing where the kernels are
+    eager or inductor builds in-process (Machine.compile_workers 0)."""
+    from megatrain.memory import COMPILE_WORKER
+    shape = shape_of("qwen2.5-7b")
+    data = DataConfig(seq_len=4096, batch_size=2)
+    host = {}
+    for kernels, workers in ((EngineConfig(), 16), (EngineConfig(norm_kernel="compiled"), 16),
+                             (EngineConfig(mlp_kernel="compiled"), 0)):
+        s = resolve(kernels, data, OptimConfig(), shape, Machine(True, None, 1 << 50, 2, workers), Ranks(world=2, local_world=2))
+        host[kernels.norm_kernel, kernels.mlp_kernel, workers] = plan(shape, s).detail["compile_workers"]
+    assert host == {("eager", "eager", 16): 0, ("compiled", "eager", 16): 2 * 16 * COMPILE_WORKER,
+                    ("eager", "compiled", 0): 0}
 
 
 def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):
