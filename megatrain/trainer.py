@@ -146,12 +146,11 @@ class Trainer:
         copy per GPU, by every rank), then every rank waits for it."""
         cfg, first = self.cfg, self.ranks.local_rank == 0
         tiles = None if first else [t for t in self.store.tiles if t.on_device]
-        total = sum(t.layout.params for t in tiles or self.store.tiles)
         if cfg.model.pretrained:
-            with bar("loading the weights", total, self.progress) as advance:
+            with bar("loading the weights", self._params(tiles), self.progress) as advance:
                 self.store.load_pretrained(cfg.model.pretrained, tiles, advance)
         else:
-            with bar("initialising the weights", total, self.progress) as advance:
+            with bar("initialising the weights", self._params(tiles), self.progress) as advance:
                 self.store.init_random(cfg.seed, tiles, advance)
         self.comm.barrier()
 
@@ -308,12 +307,13 @@ class Trainer:
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = load_tokenizer(tok_dir)
-        with bar(f"saving the model to {path}", self._numel(), self.progress) as advance:
+        with bar(f"saving the model to {path}", self._params(), self.progress) as advance:
             checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
                                        tokenizer, advance)
 
-    def _numel(self) -> int:
-        return sum(t.layout.params for t in self.store.tiles)
+    def _params(self, tiles=None) -> int:
+        """The parameters of `tiles` (None: every tile), without padding: what a bar counts."""
+        return sum(t.layout.params for t in tiles or self.store.tiles)
 
     def _all_updated(self) -> bool:
         """Wait until every rank's updates are written; True on the rank that writes (the store is
@@ -328,7 +328,7 @@ class Trainer:
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
                 "settings": dataclasses.asdict(self.settings)}
-        with bar(f"saving the training state to {path}", self._numel(), self.progress) as advance:
+        with bar(f"saving the training state to {path}", self._params(), self.progress) as advance:
             checkpoint.save_state(self.store, path, meta, advance)
 
     def load_state(self, path: str | Path) -> None:
@@ -337,7 +337,7 @@ class Trainer:
         self.engine.worker.flush()
         self.comm.barrier()
         tiles = None if self.ranks.local_rank == 0 else [t for t in self.store.tiles if t.on_device]
-        with bar("loading the training state", self._numel(), self.progress and tiles is None) as advance:
+        with bar("loading the training state", self._params(), self.progress and tiles is None) as advance:
             meta = checkpoint.load_state(self.store, path, tiles, advance)
         self.comm.barrier()
         self.step = meta["step"]
