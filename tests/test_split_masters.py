@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import pinned_numerics
 from megatrain import optim
 from megatrain.config import OptimConfig, load_config
 from megatrain.shapes import ParamSpec
@@ -133,6 +135,8 @@ def digest(trainer) -> str:
 
 
 def bf16_run(overrides: list[str]) -> dict:
+    """The tiny bf16 run with `overrides`, in this process (the pinned child's)."""
+    pinned_numerics.check()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # float reductions depend on the thread count
     trainer = Trainer(load_config(ROOT / "configs" / "tiny-cpu.yaml",
@@ -152,5 +156,9 @@ def test_bf16_training_is_the_14_byte_stores(run, split):
     """The tiny run with bf16 compute on the CPU, float32 masters split on the host or whole beside
     the shadow: the losses, masters, moments and shadows recorded with the 14-byte store, to the bit."""
     golden = json.loads(GOLDEN.read_text())["runs"][run]
-    got = bf16_run([*golden["overrides"], f"engine.split_masters={split}"])
+    got = pinned_numerics.run(Path(__file__), *golden["overrides"], f"engine.split_masters={split}")
     assert got["losses"] == golden["losses"] and got["sha256"] == golden["sha256"]
+
+
+if __name__ == "__main__":  # the pinned child of test_bf16_training_is_the_14_byte_stores
+    print(json.dumps(bf16_run(sys.argv[1:])))
