@@ -136,12 +136,13 @@ class EngineConfig:
     optimizer_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the decoder layers' RMSNorms: eager (the library's ops, and autograd's backward through them)
     # or compiled (torch.compile: forward and backward each one fused kernel; equal to rounding:
-    # lean_norm.py)
-    norm_kernel: Literal["compiled", "eager"] = "eager"
+    # lean_norm.py); auto: compiled on a GPU, eager on the CPU (where the tests hold the engine
+    # exact against the library)
+    norm_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the SiLU-gated MLP's silu(gate) * up: eager (the library's) or compiled (one fused kernel each
     # way, gate and up kept: swiglu.py); the whole MLP only (a chunked MLP runs its own), refused
-    # for other MLPs
-    mlp_kernel: Literal["compiled", "eager"] = "eager"
+    # for other MLPs; auto: compiled on a GPU where the MLP is SiLU-gated, else eager
+    mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
@@ -189,7 +190,6 @@ class EngineSettings:
     pinned: bool  # the host buffers the device copies from are pinned (a GPU run)
     ranks: int = 1  # data-parallel ranks in all (tokens is one rank's micro-batch)
     local_ranks: int = 1  # ranks on this host, sharing one host store (distributed.py)
-    compile_workers: int = 0  # processes inductor starts per rank to build the compiled layer kernels
 
     @property
     def compute(self):

@@ -35,6 +35,7 @@ import math
 import torch
 
 from megatrain.config import OptimConfig
+from megatrain.kernel_build import compiled
 
 
 def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt,
@@ -47,7 +48,7 @@ def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt
     shadow.copy_(param)
 
 
-_compiled = torch.compile(_update, dynamic=True, options={"cpp.dynamic_threads": True})
+_compiled = compiled(_update, **{"cpp.dynamic_threads": True})
 
 
 def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

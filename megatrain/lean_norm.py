@@ -14,7 +14,8 @@ gradients of the same products, the weight's summed in float32), each built by t
 one fused kernel, instead of a dozen elementwise kernels that each read and write hidden-size
 rows: on a GPU the norms' share of a layer's time is what it can save. Inside a kernel the
 arithmetic stays in float32 and sums run in another order, so it agrees with the library's norm
-to rounding, not bit for bit; eager stays the default.
+to rounding, not bit for bit. `auto`, the default, compiles them on a GPU, where they are faster,
+and keeps the library's ops on the CPU, where the engine is held exact against the library.
 
 Over CHUNK tokens both run a chunk of tokens at a time: the float32 temporaries of a norm (and of
 its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from megatrain import kernel_build
 
 CHUNK = 65536  # tokens
 
@@ -64,8 +67,8 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: 
     return dx.to(x.dtype), dw
 
 
-_compiled_forward = torch.compile(_rms_norm, dynamic=True)
-_compiled_backward = torch.compile(_backward, dynamic=True)
+_compiled_forward = kernel_build.compiled(_rms_norm)
+_compiled_backward = kernel_build.compiled(_backward)
 
 
 class _LeanRMSNorm(torch.autograd.Function):

@@ -18,9 +18,6 @@ from megatrain.store import HostStore, Layout, can_split, pinned_bytes
 from megatrain.units import GiB
 
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
-# one of inductor's compile workers (a Python process with torch imported): the compiled layer
-# kernels' 16 on the H100 host took 6.6 GiB (results/h100/speed/kernels_2026-11-23)
-COMPILE_WORKER = GiB * 2 // 5
 DEVICE_WORKSPACE = 2 * GiB  # cuBLAS/SDPA workspaces and allocator slack
 # a decoder layer's saved activations outside the MLP, in hidden-size tensors of the compute dtype per
 # token: 6.4 measured for the 7B shape on the CPU, with its input and the lean norms (lean_norm.py)
@@ -92,7 +89,6 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
         "runtime": R * HOST_OVERHEAD,
-        "compile_workers": R * s.compile_workers * COMPILE_WORKER,
         "data": R * data_bytes,
     }
     chunk = min(s.loss_chunk_tokens, tokens)

@@ -59,9 +59,6 @@ class Machine:
     device_free: int | None
     host_available: int
     gpus: int = 0  # on this host
-    # the processes inductor starts to build GPU kernels (its compile_threads: one per core, at
-    # most 32, or TORCHINDUCTOR_COMPILE_THREADS); they stay for the run
-    compile_workers: int = 0
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
@@ -71,11 +68,7 @@ class Machine:
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        workers = 0
-        if device.is_cuda:
-            import torch._inductor.config as inductor
-            workers = inductor.compile_threads if inductor.compile_threads > 1 else 0  # 1: built in-process
-        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, workers)
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus)
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
@@ -93,6 +86,9 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
     splittable = engine.master_dtype == "float32" and compute == "bfloat16"  # store.can_split
+    norm = engine.norm_kernel if engine.norm_kernel != "auto" else "compiled" if machine.is_cuda else "eager"
+    mlp = engine.mlp_kernel if engine.mlp_kernel != "auto" else (
+        "compiled" if machine.is_cuda and shape.gated_mlp else "eager")
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
         split_masters=splittable and engine.split_masters is True,
@@ -106,11 +102,10 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         # auto: compiled on a GPU run (the trainer falls back to eager where it cannot build)
         optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
             engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
-        norm_kernel=engine.norm_kernel, mlp_kernel=engine.mlp_kernel, timeline=engine.timeline,
+        norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
-        local_ranks=ranks.local_world,
-        compile_workers=machine.compile_workers if "compiled" in (engine.norm_kernel, engine.mlp_kernel) else 0)
+        local_ranks=ranks.local_world)
     bound = machine.device_free
     if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:
         s = replace(s, mlp_chunk_tokens=_mlp_chunk(shape, s, bound))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatrain.kernel_build import compiled
+
 
 def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
@@ -25,8 +27,8 @@ def _grads(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> tuple[torc
     return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(up.dtype)
 
 
-_compiled_product = torch.compile(_product, dynamic=True)
-_compiled_grads = torch.compile(_grads, dynamic=True)
+_compiled_product = compiled(_product)
+_compiled_grads = compiled(_grads)
 
 
 class _SwiGLU(torch.autograd.Function):

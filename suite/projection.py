@@ -44,6 +44,13 @@ OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
 # split masters (engine.split_masters): the update runs at this fraction of the whole masters' rate
 # (experiments/probes/adamw_rate.py on the 2-core CPU machine, docs/host-store.md)
 SPLIT_RATE = 0.41
+# the layer kernels of the probes that measured each machine's layer rate (layer_tflops)
+EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager"}
+# points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
+# kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
+# H100 host, held about 0.4 GiB each of the host peak the harness counts
+POOLED = {"kernels_2026-11-23/7b_16seq_kernels_compiled.json": 16, "kernel_build_2026-11-23/7b_16seq_pool.json": 16}
+COMPILE_WORKER = 0.4 * GiB
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,8 @@ def _rounded_shadows(shape: ModelShape, s) -> int:
     return total
 
 
-def _engine_inputs(spec: RunSpec):
-    tree = {"model": spec.model, "engine": {"device": "cpu", **spec.options.get("engine", {})},
+def _engine_inputs(spec: RunSpec, kernels: dict):
+    tree = {"model": spec.model, "engine": {"device": "cpu", **spec.options.get("engine", {}), **kernels},
             "optim": {"lr": spec.lr, "max_grad_norm": spec.options.get("max_grad_norm")},
             "data": {"source": "synthetic", "seq_len": spec.seq_len, "batch_size": spec.batch_size,
                      "grad_accum": spec.grad_accum},
@@ -152,11 +159,11 @@ def _transfers(plan: list, buffers: int) -> list:
     return moved
 
 
-def project(spec: RunSpec, m: MachineModel) -> Projection:
-    cfg, shape = _engine_inputs(spec)
-    # inductor's compile workers where the compiled layer kernels run: one per core of the machine, at most 32
-    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1,
-                      compile_workers=min(32, m.match[1]) if m.match else 0)
+def project(spec: RunSpec, m: MachineModel, kernels: dict = EAGER) -> Projection:
+    """`kernels`: the layer kernels the run uses (engine.norm_kernel, engine.mlp_kernel); eager, the
+    probe's, unless a measured point says otherwise: the machines' layer rate is the eager layer's."""
+    cfg, shape = _engine_inputs(spec, kernels)
+    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
     s = replace(s, device="cuda")
     p = memory.plan(shape, s)
@@ -223,12 +230,14 @@ def check(roots: list[Path]) -> list[dict]:
         if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}) \
                 or spec.get("gpus", 1) > 1:
             continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
-        pr = project(RunSpec.from_dict(spec), m)
+        engine = (r.get("info") or {}).get("engine") or {}
+        ran = {k: engine.get(k, "eager") for k in EAGER}  # eager before the setting existed
+        pr = project(RunSpec.from_dict(spec), m, ran)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without
         # `pinned_shadows`) torch's power-of-two pinned blocks
         exact = (r.get("info") or {}).get("pinned_shadows") == "exact"
-        host = pr.host_bytes + (0 if exact else pr.rounded_shadows)
+        host = pr.host_bytes + (0 if exact else pr.rounded_shadows) + POOLED.get(f"{f.parent.name}/{f.name}", 0) * COMPILE_WORKER
         row = {"machine": m.name, "point": str(f), "bound": pr.bound}
         for key, predicted, measured in (
                 ("host_GiB", host / GiB, (peak.get("host_rss_bytes") or 0) / GiB),

@@ -460,20 +460,31 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
     assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
 
 
-def test_compiled_layer_kernels_count_inductors_compile_workers_on_the_host():
-    """The compiled layer kernels' GPU builds start inductor's compile workers, a process each, kept
-    for the run: the plan counts them for every rank of the host, and nothing where the kernels are
-    eager or inductor builds in-process (Machine.compile_workers 0)."""
-    from megatrain.memory import COMPILE_WORKER
-    shape = shape_of("qwen2.5-7b")
+def test_layer_kernels_auto_compile_on_a_gpu_only():
+    """engine.norm_kernel and engine.mlp_kernel `auto`: compiled on a GPU (the MLP's only where it
+    is SiLU-gated), eager on the CPU; a stated choice stands."""
     data = DataConfig(seq_len=4096, batch_size=2)
-    host = {}
-    for kernels, workers in ((EngineConfig(), 16), (EngineConfig(norm_kernel="compiled"), 16),
-                             (EngineConfig(mlp_kernel="compiled"), 0)):
-        s = resolve(kernels, data, OptimConfig(), shape, Machine(True, None, 1 << 50, 2, workers), Ranks(world=2, local_world=2))
-        host[kernels.norm_kernel, kernels.mlp_kernel, workers] = plan(shape, s).detail["compile_workers"]
-    assert host == {("eager", "eager", 16): 0, ("compiled", "eager", 16): 2 * 16 * COMPILE_WORKER,
-                    ("eager", "compiled", 0): 0}
+    chosen = {}
+    for preset, cuda, engine in (("qwen2.5-7b", True, EngineConfig()), ("qwen2.5-7b", False, EngineConfig()),
+                                 ("gpt-oss-20b", True, EngineConfig()),
+                                 ("qwen2.5-7b", True, EngineConfig(norm_kernel="eager", mlp_kernel="eager"))):
+        s = resolve(engine, data, OptimConfig(), shape_of(preset), Machine(cuda, None, 1 << 50, int(cuda)))
+        chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel)
+    assert chosen == {("qwen2.5-7b", True, "auto"): ("compiled", "compiled"),
+                      ("qwen2.5-7b", False, "auto"): ("eager", "eager"),
+                      ("gpt-oss-20b", True, "auto"): ("compiled", "eager"),
+                      ("qwen2.5-7b", True, "eager"): ("eager", "eager")}
+
+
+def test_engine_kernels_build_in_this_process():
+    """kernel_build.compiled: the function's own result, and inductor set to build in this process
+    (compile_threads 1: no pool of compile workers; the GPU test counts the processes)."""
+    import torch._inductor.config as inductor
+    from megatrain.kernel_build import compiled
+    x = torch.randn(8, 16)
+    with inductor.patch(compile_threads=4):
+        assert torch.equal(compiled(lambda t: t * 2 + 1)(x), x * 2 + 1)
+        assert inductor.compile_threads == 1
 
 
 def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):

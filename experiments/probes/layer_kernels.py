@@ -60,8 +60,10 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
                             for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]]}
 
 
-VARIANTS = {"eager": {}, "both": {"norm_kernel": "compiled", "mlp_kernel": "compiled"},
-            "norm": {"norm_kernel": "compiled"}, "mlp": {"mlp_kernel": "compiled"}}
+VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
+            "both": {"norm_kernel": "compiled", "mlp_kernel": "compiled"},
+            "norm": {"norm_kernel": "compiled", "mlp_kernel": "eager"},
+            "mlp": {"norm_kernel": "eager", "mlp_kernel": "compiled"}}
 
 
 def measure(args, kernels: dict, backends: bool) -> dict:

@@ -1,0 +1,39 @@
+"""The engine's torch.compile'd kernels, built in this process rather than by a pool of workers.
+
+Inductor builds a GPU graph's Triton kernels in a pool of worker processes (its compile_threads:
+one per core, at most 32), started at the first compile and kept for the life of the process, each
+a Python with torch imported. The engine builds a handful of small kernels once (the norms, the
+gated MLP's product, the host AdamW), so the pool saves seconds once and holds host memory for
+the whole run: 6.6 GiB on the H100 host's 16 cores (results/h100/speed/kernels_2026-11-23), where
+every GiB of host is model state. Each call of a kernel from here sets compile_threads to 1 first:
+from the first one on, inductor builds in this process, and no pool starts. The setting is the
+process's (inductor has no per-graph one that reaches the pool: the backend warms the pool before
+a graph's options apply), and always the same value, so threads calling kernels side by side (the
+optimizer worker's AdamW beside the layers') never see it change under them.
+
+Each is built in inductor's deterministic mode: a reduction's launch configuration (the norms'
+row statistics, their weight's gradient) is the one its heuristic names, not the fastest of several
+timed at the first launch. Those configurations sum in different orders, so a choice by the clock
+could differ between a run and its resumption; the heuristic's does not. Measured on the H100, the
+7B step with both against the timed, pooled build: 466.2 against 464.0 model TFLOP/s
+(results/h100/speed/kernel_build_2026-11-23).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch._inductor.config as inductor
+
+
+def compiled(fn: Callable, **options) -> Callable:
+    """`fn` built by torch.compile (dynamic shapes, inductor's deterministic mode and `options`)
+    in this process."""
+    kernel = torch.compile(fn, dynamic=True, options={"deterministic": True, **options})
+
+    @functools.wraps(fn)
+    def run(*args):
+        inductor.compile_threads = 1
+        return kernel(*args)
+    return run
