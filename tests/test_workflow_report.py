@@ -233,6 +233,27 @@ def test_a_line_breaks_where_the_settings_change(tmp_path):
         plot.settings(pd.Series({"seq": 8192, "batch": 8, "accum": 1, "options": ""}), ctx)
 
 
+def test_a_line_breaks_where_the_resolved_kernels_change(tmp_path):
+    """Two MegaTrain points asked alike, one run before the compiled layer kernels (no such
+    setting recorded: eager) and one that resolved `auto` to them: the table says which ran what,
+    and the figure does not join them with a solid line."""
+    older = {**_result("megatrain", "qwen2.5-3b", params=3_085_938_688, tflops=370.0),
+             "info": {"engine": {"device": "cuda:0", "checkpoint_every": 1}}}
+    newer = {**_result("megatrain", "qwen2.5-7b", params=7_615_616_512, tflops=450.0),
+             "info": {"engine": {"norm_kernel": "compiled", "mlp_kernel": "compiled"}}}
+    native = _result("native", "qwen2.5-7b", params=7_615_616_512, tflops=200.0)
+    df = _table(tmp_path, "scale", {"3b": older, "7b": newer, "7b_native": native}, paper=[])
+    rows = df.set_index("id")
+    assert (rows.loc["3b", "kernels"], rows.loc["7b", "kernels"]) == ("eager", "compiled")
+    assert pd.isna(rows.loc["7b_native", "kernels"])
+    assert aggregate.kernels({**older, "info": {"engine": {"norm_kernel": "compiled", "mlp_kernel": "eager"}}}) == "norm compiled"
+    ax = plot.figure(df, "scale", "h100").axes[0]
+    mega = [ln for ln in ax.get_lines() if ln.get_color() == plot.SYSTEM_COLORS["megatrain"]]
+    assert len([ln for ln in mega if ln.get_gid() == plot.SETTINGS_CHANGE]) == 1
+    spec = aggregate.experiment("scale")
+    assert plot.setting_changes(plot.settings(rows.loc["3b"], spec), plot.settings(rows.loc["7b"], spec)) == "kernels eager->compiled"
+
+
 def test_depth_legend_names_allocation_and_peak_apart_and_no_two_entries_look_alike(tmp_path):
     points = {f"L{n}_{s}": _result(s, "qwen2.5-7b", layers=n, tflops=100.0 + n) for n in (28, 42) for s in ("megatrain", "zero3")}
     fig = plot.figure(_table(tmp_path, "depth", points), "depth", "h100")

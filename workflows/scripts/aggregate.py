@@ -22,7 +22,7 @@ from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
-                    "options", "status", "reason", "model_tflops", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
+                    "options", "kernels", "status", "reason", "model_tflops", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
 INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "gpus", "params", "hidden_size"]
@@ -71,6 +71,18 @@ def options_text(options: dict | None) -> str:
     settings apart."""
     from workflows.scripts.grid import DIAGNOSTIC_OPTIONS
     return " ".join(sorted(_words({k: v for k, v in (options or {}).items() if k not in DIAGNOSTIC_OPTIONS})))
+
+
+def kernels(result: dict) -> str | None:
+    """MegaTrain's layer kernels as the run resolved them (engine.norm_kernel, engine.mlp_kernel;
+    eager before the settings existed): "eager", "compiled", or the one compiled. Their default
+    changes with the machine (`auto`), so the asked options alone would not tell a figure that two
+    points ran different kernels. None for other systems and for runs that did not start."""
+    engine = (result.get("info") or {}).get("engine")
+    if result.get("system") != "megatrain" or not isinstance(engine, dict):
+        return None
+    compiled = [k for k in ("norm", "mlp") if engine.get(f"{k}_kernel") == "compiled"]
+    return {0: "eager", 2: "compiled"}.get(len(compiled), f"{compiled[0]} compiled" if compiled else "eager")
 
 
 def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
@@ -191,6 +203,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "batch": spec["batch_size"], "accum": spec["grad_accum"], "seq": spec["seq_len"],
         "gpus": spec.get("gpus") or 1,  # results from before the field ran on one GPU
         "options": options_text(spec.get("options")),
+        "kernels": kernels(result),
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,
         "model_tflops": med.get("model_tflops"),

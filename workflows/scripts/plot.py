@@ -7,8 +7,8 @@ panels and the paper's matching columns); an unknown experiment gets bars of TFL
 - Measured points are filled markers with solid lines, labelled "measured (<hardware>): <system>";
   the paper's are open black markers with dashed lines, labelled "paper (<its hardware>)[: <system>]".
   No two legend entries share a marker and colour.
-- A line is solid only between points run with the same settings (options, batch, accumulation,
-  sequence length, but what the experiment varies by design); where they differ the two points are
+- A line is solid only between points run with the same settings (options, MegaTrain's layer
+  kernels as resolved, batch, accumulation, sequence length, but what the experiment varies by design); where they differ the two points are
   joined by a dotted segment and the note under the figure says what changed.
 - The paper's lower bounds ("above 250") are carets with an upward arrow, apart from its line; its
   marked or qualified values carry their mark.
@@ -143,7 +143,7 @@ def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
     return rows["system"] + " (" + depth + ")"
 
 
-SETTING_COLUMNS = ("seq", "batch", "accum", "options")
+SETTING_COLUMNS = ("seq", "batch", "accum", "options", "kernels")
 
 
 def settings(row: pd.Series, spec: Experiment) -> dict[str, str]:
