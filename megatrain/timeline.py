@@ -11,6 +11,8 @@ seconds from the step's start, and `summary()` the exposed-time breakdown:
   wait_weights_s     compute stream stalled on its weights-ready event
   optimizer_exposed_s  compute stream idle while the host was blocked on the optimizer (a tile's
                      update or a free gradient slab): the part of the optimizer that is not hidden
+  idle_unattributed_s  compute stream idle with no wait on weights or the optimizer: the host was
+                     behind in issuing work (its own work between ops, kernel launches, a sync)
 """
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ class Timeline:
         busy = _union([(s.start_s, s.end_s) for s in spans if s.track == Track.COMPUTE and s.kind != Kind.WAIT_WEIGHTS])
         blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == Kind.WAIT_OPTIMIZER])
         idle = _complement(busy, 0.0, step)
+        waits = _union([(s.start_s, s.end_s) for s in spans if s.kind in (Kind.WAIT_WEIGHTS, Kind.WAIT_OPTIMIZER)])
 
         def total(track: Track, kind: Kind | None = None) -> float:
             return sum(s.end_s - s.start_s for s in spans if s.track == track and kind in (None, s.kind))
@@ -128,6 +131,7 @@ class Timeline:
             "wait_weights_s": total(Track.COMPUTE, Kind.WAIT_WEIGHTS),
             "optimizer_exposed_s": _length(_intersect(idle, blocked)),
             "host_blocked_on_optimizer_s": _length(blocked),
+            "idle_unattributed_s": _length(_intersect(idle, _complement(waits, 0.0, step))),
             "h2d_busy_s": total(Track.H2D),
             "d2h_busy_s": total(Track.D2H),
             "optimizer_busy_s": total(Track.OPTIMIZER),
