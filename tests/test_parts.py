@@ -12,7 +12,6 @@ import torch
 
 from conftest import random_batches
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
-from megatrain.distributed import Ranks
 from megatrain.memory import plan
 from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
