@@ -82,7 +82,9 @@ def kernels(result: dict) -> str | None:
     if result.get("system") != "megatrain" or not isinstance(engine, dict):
         return None
     compiled = [k for k in ("norm", "mlp") if engine.get(f"{k}_kernel") == "compiled"]
-    return {0: "eager", 2: "compiled"}.get(len(compiled), f"{compiled[0]} compiled" if compiled else "eager")
+    if len(compiled) == 2:
+        return "compiled"
+    return f"{compiled[0]} compiled" if compiled else "eager"
 
 
 def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
