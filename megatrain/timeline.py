@@ -11,8 +11,9 @@ seconds from the step's start, and `summary()` the exposed-time breakdown:
   wait_weights_s     compute stream stalled on its weights-ready event
   optimizer_exposed_s  compute stream idle while the host was blocked on the optimizer (a tile's
                      update or a free gradient slab): the part of the optimizer that is not hidden
-  idle_unattributed_s  compute stream idle with no wait on weights or the optimizer: the host was
-                     behind in issuing work (its own work between ops, kernel launches, a sync)
+  idle_unattributed_s  compute stream idle with no wait on weights or the optimizer recorded: the
+                     host behind in issuing work (its own work between ops, kernel launches, a
+                     sync), or a wait the timeline does not record
 """
 from __future__ import annotations
 

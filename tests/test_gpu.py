@@ -202,14 +202,16 @@ def test_moe_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only, preset):
 @pytest.mark.parametrize("preset", list(MOE))
 @pytest.mark.parametrize("engine", [{"checkpoint_every": 1}, {"weight_buffers": 1, "grad_slabs": 0},
                                     {"no_recompute_layers": 2, "offload_checkpoints": True}])
-def test_moe_streaming_switches_keep_numerics(tmp_path, cuda_only, preset, engine):
-    """The streaming switches leave a mixture of experts' numerics as they leave a dense model's,
-    with the library's (eager) norms. With the compiled ones, the GPU's default, one case of the six,
-    the tiny GPT-OSS with one weight buffer and no slabs, ended its third step 1.3e-6 apart from the
-    default schedule, the same on two runs (results/h100/speed/kernel_build_2026-11-23); the CPU does
-    not reproduce it, and its cause is not yet found."""
+def test_moe_streaming_switches_keep_numerics(tmp_path, cuda_only, preset, engine, request):
+    """The streaming switches leave a mixture of experts' numerics as they leave a dense model's.
+    One case does not, with the compiled norms (the GPU's default): the tiny GPT-OSS with one weight
+    buffer and no slabs ends its third step 1.3e-6 apart from the default schedule, the same digits
+    on every run (results/h100/speed/kernel_build_2026-11-23); the CPU does not reproduce it, and its
+    cause is not found. Marked as an expected failure, strictly: it fails the run once it passes."""
+    if preset == "tiny-gpt-oss" and engine == {"weight_buffers": 1, "grad_slabs": 0}:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="compiled GPT-OSS norm, one buffer, no slabs: 1.3e-6 apart"))
     tiny_checkpoint(tmp_path / "init", preset, MOE[preset])
-    runs = [train(tmp_path, EAGER), train(tmp_path, {**EAGER, **engine})]
+    runs = base_and(tmp_path, engine)
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
