@@ -116,6 +116,26 @@ STANDINS = {
         "    def cxx_args(self):\n        return ['-g', '-O0', '-std=c++14', '-laio']\n"),
     "gpt_model.py": "from torch.utils.checkpoint import checkpoint\n",
 }
+# A ratel_init whose context wraps every module class's __init__ on entry and sets back on exit what it
+# read on entry, as the artifact's SB_Init does; the wrapper counts the constructions it sees.
+RATEL_INIT = (
+    "import torch\n"
+    "seen = []\n"
+    "def get_all_subclasses(cls):\n"
+    "    found = []\n"
+    "    def recurse(c):\n"
+    "        for s in c.__subclasses__():\n            found.append(s); recurse(s)\n"
+    "    recurse(cls)\n    return found\n"
+    "def wrap(f):\n"
+    "    def wrapper(module, *a, **k):\n        seen.append(type(module).__name__); f(module, *a, **k)\n"
+    "    return wrapper\n"
+    "def shutdown_init_context():\n"
+    "    for cls in get_all_subclasses(torch.nn.Module):\n        cls.__init__ = cls._old_init\n"
+    "class SB_Init:\n"
+    "    def __enter__(self):\n"
+    "        for cls in get_all_subclasses(torch.nn.Module):\n"
+    "            cls._old_init = cls.__init__; cls.__init__ = wrap(cls.__init__)\n"
+    "    def __exit__(self, *exc):\n        shutdown_init_context()\n")
 
 
 def run_in_ratel_env(code: str, checkout: Path, **env) -> subprocess.CompletedProcess:
@@ -142,6 +162,32 @@ def test_patches_apply_as_the_modules_load(tmp_path):
     assert "-std=c++14" in unchanged  # outside jit_load the builder's own flags stand
     assert "[ratel_compat] op builders" in r.stderr and "[ratel_compat] gpt_model" in r.stderr
     assert not list(tmp_path.rglob("__pycache__"))  # no bytecode written into the checkout
+
+
+@pytest.mark.parametrize("compat", [True, False])
+def test_module_classes_leave_the_init_context_as_they_entered(tmp_path, compat):
+    """nn.MSELoss has no __init__ of its own in this torch: without the layer, the context's wrapper stays on it."""
+    (tmp_path / "ratel_init.py").write_text(RATEL_INIT)
+    code = ("import json, torch\n"
+            "import ratel_init\n"
+            "classes = set(ratel_init.get_all_subclasses(torch.nn.Module))\n"
+            "own = lambda: {c: c.__dict__.get('__init__') for c in classes}\n"
+            "before = own()\n"
+            "with ratel_init.SB_Init():\n    torch.nn.Linear(2, 2)\n"
+            "inside = list(ratel_init.seen)\n"
+            "torch.nn.MSELoss(); torch.nn.Linear(2, 2)\n"
+            "changed = sorted(c.__name__ for c in classes if own()[c] is not before[c])\n"
+            "print(json.dumps([before[torch.nn.MSELoss] is None, inside, ratel_init.seen[len(inside):], changed]))\n")
+    r = (run_in_ratel_env(code, tmp_path) if compat else  # without the layer: the artifact's own exit
+         subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300))
+    assert r.returncode == 0, r.stderr
+    mse_inherits_init, inside, after, changed = json.loads(r.stdout)
+    assert mse_inherits_init and inside == ["Linear"]
+    if compat:
+        assert after == [] and changed == []
+        assert "[ratel_compat] ratel_init" in r.stderr
+    else:
+        assert "MSELoss" in after and "MSELoss" in changed
 
 
 def test_the_compat_directory_holds_no_copy_of_ratel():

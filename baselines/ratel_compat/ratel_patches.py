@@ -4,13 +4,20 @@
 
 - Python 3.12 has no `distutils`; the op builders (op_ds/ops/op_builder/builder.py, async_io.py) import
   it at module level. setuptools carries a copy and, once imported, serves it as `distutils`.
-- A post-import hook adapts two of the checkout's modules right after they execute:
+- A post-import hook adapts three of the checkout's modules right after they execute:
     op_ds.ops.op_builder.builder  OpBuilder.jit_load drops the builders' own `-std=` flags, so the C++
         standard is the one torch's cpp_extension sets for its headers. AsyncIOBuilder passes
         `-std=c++14` after torch's flag and g++ keeps the last one: torch >= 2.1's headers then stop
         with "#error C++17 or later compatible compiler is required to use PyTorch".
     gpt_model  `checkpoint` without `use_reentrant` warns since torch 2.4 and torch says it will raise;
         the calls get `use_reentrant=True`, torch 2.0's default, so the artifact runs as it did there.
+    ratel_init  SB_Init wraps the `__init__` of every nn.Module subclass on entry and, on exit, sets
+        each class's `__init__` back to what it read on entry. A class without its own `__init__`
+        read its parent's, already wrapped (parents come first), so the wrapper stays on it after
+        the exit; its closure writes to SB_Init's file, closed by then. torch 2.0's classes defined
+        their own; newer ones do not all (nn.MSELoss among them), and main.py's `nn.MSELoss()` after
+        the model's construction stops with "I/O operation on closed file". After the exit, every
+        class has again exactly the `__init__` it had before the entry (none where it had none).
 
 Each adaptation prints one `[ratel_compat]` line to stderr, so a run's log says what was changed.
 """
@@ -76,7 +83,39 @@ def patch_gpt_model(module) -> None:
     _say("gpt_model: checkpoint(..., use_reentrant=True), torch 2.0's default")
 
 
-PATCHES = {"op_ds.ops.op_builder.builder": patch_builder, "gpt_model": patch_gpt_model}
+def patch_ratel_init(module) -> None:
+    """SB_Init's exit leaves every nn.Module subclass with the `__init__` it had before the entry."""
+    import torch
+
+    shutdown = module.shutdown_init_context
+    if getattr(shutdown, "_ratel_compat", False):
+        return
+    enter = module.SB_Init.__enter__
+    before: dict[type, object] = {}
+
+    @functools.wraps(enter)
+    def enter_recording(self):
+        before.clear()
+        before.update((cls, cls.__dict__.get("__init__")) for cls in module.get_all_subclasses(torch.nn.Module))
+        return enter(self)
+
+    @functools.wraps(shutdown)
+    def shutdown_exactly():
+        shutdown()
+        for cls, init in before.items():
+            if init is not None:
+                cls.__init__ = init
+            elif "__init__" in cls.__dict__:
+                del cls.__init__
+
+    shutdown_exactly._ratel_compat = True
+    module.SB_Init.__enter__ = enter_recording
+    module.shutdown_init_context = shutdown_exactly
+    _say("ratel_init: SB_Init's exit restores each module class's own __init__ (or its inherited one)")
+
+
+PATCHES = {"op_ds.ops.op_builder.builder": patch_builder, "gpt_model": patch_gpt_model,
+           "ratel_init": patch_ratel_init}
 
 
 class _PatchingLoader(importlib.abc.Loader):
