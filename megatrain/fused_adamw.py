@@ -27,6 +27,13 @@ by the probe's few elements it came out as one serial loop (seen on the CPU mach
 with that build on the two-H200 host stepped at half the rate (results/h200/speed/ab_2026-11-23).
 `cpp.dynamic_threads` always emits the parallel region and lets the calling thread's team size
 decide.
+
+The update runs on the optimizer worker while the main thread launches the GPU's kernels, so it
+must not hold the GIL. Inductor's default Python binding of a CPU kernel calls it with the GIL held:
+each 7B layer's update (about 50 ms) then stalled the launches, and at 4 x 4096 tokens a step the
+GPU sat idle for them (results/h100/speed/README.md). `cpp_wrapper` builds the
+graph's entry in C++, which releases the GIL for the call; the kernel and its results are the same
+(bit for bit, and no slower to build, on the CPU machine).
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt
     shadow.copy_(param)
 
 
-_compiled = compiled(_update, **{"cpp.dynamic_threads": True})
+_compiled = compiled(_update, **{"cpp.dynamic_threads": True, "cpp_wrapper": True})
 
 
 def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
