@@ -17,14 +17,23 @@ timed at the first launch. Those configurations sum in different orders, so a ch
 could differ between a run and its resumption; the heuristic's does not. Measured on the H100, the
 7B step with both against the timed, pooled build: 466.2 against 464.0 model TFLOP/s
 (results/h100/speed/kernel_build_2026-11-23).
+
+Two threads call these kernels: the main thread (the layers') and the optimizer worker (the AdamW).
+While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
+a compiled function called from the other thread meanwhile refuses to run ("Detected that you are
+using FX to symbolically trace a dynamo-optimized function", pytorch/pytorch#126024): on the H100 a
+first step on an empty inductor cache failed so, the AdamW called while the layers' kernels built.
+The refusal comes before anything runs, so a call here waits while the flag is set and tries again.
 """
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable
 
 import torch
 import torch._inductor.config as inductor
+from torch.fx._symbolic_trace import is_fx_tracing
 
 
 def compiled(fn: Callable, **options) -> Callable:
@@ -35,5 +44,12 @@ def compiled(fn: Callable, **options) -> Callable:
     @functools.wraps(fn)
     def run(*args):
         inductor.compile_threads = 1
-        return kernel(*args)
+        while True:
+            while is_fx_tracing():  # another thread is building a kernel
+                time.sleep(0.001)
+            try:
+                return kernel(*args)
+            except RuntimeError:
+                if not is_fx_tracing():  # not the refusal: a failure of this kernel
+                    raise
     return run

@@ -77,6 +77,34 @@ def test_the_one_pass_update_lets_other_threads_run():
     assert len(ticks) >= 20 and max(gaps) < 0.5 * (ticks[-1] - ticks[0]), (len(ticks), max(gaps, default=0))
 
 
+def test_an_update_called_while_another_thread_builds_a_kernel_waits_for_it(monkeypatch):
+    """While a thread builds a kernel, torch sets a process-wide flag that FX is tracing, and a compiled
+    function called meanwhile refuses to run (pytorch#126024); the engine's kernels wait and run."""
+    import torch.fx._symbolic_trace as fx_trace
+    cfg = OptimConfig()
+    n = 1000
+    args = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+    fused_adamw.update(*args, 1, 1e-3, 0.0, cfg)
+    master = args[0].clone()
+    monkeypatch.setattr(fx_trace, "_is_fx_tracing_flag", True)  # another thread's build, in progress
+    errors = []
+
+    def update():
+        try:
+            fused_adamw.update(*args, 2, 1e-3, 0.0, cfg)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    worker = threading.Thread(target=update)
+    worker.start()
+    worker.join(0.3)
+    assert worker.is_alive() and torch.equal(args[0], master)  # waiting, nothing written
+    fx_trace._is_fx_tracing_flag = False  # the build is done
+    worker.join(60)
+    assert not worker.is_alive() and not errors, errors
+    assert not torch.equal(args[0], master)
+
+
 def tree(tmp_path, kernel: str) -> dict:
     return {"model": {"pretrained": str(tmp_path / "init")},
             "engine": {"device": "cpu", "compute_dtype": "bfloat16", "optimizer_kernel": kernel},
