@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,21 @@ def _default_python() -> str:
                 return str(candidate)
     return sys.executable
 
+
+
+def _exit(code: int) -> str:
+    """How a process ended, for a message: a negative code is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _without_info(text: str) -> str:
+    """The output without the artifact's `[INFO]` logging (its memory reports), which would fill a tail."""
+    return "\n".join(line for line in text.splitlines() if "] [INFO] [" not in line)
 
 class Ratel(System):
     own_step_time = True  # main.py's per-iteration times, not the wall clock around step()
@@ -319,11 +335,11 @@ class Ratel(System):
         text = log.read_text(errors="replace")
         self.compat_lines = [line.strip() for line in text.splitlines() if line.startswith("[ratel_compat]")]
         self.output_tail = text[-4000:]
-        tail = text[-2000:]
+        tail = _without_info(text)[-2000:]
         if code:
             if any(s in text for s in _DEVICE_OOM):
                 raise torch.cuda.OutOfMemoryError(f"Ratel ran out of device memory; last output:\n{tail}")
-            raise RuntimeError(f"Ratel exited with code {code}; last output:\n{tail}")
+            raise RuntimeError(f"Ratel {_exit(code)}; last output:\n{tail}")
         iterations = parse_output(text)
         need = self.spec.total_steps
         if not iterations:

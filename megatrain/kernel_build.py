@@ -33,7 +33,11 @@ from typing import Callable
 
 import torch
 import torch._inductor.config as inductor
-from torch.fx._symbolic_trace import is_fx_tracing
+import torch.fx._symbolic_trace as fx_trace
+
+
+# the check dynamo makes before a compiled call (older torch: the flag alone, with a logged warning)
+_tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 
 def compiled(fn: Callable, **options) -> Callable:
@@ -45,11 +49,11 @@ def compiled(fn: Callable, **options) -> Callable:
     def run(*args):
         inductor.compile_threads = 1
         while True:
-            while is_fx_tracing():  # another thread is building a kernel
+            while _tracing():  # another thread is building a kernel
                 time.sleep(0.001)
             try:
                 return kernel(*args)
             except RuntimeError:
-                if not is_fx_tracing():  # not the refusal: a failure of this kernel
+                if not _tracing():  # not the refusal: a failure of this kernel
                     raise
     return run

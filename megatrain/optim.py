@@ -205,7 +205,8 @@ class OptimizerWorker:
 
     def _check(self) -> None:
         if self._error is not None:
-            raise RuntimeError("the optimizer worker failed") from self._error
+            e = self._error
+            raise RuntimeError(f"the optimizer worker failed: {type(e).__name__}: {e}") from e
 
     # ---- worker thread ----
     def _run(self) -> None:

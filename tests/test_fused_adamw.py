@@ -130,6 +130,25 @@ def test_a_run_with_the_one_pass_update_tracks_the_eager_one(tmp_path):
         torch.testing.assert_close(params[name], eager[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_an_update_that_fails_names_its_cause_on_the_main_thread(tmp_path, monkeypatch):
+    """The worker's exception reaches the step with its own type and message in the error's text
+    (a harness that records only the message still says what failed)."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
+    monkeypatch.setattr(optim, "adamw", broken)
+    trainer = Trainer(load_config(base=tree(tmp_path, "eager")))
+    try:
+        batches = random_batches(2, 2, 2, 16, trainer.shape.vocab, pad=True)
+        with pytest.raises(RuntimeError, match="the optimizer worker failed: RuntimeError: Detected that you are using FX"):
+            for mbs in batches:
+                trainer.train_step(mbs)
+    finally:
+        with pytest.raises(RuntimeError, match="optimizer worker failed"):
+            trainer.close()
+
+
 def test_a_compiled_update_that_cannot_build_is_refused(tmp_path, monkeypatch):
     """engine.optimizer_kernel: compiled on a machine where torch.compile cannot build is refused
     by name before the store is allocated; auto on the CPU is the eager update."""

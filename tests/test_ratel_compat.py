@@ -190,6 +190,38 @@ def test_module_classes_leave_the_init_context_as_they_entered(tmp_path, compat)
         assert "MSELoss" in after and "MSELoss" in changed
 
 
+# A CPUAdam whose step reports the moments it is given, as the artifact's passes them to its C++ op by
+# pointer with the parameter's count of elements.
+CPU_ADAM = (
+    "import torch\n"
+    "class DeepSpeedCPUAdam(torch.optim.Optimizer):\n"
+    "    def __init__(self, params, fp32_optimizer_states=True):\n"
+    "        super().__init__(params, {})\n        self.fp32_optimizer_states = fp32_optimizer_states\n"
+    "    def step(self, closure=None):\n"
+    "        return [(tuple(self.state[p]['exp_avg'].shape), self.state[p]['exp_avg_sq'].dtype == torch.float32,\n"
+    "                 float(self.state[p]['exp_avg'].abs().sum())) for g in self.param_groups for p in g['params']]\n")
+
+
+def test_an_emptied_adam_moment_is_its_zeros_again_at_the_step(tmp_path):
+    """The host-memory route's set-up empties the moments and nothing fills them (an upstream bug that
+    ends in a segmentation fault): the step sees zeros of the parameter's size; a filled moment is left."""
+    (tmp_path / "op_ds/ops").mkdir(parents=True)
+    (tmp_path / "op_ds/ops/CPUAdam.py").write_text(CPU_ADAM)
+    code = ("import json, torch\n"
+            "from op_ds.ops.CPUAdam import DeepSpeedCPUAdam\n"
+            "a, b = torch.zeros(6, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)\n"
+            "opt = DeepSpeedCPUAdam([a, b])\n"
+            "for p in (a, b):\n"
+            "    opt.state[p]['exp_avg'] = torch.full((p.numel(),), 2.0)\n"
+            "    opt.state[p]['exp_avg_sq'] = torch.full((p.numel(),), 2.0)\n"
+            "opt.state[a]['exp_avg'].data = torch.Tensor(); opt.state[a]['exp_avg_sq'].data = torch.Tensor()\n"
+            "print(json.dumps(opt.step()))\n")
+    r = run_in_ratel_env(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [[[6], True, 0.0], [[4], True, 8.0]]
+    assert "[ratel_compat] CPUAdam" in r.stderr
+
+
 def test_the_compat_directory_holds_no_copy_of_ratel():
     names = {p.relative_to(COMPAT).as_posix() for p in COMPAT.rglob("*.py")}
     assert names == {"__init__.py", "sitecustomize.py", "ratel_patches.py", "ratel_probe.py",

@@ -16,7 +16,8 @@ PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 
 # Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), its loop count not a
 # literal like the artifact's; records its argv, working directory, path and the config it was given
-# beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code.
+# beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code; RATEL_STUB_SEGV ends it
+# by a segmentation fault after a screenful of the artifact's [INFO] logging.
 STUB_MAIN = """
 import json, os, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -30,6 +31,12 @@ for i in range(int(os.environ.get("RATEL_STUB_ITERS", 10))):
     print("forward time", (i + 1) / 10)
     print("---begin backward---")
     print("back_and_opt time", 2 * (i + 1) / 10)
+if os.environ.get("RATEL_STUB_SEGV"):
+    print("---begin backward---")
+    for _ in range(100):
+        print("[2026-11-23 20:19:33,780] [INFO] [see_mem.py:18:see_memory_usage] MA 0.03 GB", flush=True)
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
 if os.environ.get("RATEL_STUB_EXIT"):
     print("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     sys.exit(int(os.environ["RATEL_STUB_EXIT"]))
@@ -207,6 +214,8 @@ def test_without_libaio_the_refusal_says_how_to_get_it(checkout, monkeypatch):
     ({"RATEL_STUB_ITERS": "3"}, RuntimeError, r"(?s)printed 3 complete iterations; the spec needs 5.*Iter 2"),
     ({"RATEL_STUB_ITERS": "0"}, RuntimeError, r"(?s)no per-iteration times in Ratel's output.*\[0, 1, 2\]"),
     ({"RATEL_STUB_EXIT": "1"}, torch.cuda.OutOfMemoryError, "Ratel ran out of device memory"),
+    # its logging left out of the tail, so that the last line printed is seen
+    ({"RATEL_STUB_SEGV": "1"}, RuntimeError, r"(?s)Ratel was killed by SIGSEGV; last output:\n.*---begin backward---$"),
 ])
 def test_a_failed_or_short_run_is_an_error_with_the_output_tail(checkout, monkeypatch, env, error, message):
     for k, v in env.items():

@@ -4,7 +4,7 @@
 
 - Python 3.12 has no `distutils`; the op builders (op_ds/ops/op_builder/builder.py, async_io.py) import
   it at module level. setuptools carries a copy and, once imported, serves it as `distutils`.
-- A post-import hook adapts three of the checkout's modules right after they execute:
+- A post-import hook adapts four of the checkout's modules right after they execute:
     op_ds.ops.op_builder.builder  OpBuilder.jit_load drops the builders' own `-std=` flags, so the C++
         standard is the one torch's cpp_extension sets for its headers. AsyncIOBuilder passes
         `-std=c++14` after torch's flag and g++ keeps the last one: torch >= 2.1's headers then stop
@@ -18,6 +18,14 @@
         their own; newer ones do not all (nn.MSELoss among them), and main.py's `nn.MSELoss()` after
         the model's construction stops with "I/O operation on closed file". After the exit, every
         class has again exactly the `__init__` it had before the entry (none where it had none).
+    op_ds.ops.CPUAdam  Not a version difference but the artifact's own, on its host-memory route
+        (`--is_nvme 0`, which upstream's run.sh never uses): SB_optimizer's set-up runs one update on
+        zero gradients, then empties each subgroup's Adam moments (`.data = torch.Tensor()`, for the
+        NVMe swapper to fill before each step); without NVMe nothing fills them, and the C++ Adam
+        reads the parameter's count of elements from a null pointer: SIGSEGV at the first step.
+        Before each step, a moment found empty beside a non-empty parameter is set to zeros of the
+        parameter's size, which is exactly what it held (an update on zero gradients without weight
+        decay, main.py's settings, leaves both moments zero). Runs that fill them are unchanged.
 
 Each adaptation prints one `[ratel_compat]` line to stderr, so a run's log says what was changed.
 """
@@ -114,8 +122,34 @@ def patch_ratel_init(module) -> None:
     _say("ratel_init: SB_Init's exit restores each module class's own __init__ (or its inherited one)")
 
 
+def patch_cpu_adam(module) -> None:
+    """DeepSpeedCPUAdam.step with any emptied moment set back to its zeros first."""
+    import torch
+
+    adam = module.DeepSpeedCPUAdam
+    step = adam.step
+    if getattr(step, "_ratel_compat", False):
+        return
+
+    @functools.wraps(step)
+    def step_with_moments(self, *args, **kwargs):
+        dtype = torch.float if self.fp32_optimizer_states else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p) or {}
+                for name in ("exp_avg", "exp_avg_sq"):
+                    t = state.get(name)
+                    if t is not None and t.numel() == 0 and p.numel():
+                        t.data = torch.zeros_like(p.data, dtype=dtype or p.dtype)
+        return step(self, *args, **kwargs)
+
+    step_with_moments._ratel_compat = True
+    adam.step = step_with_moments
+    _say("CPUAdam: an emptied Adam moment is set back to its zeros before the step (host-memory route)")
+
+
 PATCHES = {"op_ds.ops.op_builder.builder": patch_builder, "gpt_model": patch_gpt_model,
-           "ratel_init": patch_ratel_init}
+           "ratel_init": patch_ratel_init, "op_ds.ops.CPUAdam": patch_cpu_adam}
 
 
 class _PatchingLoader(importlib.abc.Loader):
