@@ -243,12 +243,14 @@ class Engine:
         """The one loop: each op's handler, with its weights acquired where it computes."""
         self.streamer.start([self._units[op.loads] for op in ops if op.loads is not None])
         for op in ops:
-            if op.loads is None:
-                self._handlers[type(op)](step, op, None)
-                continue
-            weights = self.streamer.acquire()
-            self._handlers[type(op)](step, op, weights)
-            self.streamer.release()
+            label = type(op).__name__ + (f" L{op.layer}" if hasattr(op, "layer") else "")
+            with self.timeline.host(Track.ISSUE, Kind.ISSUE, label):
+                if op.loads is None:
+                    self._handlers[type(op)](step, op, None)
+                    continue
+                weights = self.streamer.acquire()
+                self._handlers[type(op)](step, op, weights)
+                self.streamer.release()
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""

@@ -1,5 +1,5 @@
 """A per-step record of where time goes: spans on the compute, weight (H2D) and gradient (D2H)
-streams, the host's blocking waits and the CPU optimizer's tasks.
+streams, the main thread's issuing of each op and its blocking waits, and the CPU optimizer's tasks.
 
 Stream spans are timed by CUDA events; on the CPU, where every op runs synchronously on the host,
 by the host clock. Host spans use the host clock; the two clocks are aligned at the start of the
@@ -14,6 +14,9 @@ seconds from the step's start, and `summary()` the exposed-time breakdown:
   idle_unattributed_s  compute stream idle with no wait on weights or the optimizer recorded: the
                      host behind in issuing work (its own work between ops, kernel launches, a
                      sync), or a wait the timeline does not record
+  idle_while_issuing_s  the part of it during which the main thread was inside an op's issuing and
+                     not in a recorded wait: the launches fell behind the GPU, or the thread could
+                     not run (another thread holding the GIL did this, results/h100/speed/README.md)
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class Track(StrEnum):
     H2D = "h2d"  # the weight stream (and checkpoints coming back)
     D2H = "d2h"  # the gradient stream (and checkpoints going out)
     HOST = "host"  # the main thread's host work and blocking waits
+    ISSUE = "issue"  # the main thread issuing each op's work (its waits inside are on HOST too)
     OPTIMIZER = "optimizer"  # the CPU optimizer's thread
 
 
@@ -47,6 +51,7 @@ class Kind(StrEnum):
     WAIT_WEIGHTS = "wait weights"  # compute stalled until its weights arrived
     WAIT_OPTIMIZER = "wait optimizer"  # the host blocked on the optimizer (a tile's update, a slab)
     OPTIMIZER_STEP = "optimizer step"  # the optimizer thread's step begin and finish
+    ISSUE = "issue"  # one op of the schedule, issued by the main thread
 
 
 class Span(NamedTuple):
@@ -122,6 +127,7 @@ class Timeline:
         blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == Kind.WAIT_OPTIMIZER])
         idle = _complement(busy, 0.0, step)
         waits = _union([(s.start_s, s.end_s) for s in spans if s.kind in (Kind.WAIT_WEIGHTS, Kind.WAIT_OPTIMIZER)])
+        issuing = _union([(s.start_s, s.end_s) for s in spans if s.track == Track.ISSUE])
 
         def total(track: Track, kind: Kind | None = None) -> float:
             return sum(s.end_s - s.start_s for s in spans if s.track == track and kind in (None, s.kind))
@@ -133,6 +139,7 @@ class Timeline:
             "optimizer_exposed_s": _length(_intersect(idle, blocked)),
             "host_blocked_on_optimizer_s": _length(blocked),
             "idle_unattributed_s": _length(_intersect(idle, _complement(waits, 0.0, step))),
+            "idle_while_issuing_s": _length(_intersect(_intersect(idle, _complement(waits, 0.0, step)), issuing)),
             "h2d_busy_s": total(Track.H2D),
             "d2h_busy_s": total(Track.D2H),
             "optimizer_busy_s": total(Track.OPTIMIZER),

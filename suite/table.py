@@ -7,7 +7,7 @@ from pathlib import Path
 from megatrain.units import GiB
 
 COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'TFLOP/s':>8} {'ratio':>6} "
-           f"{'busy':>5} {'opt exp':>7} {'idle un':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7}")
+           f"{'busy':>5} {'opt exp':>7} {'idle un':>7} {'issuing':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7}")
 
 
 def rows(folders: list[str | Path]) -> list[tuple[str, dict]]:
@@ -28,7 +28,7 @@ def line(name: str, r: dict) -> str:
     return (f"{name:34} {r['system']:13} {r['status']:11} {batch:>6} {med.get('step_time_s') or 0:7.2f} "
             f"{med.get('model_tflops') or 0:8.1f} {r.get('ratio_to_ceiling') or 0:6.3f} "
             f"{exposed.get('gpu_busy_frac') or 0:5.2f} {exposed.get('optimizer_exposed_s') or 0:7.3f} "
-            f"{exposed.get('idle_unattributed_s') or 0:7.3f} "
+            f"{exposed.get('idle_unattributed_s') or 0:7.3f} {exposed.get('idle_while_issuing_s') or 0:7.3f} "
             f"{(peak.get('device_allocated_bytes') or 0) / GiB:7.1f} {(host or 0) / GiB:8.1f} "
             f"{host / params if host and params else 0:7.2f}")
 

@@ -228,12 +228,16 @@ def test_timeline_breakdown_and_trace(tmp_path):
     t.begin_step()
     for track, kind, start, end in ((tl.Track.COMPUTE, tl.Kind.FORWARD, 0.0, 1.0), (tl.Track.COMPUTE, tl.Kind.WAIT_WEIGHTS, 1.0, 1.2),
                                     (tl.Track.COMPUTE, tl.Kind.BACKWARD, 1.2, 2.0), (tl.Track.HOST, tl.Kind.WAIT_OPTIMIZER, 2.1, 2.3),
-                                    (tl.Track.COMPUTE, tl.Kind.BACKWARD, 2.5, 3.0)):
+                                    (tl.Track.COMPUTE, tl.Kind.BACKWARD, 2.5, 3.0),
+                                    # the main thread issuing ops: one around the blocked wait, one in the tail
+                                    (tl.Track.ISSUE, tl.Kind.ISSUE, 1.9, 2.4), (tl.Track.ISSUE, tl.Kind.ISSUE, 3.2, 3.3)):
         t._add(track, kind, "", start, end)
     t._step_end = 3.5
     got = t.summary()
     assert (got["wait_weights_s"], got["optimizer_exposed_s"]) == pytest.approx((0.2, 0.2))
     assert got["idle_unattributed_s"] == pytest.approx(0.8) and got["gpu_busy_s"] == pytest.approx(2.3)
+    # idle and issuing, outside the wait: 2.0-2.1, 2.3-2.4 and 3.2-3.3
+    assert got["idle_while_issuing_s"] == pytest.approx(0.3)
     cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml", ["steps=2", "data.grad_accum=2"])
     trainer = Trainer(cfg)
     try:
@@ -248,6 +252,8 @@ def test_timeline_breakdown_and_trace(tmp_path):
     names = {e["name"] for e in events if e["ph"] == "X"}
     layers = trainer.shape.num_layers
     assert {f"forward L{layers - 1}", "head", "recompute L0", "backward L0", "load layer.0"} <= names
+    issued = {e["name"] for e in events if e.get("cat") == "issue"}  # every op, as the main thread issued it
+    assert {"issue Embed", f"issue Forward L{layers - 1}", "issue Head", "issue Recompute L0", "issue Backward L0"} <= issued
     updates = {e["name"] for e in events if e.get("cat") == "update"}
     assert any(n.startswith("update layer.0 [") for n in updates)  # the optimizer's update of layer 0
 

@@ -20,7 +20,8 @@ from megatrain.timeline import Kind  # noqa: E402
 COLORS = {Kind.FORWARD: "tab:blue", Kind.RECOMPUTE: "tab:cyan", Kind.BACKWARD: "tab:green",
           Kind.HEAD: "tab:purple", Kind.EMBEDDING: "tab:olive", Kind.LOAD: "tab:orange",
           Kind.CHECKPOINT: "tab:brown", Kind.GRADIENT: "tab:red", Kind.UPDATE: "tab:pink",
-          Kind.WAIT_WEIGHTS: "tab:gray", Kind.WAIT_OPTIMIZER: "silver", Kind.OPTIMIZER_STEP: "black"}
+          Kind.WAIT_WEIGHTS: "tab:gray", Kind.WAIT_OPTIMIZER: "silver", Kind.OPTIMIZER_STEP: "black",
+          Kind.ISSUE: "wheat"}
 
 
 def main(argv: list[str] | None = None) -> None:
