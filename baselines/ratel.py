@@ -125,7 +125,6 @@ def _default_python() -> str:
     return sys.executable
 
 
-
 def _exit(code: int) -> str:
     """How a process ended, for a message: a negative code is the signal that killed it."""
     if code < 0:
@@ -139,6 +138,7 @@ def _exit(code: int) -> str:
 def _without_info(text: str) -> str:
     """The output without the artifact's `[INFO]` logging (its memory reports), which would fill a tail."""
     return "\n".join(line for line in text.splitlines() if "] [INFO] [" not in line)
+
 
 class Ratel(System):
     own_step_time = True  # main.py's per-iteration times, not the wall clock around step()

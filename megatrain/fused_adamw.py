@@ -31,9 +31,9 @@ decide.
 The update runs on the optimizer worker while the main thread launches the GPU's kernels, so it
 must not hold the GIL. Inductor's default Python binding of a CPU kernel calls it with the GIL held:
 each 7B layer's update (about 50 ms) then stalled the launches, and at 4 x 4096 tokens a step the
-GPU sat idle for them (results/h100/speed/README.md). `cpp_wrapper` builds the
-graph's entry in C++, which releases the GIL for the call; the kernel and its results are the same
-(bit for bit, and no slower to build, on the CPU machine).
+GPU sat idle for them (results/h100/speed/README.md). `cpp_wrapper` builds the graph's entry in
+C++, which releases the GIL for the call; the kernel and its results are the same (bit for bit,
+and no slower to build, on the CPU machine).
 """
 from __future__ import annotations
 
