@@ -20,6 +20,12 @@ def rows(folders: list[str | Path]) -> list[tuple[str, dict]]:
     return found
 
 
+def _number(values: dict, key: str, width: int, places: int) -> str:
+    """A measured value, or '-' where the run did not record it (a run before the metric existed)."""
+    v = values.get(key)
+    return f"{v:{width}.{places}f}" if v is not None else f"{'-':>{width}}"
+
+
 def line(name: str, r: dict) -> str:
     spec, med, peak = r["spec"], r.get("median", {}), r.get("peak", {})
     exposed = med.get("exposed") or {}
@@ -27,8 +33,8 @@ def line(name: str, r: dict) -> str:
     batch = f"{spec['batch_size']}x{spec['grad_accum']}"
     return (f"{name:34} {r['system']:13} {r['status']:11} {batch:>6} {med.get('step_time_s') or 0:7.2f} "
             f"{med.get('model_tflops') or 0:8.1f} {r.get('ratio_to_ceiling') or 0:6.3f} "
-            f"{exposed.get('gpu_busy_frac') or 0:5.2f} {exposed.get('optimizer_exposed_s') or 0:7.3f} "
-            f"{exposed.get('idle_unattributed_s') or 0:7.3f} {exposed.get('idle_while_issuing_s') or 0:7.3f} "
+            f"{_number(exposed, 'gpu_busy_frac', 5, 2)} {_number(exposed, 'optimizer_exposed_s', 7, 3)} "
+            f"{_number(exposed, 'idle_unattributed_s', 7, 3)} {_number(exposed, 'idle_while_issuing_s', 7, 3)} "
             f"{(peak.get('device_allocated_bytes') or 0) / GiB:7.1f} {(host or 0) / GiB:8.1f} "
             f"{host / params if host and params else 0:7.2f}")
 

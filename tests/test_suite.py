@@ -220,3 +220,14 @@ def test_check_catches_a_diverging_system():
     summary = {"systems": [{"system": "native", "status": "ok"},
                            {"system": "zero3", "status": "ok", "tracks_native": False}]}
     assert not passed(summary)
+
+
+def test_the_table_marks_a_breakdown_the_run_did_not_record():
+    from suite.table import line
+    spec = {"batch_size": 4, "grad_accum": 1}
+    exposed = {"gpu_busy_frac": 0.9, "optimizer_exposed_s": 0.01, "idle_unattributed_s": 0.2}
+    old = {"system": "megatrain", "status": "ok", "spec": spec, "median": {"exposed": exposed}}
+    new = {**old, "median": {"exposed": {**exposed, "idle_while_issuing_s": 0.0}}}
+    issuing = 10  # point, system, status, batch, step s, TFLOP/s, ratio, busy, opt exp, idle un, issuing
+    assert line("old", old).split()[issuing] == "-"  # not measured: never a 0 that reads as measured
+    assert line("new", new).split()[issuing] == "0.000"
