@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,38 @@ def test_an_emptied_adam_moment_is_its_zeros_again_at_the_step(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [[[6], True, 0.0], [[4], True, 8.0]]
     assert "[ratel_compat] CPUAdam" in r.stderr
+
+
+QUEUE_FEEDER = """
+import multiprocessing as mp
+
+def reader(q):
+    q.get()  # the disk route's optimizer process, waiting for what main.py sends
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn")
+    q = mp.Queue()
+    child = mp.Process(target=reader, args=(q,), daemon=True)
+    child.start()
+    q.put(lambda: 0)  # does not pickle: the feeder thread drops it
+    child.join(10)
+    print("joined", child.exitcode)
+"""
+
+
+@pytest.mark.parametrize("compat", [True, False])
+def test_a_queue_item_that_cannot_be_sent_ends_the_run(tmp_path, compat):
+    """Dropped by Python's queue feeder, it would leave the reader waiting and main.py at its final join."""
+    (tmp_path / "feed.py").write_text(QUEUE_FEEDER)
+    env = compat_env(tmp_path, dict(os.environ)) if compat else dict(os.environ)
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "feed.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    if compat:
+        assert r.returncode == 70 and "joined" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert "[ratel_compat] a multiprocessing queue could not send a function" in r.stderr
+        assert time.monotonic() - start < 8  # at once, not at the join's timeout
+    else:  # Python's own handling: printed, dropped, and the reader still waiting at the join's timeout
+        assert r.returncode == 0 and "joined None" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
 def test_the_compat_directory_holds_no_copy_of_ratel():

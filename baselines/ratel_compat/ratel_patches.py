@@ -1,6 +1,6 @@
 """What torch 2.11 and Python 3.12 break in Ratel's artifact, adapted as its modules load, never in its files.
 
-`install()` (run by sitecustomize.py in every Ratel process) does two things:
+`install()` (run by sitecustomize.py in every Ratel process) does three things:
 
 - Python 3.12 has no `distutils`; the op builders (op_ds/ops/op_builder/builder.py, async_io.py) import
   it at module level. setuptools carries a copy and, once imported, serves it as `distutils`.
@@ -27,14 +27,23 @@
         parameter's size, which is exactly what it held (an update on zero gradients without weight
         decay, main.py's settings, leaves both moments zero). Runs that fill them are unchanged.
 
-Each adaptation prints one `[ratel_compat]` line to stderr, so a run's log says what was changed.
+- A multiprocessing queue item that cannot be sent (shared memory full, a CUDA IPC handle refused, an
+  object that does not pickle) is printed by Python's feeder thread and dropped; with the disk route's
+  optimizer process waiting on that queue, main.py would then run on and hang at its final
+  `p1.join()`. Such an error now ends the run at once (exit 70, the children killed first), so the
+  harness reports it instead of waiting for its timeout. Nothing that runs is changed.
+
+Each adaptation prints one `[ratel_compat]` line to stderr when it applies, so a run's log says
+what was changed.
 """
 from __future__ import annotations
 
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
+import traceback
 
 
 def _say(message: str) -> None:
@@ -190,7 +199,24 @@ class PostImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
+def fail_on_queue_errors() -> None:
+    """A queue item that cannot be sent ends the process (exit 70) rather than leaving a reader waiting."""
+    import multiprocessing
+    import multiprocessing.queues
+
+    def on_error(error, item):
+        traceback.print_exc()
+        _say(f"a multiprocessing queue could not send a {type(item).__name__} ({type(error).__name__}: {error}); "
+             "stopping, as its reader would wait for it forever")
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(70)
+
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(on_error)
+
+
 def install() -> None:
     ensure_distutils()
+    fail_on_queue_errors()
     if not any(isinstance(f, PostImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, PostImportHook(PATCHES))
