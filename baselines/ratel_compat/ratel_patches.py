@@ -67,94 +67,89 @@ def strip_std(flags: list[str]) -> list[str]:
     return [f for f in flags if not f.startswith("-std=")]
 
 
+def _wrap(owner, name: str, make) -> bool:
+    """`owner.<name>` replaced by `make(original)`, once (a module loaded again keeps one wrapper);
+    whether it was replaced now."""
+    original = getattr(owner, name)
+    if getattr(original, "_ratel_compat", False):
+        return False
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._ratel_compat = True
+    setattr(owner, name, wrapper)
+    return True
+
+
 def patch_builder(module) -> None:
     """OpBuilder.jit_load with the builder's cxx_args minus its -std= flags (torch's own flag applies)."""
-    op_builder = module.OpBuilder
-    jit_load = op_builder.jit_load
-    if getattr(jit_load, "_ratel_compat", False):
-        return
+    def torch_std(jit_load):
+        def run(self, verbose=True):
+            cxx_args = type(self).cxx_args
+            self.cxx_args = lambda: strip_std(cxx_args(self))  # the instance's, read by jit_load
+            return jit_load(self, verbose)
+        return run
 
-    @functools.wraps(jit_load)
-    def jit_load_torch_std(self, verbose=True):
-        cxx_args = type(self).cxx_args
-        self.cxx_args = lambda: strip_std(cxx_args(self))  # the instance's, read by jit_load
-        return jit_load(self, verbose)
-
-    jit_load_torch_std._ratel_compat = True
-    op_builder.jit_load = jit_load_torch_std
-    _say("op builders: their -std= flags dropped, torch's C++ standard applies")
+    if _wrap(module.OpBuilder, "jit_load", torch_std):
+        _say("op builders: their -std= flags dropped, torch's C++ standard applies")
 
 
 def patch_gpt_model(module) -> None:
     """gpt_model.checkpoint with torch 2.0's default use_reentrant=True made explicit."""
-    checkpoint = module.checkpoint
-    if getattr(checkpoint, "_ratel_compat", False):
-        return
+    def reentrant(checkpoint):
+        def run(function, *args, use_reentrant=True, **kwargs):
+            return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+        return run
 
-    @functools.wraps(checkpoint)
-    def reentrant_checkpoint(function, *args, use_reentrant=True, **kwargs):
-        return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
-
-    reentrant_checkpoint._ratel_compat = True
-    module.checkpoint = reentrant_checkpoint
-    _say("gpt_model: checkpoint(..., use_reentrant=True), torch 2.0's default")
+    if _wrap(module, "checkpoint", reentrant):
+        _say("gpt_model: checkpoint(..., use_reentrant=True), torch 2.0's default")
 
 
 def patch_ratel_init(module) -> None:
     """SB_Init's exit leaves every nn.Module subclass with the `__init__` it had before the entry."""
     import torch
 
-    shutdown = module.shutdown_init_context
-    if getattr(shutdown, "_ratel_compat", False):
-        return
-    enter = module.SB_Init.__enter__
     before: dict[type, object] = {}
 
-    @functools.wraps(enter)
-    def enter_recording(self):
-        before.clear()
-        before.update((cls, cls.__dict__.get("__init__")) for cls in module.get_all_subclasses(torch.nn.Module))
-        return enter(self)
+    def recording(enter):
+        def run(self):
+            before.clear()
+            before.update((cls, cls.__dict__.get("__init__")) for cls in module.get_all_subclasses(torch.nn.Module))
+            return enter(self)
+        return run
 
-    @functools.wraps(shutdown)
-    def shutdown_exactly():
-        shutdown()
-        for cls, init in before.items():
-            if init is not None:
-                cls.__init__ = init
-            elif "__init__" in cls.__dict__:
-                del cls.__init__
+    def exactly(shutdown):
+        def run():
+            shutdown()
+            for cls, init in before.items():
+                if init is not None:
+                    cls.__init__ = init
+                elif "__init__" in cls.__dict__:
+                    del cls.__init__
+        return run
 
-    shutdown_exactly._ratel_compat = True
-    module.SB_Init.__enter__ = enter_recording
-    module.shutdown_init_context = shutdown_exactly
-    _say("ratel_init: SB_Init's exit restores each module class's own __init__ (or its inherited one)")
+    if _wrap(module, "shutdown_init_context", exactly):
+        _wrap(module.SB_Init, "__enter__", recording)
+        _say("ratel_init: SB_Init's exit restores each module class's own __init__ (or its inherited one)")
 
 
 def patch_cpu_adam(module) -> None:
     """DeepSpeedCPUAdam.step with any emptied moment set back to its zeros first."""
     import torch
 
-    adam = module.DeepSpeedCPUAdam
-    step = adam.step
-    if getattr(step, "_ratel_compat", False):
-        return
+    def with_moments(step):
+        def run(self, *args, **kwargs):
+            dtype = torch.float if self.fp32_optimizer_states else None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p) or {}
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        t = state.get(name)
+                        if t is not None and t.numel() == 0 and p.numel():
+                            t.data = torch.zeros_like(p.data, dtype=dtype or p.dtype)
+            return step(self, *args, **kwargs)
+        return run
 
-    @functools.wraps(step)
-    def step_with_moments(self, *args, **kwargs):
-        dtype = torch.float if self.fp32_optimizer_states else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p) or {}
-                for name in ("exp_avg", "exp_avg_sq"):
-                    t = state.get(name)
-                    if t is not None and t.numel() == 0 and p.numel():
-                        t.data = torch.zeros_like(p.data, dtype=dtype or p.dtype)
-        return step(self, *args, **kwargs)
-
-    step_with_moments._ratel_compat = True
-    adam.step = step_with_moments
-    _say("CPUAdam: an emptied Adam moment is set back to its zeros before the step (host-memory route)")
+    if _wrap(module.DeepSpeedCPUAdam, "step", with_moments):
+        _say("CPUAdam: an emptied Adam moment is set back to its zeros before the step (host-memory route)")
 
 
 PATCHES = {"op_ds.ops.op_builder.builder": patch_builder, "gpt_model": patch_gpt_model,
