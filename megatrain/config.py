@@ -117,7 +117,10 @@ class EngineConfig:
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
-    grad_slabs: int = 4  # pinned gradient slabs; 0 returns gradients synchronously (ablation)
+    # pinned gradient slabs, each one layer's float32 gradient on its way to the host's AdamW: the
+    # queue that lets the backward run ahead of the updates; 0 returns gradients synchronously
+    # (ablation); auto: 8 where the host holds them beside the plan, else 4 (resolve.py)
+    grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
     # many as the memory plan leaves device room for (resolve.py)
@@ -149,12 +152,12 @@ class EngineConfig:
 
     def __post_init__(self):
         check_types(self, "engine")
-        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("grad_slabs", 0), ("loss_chunk_tokens", 1)):
+        for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("loss_chunk_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
         if isinstance(self.mlp_chunk_tokens, int) and self.mlp_chunk_tokens < 1:
             raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {self.mlp_chunk_tokens}")
-        for name in ("device_tiles", "no_recompute_layers"):
+        for name in ("grad_slabs", "device_tiles", "no_recompute_layers"):
             n = getattr(self, name)
             if isinstance(n, int) and n < 0:
                 raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n}")

@@ -359,7 +359,9 @@ class Engine:
         """One decoder layer's forward, recompute and backward on one micro-batch of random hidden
         states, its weights resident: the step's own graph (saved-tensor hooks; at K = 1 the recompute
         is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
-        it. The rate layer streaming can at best reach."""
+        it and the host's updates done (their threads would compete with the launching one). The
+        rate layer streaming can at best reach."""
+        self.worker.flush()
         dev, unit = self.dev, self.layer_units[0]
         self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
         self.streamer.start([unit])

@@ -116,8 +116,8 @@ def _rounded_shadows(shape: ModelShape, s) -> int:
     return total
 
 
-def _engine_inputs(spec: RunSpec, kernels: dict):
-    tree = {"model": spec.model, "engine": {"device": "cpu", **spec.options.get("engine", {}), **kernels},
+def _engine_inputs(spec: RunSpec, ran: dict):
+    tree = {"model": spec.model, "engine": {"device": "cpu", **spec.options.get("engine", {}), **ran},
             "optim": {"lr": spec.lr, "max_grad_norm": spec.options.get("max_grad_norm")},
             "data": {"source": "synthetic", "seq_len": spec.seq_len, "batch_size": spec.batch_size,
                      "grad_accum": spec.grad_accum},
@@ -159,10 +159,11 @@ def _transfers(plan: list, buffers: int) -> list:
     return moved
 
 
-def project(spec: RunSpec, m: MachineModel, kernels: dict = EAGER) -> Projection:
-    """`kernels`: the layer kernels the run uses (engine.norm_kernel, engine.mlp_kernel); eager, the
-    probe's, unless a measured point says otherwise: the machines' layer rate is the eager layer's."""
-    cfg, shape = _engine_inputs(spec, kernels)
+def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
+    """`ran`: engine settings as a measured run used them where their defaults have changed since
+    (the layer kernels, the gradient slabs); the layer kernels eager, the probe's, unless a measured
+    point says otherwise: the machines' layer rate is the eager layer's."""
+    cfg, shape = _engine_inputs(spec, ran)
     machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
     s = replace(s, device="cuda")
@@ -232,6 +233,7 @@ def check(roots: list[Path]) -> list[dict]:
             continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
         engine = (r.get("info") or {}).get("engine") or {}
         ran = {k: engine.get(k, "eager") for k in EAGER}  # eager before the setting existed
+        ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
         pr = project(RunSpec.from_dict(spec), m, ran)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without

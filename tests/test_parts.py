@@ -134,8 +134,9 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
     from megatrain.resolve import host_available_bytes
     GiB = 2**30
     arch = shape_of("qwen2.5-7b")
-    whole = plan(arch, settings(arch, EngineConfig(split_masters=False))).host_bytes
-    split = plan(arch, settings(arch, SPLIT)).host_bytes
+    # the plans the choice weighs: with 4 gradient slabs (auto's slabs come after it)
+    whole = plan(arch, settings(arch, EngineConfig(split_masters=False, grad_slabs=4))).host_bytes
+    split = plan(arch, settings(arch, replace(SPLIT, grad_slabs=4))).host_bytes
     assert whole - split > 14 * 2**30  # 2 bytes for each of 7.6 B parameters, less the scratch
     def auto(gib, engine=None, **kw):
         cfg = replace(engine or EngineConfig(), host_memory_gb=gib)
@@ -301,7 +302,8 @@ def test_memory_plan_bounds_the_mlp_by_its_chunk_and_refuses_with_numbers():
     admit(chunked, host_available=2**50, device_available=80 * 2**30)
     # over the host: the store and the gradient slabs named, each slab one layer's float32 gradient
     layer_gib = Layout.of(arch.layer_specs).numel * 4 / 2**30
-    with pytest.raises(ValueError, match=rf"host memory: .*gradient slabs {4 * layer_gib:.1f} GiB; fewer engine.grad_slabs"):
+    assert chunked.detail["grad_slabs"] == 8 * layer_gib * 2**30  # auto, on an unbounded host
+    with pytest.raises(ValueError, match=rf"host memory: .*gradient slabs {8 * layer_gib:.1f} GiB; fewer engine.grad_slabs"):
         admit(chunked, host_available=chunked.detail["store"], device_available=None)
 
 
@@ -320,6 +322,23 @@ def test_auto_mlp_chunk_only_when_the_plan_needs_it():
     assert fits[MLP_CHUNKS.index(chunk)] and not any(fits[: MLP_CHUNKS.index(chunk)])
     with pytest.raises(ValueError, match="engine.mlp_chunk_tokens must be an integer or 'auto' or null, not 'big'"):
         EngineConfig(mlp_chunk_tokens="big")
+
+
+def test_grad_slabs_auto_takes_eight_where_the_host_holds_them():
+    """auto: 8 slabs where the plan with 8 fits the host, else 4 (where admission may then refuse,
+    naming them); a number given is kept; a negative one is refused by name."""
+    arch = shape_of("qwen2.5-7b")
+    host = {n: plan(arch, settings(arch, EngineConfig(grad_slabs=n))).host_bytes for n in (8, 4)}
+    assert host[8] - host[4] == 4 * Layout.of(arch.layer_specs).numel * 4  # a layer's float32 gradient each
+    assert settings(arch).grad_slabs == 8 and settings(arch, host=host[8]).grad_slabs == 8
+    assert settings(arch, host=host[8] - 1).grad_slabs == 4
+    # short of 4 with whole masters: split ones (decided at 4 slabs) leave room for 8
+    short = settings(arch, host=host[4] - 1)
+    assert short.split_masters and short.grad_slabs == 8
+    assert settings(arch, EngineConfig(split_masters=False), host=host[4] - 1).grad_slabs == 4
+    assert settings(arch, EngineConfig(grad_slabs=3), host=host[4]).grad_slabs == 3
+    with pytest.raises(ValueError, match="engine.grad_slabs must be an integer >= 0 or auto, not -1"):
+        EngineConfig(grad_slabs=-1)
 
 
 def test_device_tiles_auto_takes_the_room_the_plan_leaves():
