@@ -146,6 +146,11 @@ class EngineConfig:
     # way, gate and up kept: swiglu.py); the whole MLP only (a chunked MLP runs its own), refused
     # for other MLPs; auto: compiled on a GPU where the MLP is SiLU-gated, else eager
     mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
+    # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
+    # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
+    # auto: compiled on a GPU, eager on the CPU
+    loss_kernel: Literal["auto", "compiled", "eager"] = "auto"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
@@ -185,6 +190,7 @@ class EngineSettings:
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: for the tiles with whole float32 masters and a bf16 shadow
     norm_kernel: Literal["compiled", "eager"]
     mlp_kernel: Literal["compiled", "eager"]
+    loss_kernel: Literal["compiled", "eager"]
     timeline: bool
     tokens: int  # per micro-batch (batch_size x seq_len)
     seq_len: int  # tokens per sequence at most

@@ -289,7 +289,8 @@ class Engine:
                 active = [bool((tgt[lo: lo + chunk] != -100).any()) for lo in range(0, tgt.numel(), chunk)]
                 part, dh = head_loss_and_grads(
                     h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
-                    self.arch.norm_template(), w[0], w[-1], chunk, st.scale, grads[0], grads[-1])
+                    self.arch.norm_template(), w[0], w[-1], chunk, st.scale, grads[0], grads[-1],
+                    compiled=self.s.loss_kernel == "compiled")
                 st.loss += part
                 st.dhs.append(dh.view(h.shape))
         st.hs = []

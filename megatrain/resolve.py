@@ -110,6 +110,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
             engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
+        loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)

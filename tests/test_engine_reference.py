@@ -102,15 +102,18 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {"norm_kernel": "compiled"}),
                                             ("tiny-gpt-oss", {"norm_kernel": "compiled"}),
-                                            ("tiny-qwen2", {"mlp_kernel": "compiled"})])
+                                            ("tiny-qwen2", {"mlp_kernel": "compiled"}),
+                                            ("tiny-qwen2", {"loss_kernel": "compiled"})])
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
-    """engine.norm_kernel and engine.mlp_kernel: compiled (float32 on the CPU: the fused kernels'
-    arithmetic in another order) within the reference's tolerances, kept layers, the norms over
-    token chunks and the recompute's unread down projection included."""
+    """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (float32 on the CPU:
+    the fused kernels' arithmetic in another order) within the reference's tolerances, kept layers,
+    the norms over token chunks and the recompute's unread down projection included."""
     import megatrain.lean_norm as lean_norm
+    import megatrain.loss as loss
     import megatrain.swiglu as swiglu
-    module = lean_norm if "norm_kernel" in engine else swiglu
-    names = ("_compiled_forward", "_compiled_backward") if module is lean_norm else ("_compiled_product", "_compiled_grads")
+    module, names = {"norm_kernel": (lean_norm, ("_compiled_forward", "_compiled_backward")),
+                     "mlp_kernel": (swiglu, ("_compiled_product", "_compiled_grads")),
+                     "loss_kernel": (loss, ("_compiled_cross_entropy",))}[next(iter(engine))]
     calls = dict.fromkeys(names, 0)
 
     def counted(name):

@@ -469,6 +469,30 @@ def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cross_entropy_is_the_library_loss_to_rounding(dtype):
+    """engine.loss_kernel: compiled, the summed cross-entropy and the gradient of (loss * scale)
+    with respect to the logits from one torch.compile'd function: the library's (float32 logits,
+    F.cross_entropy and autograd) to float32 rounding, ignored targets and a chunk without any
+    target included; the gradient in the logits' dtype."""
+    import torch.nn.functional as F
+    from megatrain.loss import IGNORE, _compiled_cross_entropy
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(23, 300, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 300, (23,), generator=gen)
+    targets[::4] = IGNORE
+    for t in (targets, torch.full_like(targets, IGNORE)):
+        z = logits.clone().requires_grad_()
+        want = F.cross_entropy(z.float(), t, ignore_index=IGNORE, reduction="sum")
+        (want * 0.3).backward()
+        loss, grad = _compiled_cross_entropy(logits, t, torch.tensor(0.3))
+        assert loss.dtype == torch.float32 and grad.dtype == dtype
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-5)
+        tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the gradient
+        torch.testing.assert_close(grad, z.grad, rtol=tol, atol=tol * max(z.grad.abs().max().item(), 1e-3))
+        assert not grad[t == IGNORE].any()
+
+
 def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
     """What the SiLU-gated MLP saves for its backward, through saved-tensor hooks: the library's
     keeps four tokens x FFN tensors (gate, silu(gate), up, the product: ModelShape.mlp_kept), the
@@ -497,19 +521,19 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
 
 
 def test_layer_kernels_auto_compile_on_a_gpu_only():
-    """engine.norm_kernel and engine.mlp_kernel `auto`: compiled on a GPU (the MLP's only where it
-    is SiLU-gated), eager on the CPU; a stated choice stands."""
+    """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel `auto`: compiled on a GPU (the
+    MLP's only where it is SiLU-gated), eager on the CPU; a stated choice stands."""
     data = DataConfig(seq_len=4096, batch_size=2)
     chosen = {}
     for preset, cuda, engine in (("qwen2.5-7b", True, EngineConfig()), ("qwen2.5-7b", False, EngineConfig()),
                                  ("gpt-oss-20b", True, EngineConfig()),
                                  ("qwen2.5-7b", True, EngineConfig(norm_kernel="eager", mlp_kernel="eager"))):
         s = resolve(engine, data, OptimConfig(), shape_of(preset), Machine(cuda, None, 1 << 50, int(cuda)))
-        chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel)
-    assert chosen == {("qwen2.5-7b", True, "auto"): ("compiled", "compiled"),
-                      ("qwen2.5-7b", False, "auto"): ("eager", "eager"),
-                      ("gpt-oss-20b", True, "auto"): ("compiled", "eager"),
-                      ("qwen2.5-7b", True, "eager"): ("eager", "eager")}
+        chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel, s.loss_kernel)
+    assert chosen == {("qwen2.5-7b", True, "auto"): ("compiled", "compiled", "compiled"),
+                      ("qwen2.5-7b", False, "auto"): ("eager", "eager", "eager"),
+                      ("gpt-oss-20b", True, "auto"): ("compiled", "eager", "compiled"),
+                      ("qwen2.5-7b", True, "eager"): ("eager", "eager", "compiled")}
 
 
 def test_engine_kernels_build_in_this_process():

@@ -247,6 +247,8 @@ def test_a_line_breaks_where_the_resolved_kernels_change(tmp_path):
     assert (rows.loc["3b", "kernels"], rows.loc["7b", "kernels"]) == ("eager", "compiled")
     assert pd.isna(rows.loc["7b_native", "kernels"])
     assert aggregate.kernels({**older, "info": {"engine": {"norm_kernel": "compiled", "mlp_kernel": "eager"}}}) == "norm compiled"
+    assert aggregate.kernels({**older, "info": {"engine": {"norm_kernel": "compiled", "mlp_kernel": "compiled",
+                                                           "loss_kernel": "compiled"}}}) == "compiled, loss compiled"
     ax = plot.figure(df, "scale", "h100").axes[0]
     mega = [ln for ln in ax.get_lines() if ln.get_color() == plot.SYSTEM_COLORS["megatrain"]]
     assert len([ln for ln in mega if ln.get_gid() == plot.SETTINGS_CHANGE]) == 1
