@@ -96,6 +96,13 @@ def part(numel: int, parts: int, index: int) -> tuple[int, int, int]:
     return lo, min(numel, lo + size), size
 
 
+def slab_numel(layer_numel: int, parts: int) -> int:
+    """A gradient slab's elements: the largest part of a layer that a rank returns (the first),
+    the whole layer on one rank."""
+    lo, hi, _ = part(layer_numel, parts, 0)
+    return hi - lo
+
+
 def shard_rows(tensor: torch.Tensor | None, ranks: Ranks) -> torch.Tensor | None:
     """Rows rank, rank + world, ... of a [B, S] tensor: this rank's slice of a global micro-batch."""
     return None if tensor is None else tensor[ranks.rank:: ranks.world]

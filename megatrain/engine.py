@@ -57,7 +57,7 @@ from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
-from megatrain.distributed import Comm, Flags, part
+from megatrain.distributed import Comm, Flags, part, slab_numel
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
@@ -135,8 +135,9 @@ class Engine:
         self.timeline = Timeline(device, settings.timeline)
         self.streamer = WeightStreamer(device, settings.weight_buffers, numel, self.dtype, self.timeline)
         pinned = device.is_cuda
-        # a slab carries a layer's gradient; bigger tiles (embedding, LM head) return in pieces
-        self.slab_numel = Layout.of(self.shape.layer_specs).numel
+        # a slab carries this rank's part of a layer's gradient (the whole layer on one rank); bigger
+        # tiles (embedding, LM head) return in pieces
+        self.slab_numel = slab_numel(Layout.of(self.shape.layer_specs).numel, self.comm.ranks.local_world)
         self.slabs = SlabPool(max(1, settings.grad_slabs), self.slab_numel, pinned, self.timeline)
         self.sync_grads = settings.grad_slabs == 0
         self.max_tokens = settings.tokens

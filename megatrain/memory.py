@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatrain.config import EngineSettings
+from megatrain.distributed import slab_numel
 from megatrain.shapes import ModelShape
 from megatrain.optim import SCRATCH_BYTES
 from megatrain.store import HostStore, Layout, can_split, pinned_bytes
@@ -85,7 +86,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     host = {
         "store": store_host,
         "optimizer_scratch": R * SCRATCH_BYTES if s.split_masters else 0,  # a split tile's chunk, joined
-        "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(layer * 4, pinned),
+        # each rank's slabs hold its part of a layer: a host's ranks together what one rank's hold
+        "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(slab_numel(layer, R) * 4, pinned),
         "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
         "runtime": R * HOST_OVERHEAD,
@@ -146,7 +148,7 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None,
             f"store {p.detail['store'] / GiB:.1f} GiB, gradient slabs {p.detail['grad_slabs'] / GiB:.1f} GiB; "
             + ("clipping keeps a float32 gradient per parameter, optim.max_grad_norm=null saves 4 bytes per "
                "parameter; " if p.clipping else "")
-            + "fewer engine.grad_slabs (each holds one layer's float32 gradient), " + split + "engine.master_dtype=bfloat16, "
+            + "fewer engine.grad_slabs (each holds one layer's float32 gradient, a rank's part of it), " + split + "engine.master_dtype=bfloat16, "
             "a smaller model, or state engine.host_memory_gb if the OS under-reports it"))
     if device_available is not None and p.device_bytes > device_available:
         acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))

@@ -5,7 +5,7 @@
 SPEC: {"config": a run's settings, "batches": a torch.save'd list of steps' micro-batches or null
 (then Trainer.fit on the config's data), "out": a folder, "crash_rank": a rank that dies at once
 once the trainer is built (optional)}. Writes out/rank{R}.json (losses,
-gradient norms, the shared store's mapping in this process) and, from each host's first rank,
+gradient norms, the gradient slabs' size, the shared store's mapping in this process) and, from each host's first rank,
 out/params-host{N}.pt (the weights as that host's store holds them).
 """
 from __future__ import annotations
@@ -51,8 +51,11 @@ def main(spec_path: str) -> None:
             losses = [m["loss"] for m in trainer.fit(log=open("/dev/null", "w"), progress=False)]
         trainer.engine.worker.flush()
         trainer.comm.barrier()  # every rank's updates written before the weights are read
-        r = trainer.ranks
-        report = {"rank": r.rank, "node": r.node, "losses": losses,
+        r, e = trainer.ranks, trainer.engine
+        layers = {t.name for t in e.store.layers}
+        slabs = {"slab_numel": e.slab_numel, "layer_numel": max(t.layout.numel for t in e.store.layers),
+                 "largest_layer_part": max(hi - lo for t, (lo, hi) in e.parts.items() if t.name in layers)}
+        report = {"rank": r.rank, "node": r.node, "losses": losses, **slabs,
                   "grad_norms": [trainer.engine.worker.grad_norms[k] for k in sorted(trainer.engine.worker.grad_norms)],
                   "store_bytes": trainer.arena.nbytes if trainer.arena else None, **store_mapping()}
         (out / f"rank{r.rank}.json").write_text(json.dumps(report))

@@ -97,8 +97,8 @@ def assert_same_training(reports, params, reference):
 def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batches, engine, clip):
     """Grad accumulation (2 micro-batches), right-padded rows, an untied head; clipping by the
     global norm (the updates at the step's end), or none (each part updated as its gradient
-    returns) with the embedding and layer 0 on each GPU, summed whole; and the two ranks' store is
-    one shared mapping, not two copies."""
+    returns) with the embedding and layer 0 on each GPU, summed whole; the two ranks' store is
+    one shared mapping, not two copies, and each rank's gradient slabs hold its part of a layer."""
     tree = settings(tmp_path)
     tree["engine"].update(engine)
     tree["optim"]["max_grad_norm"] = clip
@@ -112,6 +112,8 @@ def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batche
     assert sum(r["pss_bytes"] for r in reports) <= 1.1 * store
     assert all(r["rss_bytes"] >= 0.5 * store for r in reports)
     assert not Path(reports[0]["files"][0]).exists(), "the shared store's file left behind"
+    for r in reports:
+        assert r["slab_numel"] == r["largest_layer_part"] < r["layer_numel"] <= 2 * r["slab_numel"], r
 
 
 def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
@@ -209,19 +211,22 @@ def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch)
 
 
 def test_the_plan_counts_the_shared_store_once_per_host():
-    """Two ranks on a host: the store once, the per-rank buffers and runtime twice, each rank's
-    device memory for its half of the micro-batch."""
+    """Two ranks on a host: the store once, the runtime twice, each rank's gradient slabs for its
+    half of a layer (together one rank's), each rank's device memory for its half of the micro-batch."""
     from megatrain import memory
     from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
     from megatrain.resolve import Machine, resolve
     from megatrain.shapes import ModelShape, load_hf_config
+    from megatrain.store import Layout, pinned_bytes
     shape = ModelShape(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
     data, machine = DataConfig(seq_len=4096, batch_size=4), Machine(True, 80 << 30, 1 << 40, gpus=2)
     one = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine))
     two = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine, Ranks(0, 2, 0, 2)))
     assert two.detail["store"] <= one.detail["store"]  # no power-of-two pinned blocks in the shared file
     assert two.detail["runtime"] == 2 * one.detail["runtime"]
-    assert two.detail["grad_slabs"] == 2 * one.detail["grad_slabs"]
+    layer = 4 * Layout.of(shape.layer_specs).numel
+    assert one.detail["grad_slabs"] == 8 * pinned_bytes(layer, True)  # 1 GiB each: a power of two
+    assert two.detail["grad_slabs"] == 2 * 8 * pinned_bytes(layer // 2, True) == one.detail["grad_slabs"]
     assert two.device_bytes < one.device_bytes
     assert two.host_bytes < 1.1 * one.host_bytes
 
