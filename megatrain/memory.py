@@ -78,6 +78,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
     blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
+    B = min(K, L - N)  # the largest recomputed block's layers (fewer than K in a shallow model)
     store_host, store_device = HostStore.nbytes(shape, s)
     R = s.local_ranks  # the host store is shared by the host's ranks; the rest is per rank
     split_saves = 0
@@ -96,9 +97,10 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     chunk = min(s.loss_chunk_tokens, tokens)
     device = {
         "weight_buffers": s.weight_buffers * unit * c,
-        # float32 step gradients: a block's K layers' plus one still returning, and the head's;
-        # untied, also the embedding's (kept through the backward for its rows)
-        "grad_accumulators": ((K + 1) * layer + head + (0 if shape.tied else v * h)) * 4,
+        # float32 step gradients: a block's layers' plus one still returning (no more than the
+        # model has), and the head's; untied, also the embedding's (kept through the backward for
+        # its rows)
+        "grad_accumulators": (min(max(B, 1) + 1, L) * layer + head + (0 if shape.tied else v * h)) * 4,
         "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
         "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
         # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states
@@ -107,7 +109,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # what one layer's graph keeps, per token: ATTN_KEPT h (its input, the norms' outputs, q before
         # and after rotary, attention out and its copy, the residual sum) and the MLP's (chunked: only
         # for one chunk, in its backward); eager attention's softmax over every head's scores
-        "block_activations": K * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * mlp + scores) * c,
+        "block_activations": B * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * mlp + scores) * c,
         # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
         # backward (a chunked MLP keeps only its input, counted within ATTN_KEPT h)
         "kept_graphs": N * M * (tokens * (ATTN_KEPT * h + (0 if chunk_mlp else mlp)) + scores) * c,

@@ -388,6 +388,20 @@ def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
         EngineConfig(no_recompute_layers=-1)
 
 
+def test_a_block_holds_no_more_layers_than_the_model_recomputes():
+    """A block has at most the recomputed layers: a 2-layer model at K = 4 plans a 2-layer block's
+    graphs and gradients (the width experiment's shape: 4 at K = 4 counted two layers too many),
+    and a model every layer of which is kept plans no recomputed block; a deep model keeps K."""
+    def device(layers, k, kept=0):
+        arch = shape_of("qwen2.5-7b", num_hidden_layers=layers)
+        return plan(arch, settings(arch, EngineConfig(checkpoint_every=k, no_recompute_layers=kept))).detail
+    assert device(2, 4)["device.block_activations"] == device(2, 2)["device.block_activations"] > 0
+    assert device(2, 4)["device.grad_accumulators"] == device(2, 2)["device.grad_accumulators"]
+    assert device(2, 4)["device.grad_accumulators"] < device(3, 4)["device.grad_accumulators"]
+    assert device(2, 2, kept=2)["device.block_activations"] == 0
+    assert device(8, 4)["device.block_activations"] == 2 * device(8, 2)["device.block_activations"]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
