@@ -161,8 +161,8 @@ def test_a_non_finite_step_never_reaches_the_weights(tmp_path, monkeypatch, clip
         moments = [t.exp_avg_sq.clone() for t in trainer.store.tiles]
         real = megatrain.engine.head_loss_and_grads
 
-        def poisoned(*args):
-            part, dx = real(*args)
+        def poisoned(*args, **kwargs):
+            part, dx = real(*args, **kwargs)
             return part, dx * float("nan")
         monkeypatch.setattr(megatrain.engine, "head_loss_and_grads", poisoned)
         with pytest.raises(FloatingPointError, match="NaN or an infinity in embed, layer.0"):
@@ -185,7 +185,7 @@ def test_the_command_stops_on_a_non_finite_step_and_saves_nothing(tmp_path, monk
     from megatrain.cli import main
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     monkeypatch.setattr(megatrain.engine, "head_loss_and_grads",
-                        lambda *a: (torch.tensor(float("nan")), torch.full_like(a[0], float("nan"))))
+                        lambda *a, **_: (torch.tensor(float("nan")), torch.full_like(a[0], float("nan"))))
     code = main(["train", "--no-progress", "--no-json", f"model.pretrained={tmp_path / 'init'}", "engine.device=cpu",
                  "data.seq_len=16", "data.batch_size=2", "steps=2", f"output_dir={tmp_path / 'out'}"])
     assert code == 3 and "error at step 1" in capsys.readouterr().err
