@@ -389,9 +389,9 @@ def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
 
 
 def test_a_block_holds_no_more_layers_than_the_model_recomputes():
-    """A block has at most the recomputed layers: a 2-layer model at K = 4 plans a 2-layer block's
-    graphs and gradients (the width experiment's shape: 4 at K = 4 counted two layers too many),
-    and a model every layer of which is kept plans no recomputed block; a deep model keeps K."""
+    """A block has at most the recomputed layers: a 2-layer model at K = 4 (the width experiment's
+    shape, where the plan once counted 4 layers) plans a 2-layer block's graphs and gradients; a
+    model whose every layer is kept plans no recomputed block; a deep model's blocks hold K."""
     def device(layers, k, kept=0):
         arch = shape_of("qwen2.5-7b", num_hidden_layers=layers)
         return plan(arch, settings(arch, EngineConfig(checkpoint_every=k, no_recompute_layers=kept))).detail
