@@ -11,7 +11,7 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 i=0
 for round in 1 2; do
   for loss in eager compiled; do
-    i=$((i + 1)); left=$((145 * i - SECONDS)); [ $left -lt 60 ] && { echo "skip $loss $round"; continue; }
+    i=$((i + 1)); left=$((40 + 130 * i - SECONDS)); [ $left -lt 60 ] && { echo "skip $loss $round"; continue; }
     MEGATRAIN_GIT_COMMIT=$C timeout $left python -m suite run $A engine.loss_kernel=$loss \
       --out $OUT/new/7b_4seq_loss_${loss}_r$round.json > $OUT/new/7b_4seq_loss_${loss}_r$round.log 2>&1
     echo "$loss r$round rc $? at $SECONDS s"
