@@ -149,9 +149,10 @@ class EngineConfig:
     # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
     # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
-    # auto: compiled on a GPU, eager on the CPU. Eager by default until its speed is measured (both
-    # track each other on the GPU: tests/test_gpu.py)
-    loss_kernel: Literal["auto", "compiled", "eager"] = "eager"
+    # auto: compiled on a GPU (7B on the H100: +1.5% at 4 x 4096, the head 523 -> 396 ms at
+    # 16 x 4096; results/h100/speed/README.md), eager on the CPU; both track each other on the GPU
+    # (tests/test_gpu.py)
+    loss_kernel: Literal["auto", "compiled", "eager"] = "auto"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown

@@ -536,14 +536,13 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
 
 def test_layer_kernels_auto_compile_on_a_gpu_only():
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel `auto`: compiled on a GPU (the
-    MLP's only where it is SiLU-gated), eager on the CPU; a stated choice stands. The loss kernel is
-    eager unless asked for."""
+    MLP's only where it is SiLU-gated), eager on the CPU; a stated choice stands."""
     data = DataConfig(seq_len=4096, batch_size=2)
     chosen = {}
-    auto = EngineConfig(loss_kernel="auto")
+    auto = EngineConfig()
     for preset, cuda, engine in (("qwen2.5-7b", True, auto), ("qwen2.5-7b", False, auto),
                                  ("gpt-oss-20b", True, auto),
-                                 ("qwen2.5-7b", True, EngineConfig(norm_kernel="eager", mlp_kernel="eager", loss_kernel="auto")),
+                                 ("qwen2.5-7b", True, EngineConfig(norm_kernel="eager", mlp_kernel="eager")),
                                  ("qwen2.5-7b", True, EngineConfig(norm_kernel="compiled"))):
         s = resolve(engine, data, OptimConfig(), shape_of(preset), Machine(cuda, None, 1 << 50, int(cuda)))
         chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel, s.loss_kernel)
@@ -551,7 +550,7 @@ def test_layer_kernels_auto_compile_on_a_gpu_only():
                       ("qwen2.5-7b", False, "auto"): ("eager", "eager", "eager"),
                       ("gpt-oss-20b", True, "auto"): ("compiled", "eager", "compiled"),
                       ("qwen2.5-7b", True, "eager"): ("eager", "eager", "compiled"),
-                      ("qwen2.5-7b", True, "compiled"): ("compiled", "compiled", "eager")}
+                      ("qwen2.5-7b", True, "compiled"): ("compiled", "compiled", "compiled")}
 
 
 def test_engine_kernels_build_in_this_process():
