@@ -9,6 +9,8 @@ the worker's tree and records the point as `interrupted`; a runner killed outrig
 with it (the kernel signals a worker whose parent dies), though no result can then be written.
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
 faulthandler) and then killed: the result says where it was (`stacks`), a hang as well as a slow step.
+An interrupt while a worker is being killed (its exit can take tens of seconds where it pinned much
+host memory) waits until the result is written, and is raised then.
 """
 from __future__ import annotations
 
@@ -110,13 +112,10 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
                 proc.wait(timeout=spec.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                stacks = _stacks(proc, log)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stacks, interrupted = _reap(proc, log)
             except BaseException as e:  # interrupted (Ctrl-C, SIGTERM): the worker's tree goes too
                 interrupted = e
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _reap(proc)
             finally:
                 if sampler is not None:
                     sampler.close()
@@ -126,7 +125,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     tail = _tail(log)
     peak_host = sampler.peak_host_bytes if sampler is not None else 0
     status, reason = classify(proc.returncode, timed_out, result.get("status"), tail,
-                              peak_host, psutil.virtual_memory().total, interrupted is not None)
+                              peak_host, psutil.virtual_memory().total, interrupted is not None and not timed_out)
     if status != result.get("status"):
         result["status"] = status
         result["reason"] = reason or _timeout_reason(spec, result["steps"], wall)
@@ -174,6 +173,25 @@ def _dies_with(parent: int):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
         die_with_parent(signal.SIGKILL, parent)
     return preexec
+
+
+def _reap(proc: subprocess.Popen, log: Path | None = None) -> tuple[str | None, BaseException | None]:
+    """Kill the worker's tree, first asking for its stacks where `log` is given, and wait until it
+    has gone. Returns the stacks and an interrupt (`timeout`'s SIGTERM, a Ctrl-C) that came
+    meanwhile, which the runner raises once the result is written: a worker holding tens of GiB of
+    pinned host memory can take tens of seconds to exit, and the point's result is not lost for that."""
+    stacks, pending = None, None
+    try:
+        stacks = _stacks(proc, log) if log is not None else None
+    except BaseException as e:  # held until the result is written
+        pending = e
+    os.killpg(proc.pid, signal.SIGKILL)
+    while True:
+        try:
+            proc.wait()
+            return stacks, pending
+        except BaseException as e:  # the tree has its SIGKILL: the wait ends
+            pending = pending or e
 
 
 def _stacks(proc: subprocess.Popen, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:

@@ -112,6 +112,20 @@ def test_timeout_kills_the_tree_and_is_a_result(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["status"] == "timeout"
 
 
+def test_an_interrupt_while_a_late_worker_is_killed_still_leaves_its_result(tmp_path, monkeypatch):
+    # `timeout`'s SIGTERM or a Ctrl-C arriving while the runner asks the late worker for its stacks
+    # (or waits for it to exit): the timeout's result is written, then the interrupt goes on
+    import suite.runner
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(suite.runner, "_stacks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_point(tiny(timeout_s=1.0), tmp_path / "t.json")
+    r = json.loads((tmp_path / "t.json").read_text())
+    assert r["status"] == "timeout" and "1 s" in r["reason"]
+
+
 def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     # a tiny run whose steps are many: it measures a few, then the limit kills it
     r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")

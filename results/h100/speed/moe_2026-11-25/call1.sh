@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 19, issue 23: the first mixture-of-experts points on a GPU, on the single-GPU `nvidia-h200`
-# machine (126 GiB host: the x2 host was not lent), so only shapes whose host plan fits it:
+# Session 19, issue 23: the first mixture-of-experts points on a GPU, asked of the single-GPU
+# `nvidia-h200` kind, which ran it on an H100 (126 GiB host: the x2 host was not lent), so only
+# shapes whose host plan fits that host:
 # Qwen3-30B-A3B on 6 of its 48 layers at the grid's 8 x 4096 (traced) and at 2 x 4096 (where the
 # link should bind, docs/moe.md), PyTorch native on the same 6 layers, and GPT-OSS-120B on 1 layer at 4 x 4096 with 2 slabs (its 12.9 GB float32 gradient slabs).
 # Run as: C=<commit> bash call1.sh
