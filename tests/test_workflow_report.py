@@ -233,6 +233,24 @@ def test_a_line_breaks_where_the_settings_change(tmp_path):
         plot.settings(pd.Series({"seq": 8192, "batch": 8, "accum": 1, "options": ""}), ctx)
 
 
+def test_the_legend_fits_the_figure_and_a_cut_model_names_its_layers(tmp_path):
+    """Appendix B's figure: one panel, long legend entries (the settings note), a 7B-wide model cut
+    to 4 layers. The legend stays inside the figure; the tick under the cut model says "4 layers"
+    rather than passing for the whole 7B."""
+    points = {"1b_disk": _result("ratel", "qwen2.5-7b", layers=4, params=2_022_229_504, tflops=0.9,
+                                 options={"offload": "disk"}),
+              "1b_cpu": _result("ratel", "qwen2.5-7b", layers=4, params=2_022_229_504, tflops=30.3,
+                                options={"offload": "cpu"}),
+              "7b": _result("ratel", "qwen2.5-7b", params=7_615_616_512, status="unsupported")}
+    fig = plot.figure(_table(tmp_path, "ratel", points), "ratel", "h100")
+    fig.canvas.draw()
+    box, legend = fig.bbox, fig.legends[0].get_window_extent()
+    assert box.x0 <= legend.x0 and legend.x1 <= box.x1
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert "2.02\n(7B,\n4 layers)" in ticks and "7.62\n(7B)" in ticks
+    assert plot._legend_columns(["x" * 60], 3.0) == 1 and plot._legend_columns(["x"], 9.0) == plot.LEGEND_COLUMNS
+
+
 def test_a_line_breaks_where_the_resolved_kernels_change(tmp_path):
     """Two MegaTrain points asked alike, one run before the compiled layer kernels (no such
     setting recorded: eager) and one that resolved `auto` to them: the table says which ran what,

@@ -253,7 +253,8 @@ def _draw_paper(ax, ref: pd.DataFrame, label: str, marker: str) -> None:
 
 def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) -> None:
     """Ticks at the measured x values and at the paper's away from ours, thinned so that no two
-    labels overprint; a model size axis names the model under its parameter count."""
+    labels overprint; a model size axis names the model under its parameter count (and its layers
+    where the point cut it to fewer)."""
     xs = sorted(set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper else set()))
     ticks: list[float] = []
     for x in xs:
@@ -264,11 +265,11 @@ def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) ->
     if spec.x == "params_B":
         for frame, col in ((ours, "preset"), (paper, "model")):
             if col in frame:
-                for x, m in zip(frame["x"], frame[col]):
-                    if pd.notna(x) and _size_b(m) is not None:
-                        names.setdefault(x, f"{_size_b(m):g}B")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
-        lambda v, p: _tick(v, p) + (f"\n({names[v]})" if v in names else "")))
+                layers = frame["layers"] if "layers" in frame else pd.Series(np.nan, index=frame.index)
+                for x, m, n in zip(frame["x"], frame[col], layers):
+                    if pd.notna(x) and _size_b(m) is not None:  # a model cut to fewer layers says so
+                        names.setdefault(x, f"\n({_size_b(m):g}B" + (f",\n{n:g} layers)" if pd.notna(n) else ")"))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, p: _tick(v, p) + names.get(v, "")))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
@@ -523,18 +524,26 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
         notes = [(_failed_note(df[df["source"] == "measured"], spec.label), "red"), *notes]
     note_lines = [(w, color) for n, color in notes if n for w in textwrap.wrap(n, int(19 * width))]
     note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
-    legend_in = 0.17 * -(-len(entries) // LEGEND_COLUMNS) + 0.1
+    columns = _legend_columns(list(entries), width)
+    legend_in = 0.17 * -(-len(entries) // columns) + 0.1
     title_in = 0.2 if smoke else 0
     fig.set_figheight(height + note_in + legend_in + title_in)
     total = fig.get_figheight()
     if entries:
         fig.legend(list(entries.values()), list(entries), loc="lower center", bbox_to_anchor=(0.5, note_in / total),
-                   ncol=LEGEND_COLUMNS, fontsize=7, frameon=False)
+                   ncol=columns, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, (note_in + legend_in) / total, 1, 1))
     line_in = 0.13 / total  # one note line, as a fraction of the figure's height
     for k, (text, color) in enumerate(reversed(note_lines)):
         fig.text(0.01, 0.01 + k * line_in, text, fontsize=7, color=color, va="bottom")
     return fig
+
+
+def _legend_columns(labels: list[str], width_in: float) -> int:
+    """As many legend columns (at most LEGEND_COLUMNS) as the figure's width holds: an entry is its
+    marker and its text at about 19 characters an inch (size 7)."""
+    widest = max((len(label) for label in labels), default=0) / 19 + 0.5
+    return max(1, min(LEGEND_COLUMNS, int(width_in // widest)))
 
 
 def main(argv: list[str] | None = None) -> int:
