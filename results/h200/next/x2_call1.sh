@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Prepared in session 19 for the first `nvidia-h200-x2` call (results/h200/README.md, "what is left",
+# step 1), carrying [".whl", ".libaio"]. Run as: C=<commit> bash results/h200/next/x2_call1.sh
+# 1. the 7 refusals by admission (15 s each, four at once: `host` and `gpu` raised, as they allocate nothing);
+# 2. the GPU tests of the tree, the two-GPU ones among them (the data-parallel part slabs of
+#    session 18 have not run on GPUs);
+# 3. this host's bandwidth probe (the step model has no memcpy rate for it).
+# Then pack what it wrote: results/h200 and plots/h200 come back in $OUT/workflow.tgz.
+set -u
+export MEGATRAIN_GIT_COMMIT=$C TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
+P=results/h200/points
+experiments/workflow_gpu.sh 150 h200 $P/scale/14b_zero_infinity.json $P/scale/32b_zero_infinity.json \
+  $P/scale/72b_zero_infinity.json $P/scale/120b_megatrain.json $P/scale/120b_native.json \
+  $P/scale/120b_zero3.json $P/scale/120b_zero_infinity.json --resources gpu=4 host=4 2>&1 | tail -15
+cp $OUT/workflow.tgz $OUT/refusals.tgz
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/pytest_gpu.txt | tail -4
+mkdir -p $OUT/probes
+timeout $((560 - SECONDS)) python3 -m experiments.probes.bandwidth --out $OUT/probes/bandwidth.json 2>&1 | tail -12
+echo "done at $SECONDS s"
