@@ -44,8 +44,9 @@ OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
 # split masters (engine.split_masters): the update runs at this fraction of the whole masters' rate
 # (experiments/probes/adamw_rate.py on the 2-core CPU machine, docs/host-store.md)
 SPLIT_RATE = 0.41
-# the layer kernels of the probes that measured each machine's layer rate (layer_tflops)
-EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager"}
+# the layer kernels of the probes that measured each machine's layer rate (layer_tflops), and the
+# loss eager, as every point ran before engine.loss_kernel defaulted to compiled on a GPU
+EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager"}
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
 # kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
 # H100 host, held about 0.4 GiB each of the host peak the harness counts
@@ -234,6 +235,9 @@ def check(roots: list[Path]) -> list[dict]:
         engine = (r.get("info") or {}).get("engine") or {}
         ran = {k: engine.get(k, "eager") for k in EAGER}  # eager before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
+        # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
+        # compiled loss's head chunk): the projection times that run, not today's choice
+        ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens") if k in engine}
         pr = project(RunSpec.from_dict(spec), m, ran)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without
