@@ -11,8 +11,10 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri MEGATRAIN_GIT_
 run() { # name end_by args...: the harness's timeout 30 s before the slot ends, the kill 30 s after it
   local name=$1 end=$2; shift 2
   local left=$((end - SECONDS)); [ $left -lt 90 ] && { echo "skip $name: $left s left"; return; }
+  # the harness writes the worker's log beside the result (NAME.log): the command's own lines go
+  # elsewhere, or the two writers overwrite each other's bytes in one file
   timeout $((left + 30)) python -m suite run "$@" --timeout $((left - 30)) --out $OUT/new/$name.json \
-    > $OUT/new/$name.log 2>&1
+    >> $OUT/new/commands.log 2>&1
   echo "$name rc $? at $SECONDS s"
 }
 run 120b_L1_b4 330 $(pt moe/120b_L3_megatrain | sed "s/num_hidden_layers=3/num_hidden_layers=1/; s/--batch 8 --accum 4/--batch 4 --accum 1/") engine.grad_slabs=2
