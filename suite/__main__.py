@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import signal
 import sys
+from pathlib import Path
 
 from megatrain.cli import parse_with_settings
 from megatrain.config import parse_overrides
@@ -55,11 +57,31 @@ def _run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    log = Path(args.out).with_suffix(".log")
+    if _writes_to(log):
+        print(f"error: the worker's log is written to {log}, and so is this command's output: the two would "
+              f"overwrite each other's bytes; send the command's output elsewhere", file=sys.stderr)
+        return 2
     r = run_point(spec, args.out, python=args.python or sys.executable)
     med = r.get("median", {})
     print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
           f"host {r['peak']['host_rss_bytes'] / GiB:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
     return 0 if r["status"] == "ok" or args.workflow_job else 1
+
+
+def _writes_to(path: Path) -> bool:
+    """Whether this process's standard output or error is the file at `path` (`> point.log`)."""
+    try:
+        target = path.stat()
+    except OSError:
+        return False
+    for fd in (1, 2):
+        try:
+            if os.path.samestat(os.fstat(fd), target):
+                return True
+        except OSError:  # a closed descriptor
+            pass
+    return False
 
 
 def _check(args) -> int:

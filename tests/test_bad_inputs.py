@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,8 @@ from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
 from tiny_tokenizer import save_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(tmp_path, capsys, text: str, *overrides: str) -> str:
@@ -196,3 +201,17 @@ def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, optio
     assert message in capsys.readouterr().err and not out.exists() and not work.exists()
     with pytest.raises(SystemExit):  # a stray setting after the flags is no option of this command
         suite_main(["accuracy", "--out", str(out), "--work", str(work), "engine.k=1"])
+
+
+def test_a_point_whose_log_is_the_commands_output_is_refused(tmp_path):
+    """`python -m suite run ... --out p.json > p.log`: the harness writes the worker's log to p.log,
+    so the command's own output there would overwrite its first bytes. Refused by name before the
+    point runs; nothing written but the shell's file."""
+    log = tmp_path / "p.log"
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "suite", "run", "--system", "megatrain", "--preset", "tiny-llama",
+                             "--seq", "16", "--batch", "2", "--steps", "1", "--out", str(tmp_path / "p.json")],
+                            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    assert rc == 2
+    assert "the worker's log is written to" in log.read_text() and "Traceback" not in log.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.log"]
