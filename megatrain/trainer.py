@@ -32,7 +32,7 @@ from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at, rates
 from megatrain.progress import bar, say
-from megatrain.resolve import Machine, resolve
+from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import HostStore, pretrained_shards
@@ -355,6 +355,17 @@ class Trainer:
         self.comm.close()
 
 
+def _stated_gpu_machine(engine, gpus: int) -> Machine:
+    """A GPU machine this one is not, as engine.device_memory_gb and the stated host size say."""
+    missing = [k for k, v in (("engine.device_memory_gb", engine.device_memory_gb),
+                              ("engine.host_memory_gb", engine.host_memory_gb or os.environ.get(HOST_MEMORY_ENV)))
+               if v is None]
+    if missing:
+        raise ValueError(f"engine.device is {engine.device!r} but this machine has no GPU: to plan for a GPU "
+                         f"machine, state {' and '.join(missing)}")
+    return Machine(True, int(engine.device_memory_gb * GiB), host_available_bytes(engine.host_memory_gb), gpus)
+
+
 def _rank_device(name: str, ranks: Ranks) -> str:
     """One GPU per rank: the host's local rank picks it (engine.device auto or cuda)."""
     if not ranks.distributed or name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -407,18 +418,23 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
 
 def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
     """What a run would do and need, without allocating the model: `megatrain plan`; `gpus`: as
-    one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank)."""
+    one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank).
+    engine.device cuda where this machine has no GPU: the plan of the GPU machine the settings
+    state (engine.device_memory_gb, engine.host_memory_gb), to size one before renting it."""
     shape = ModelShape(load_hf_config(cfg.model))
     ranks = Ranks(0, gpus, 0, gpus)
-    device = Device(_rank_device(cfg.engine.device, ranks))
-    machine = Machine.of(device, cfg.engine)
+    if cfg.engine.device.startswith("cuda") and not torch.cuda.is_available():
+        machine, where, shm = _stated_gpu_machine(cfg.engine, gpus), "the stated machine", None
+    else:
+        machine = Machine.of(Device(_rank_device(cfg.engine.device, ranks)), cfg.engine)
+        where, shm = "this machine", shared_memory_free() if gpus > 1 else None
     data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
     data_bytes = data.nbytes + (held_out.nbytes if held_out else 0)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
     p = memory.plan(shape, s, data_bytes)
     try:
-        memory.admit(p, machine.host_available, machine.device_free, shared_memory_free() if gpus > 1 else None)
-        verdict = "fits this machine"
+        memory.admit(p, machine.host_available, machine.device_free, shm)
+        verdict = f"fits {where}"
     except memory.DoesNotFit as e:
         verdict = str(e)
     total = cfg.steps if cfg.steps is not None else data.steps_for(cfg.epochs)

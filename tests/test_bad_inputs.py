@@ -215,3 +215,20 @@ def test_a_point_whose_log_is_the_commands_output_is_refused(tmp_path):
     assert rc == 2
     assert "the worker's log is written to" in log.read_text() and "Traceback" not in log.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.log"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans this machine's own GPU there")
+def test_megatrain_plan_for_a_gpu_machine_from_one_without(capsys):
+    """`megatrain plan engine.device=cuda` where there is no GPU: the plan of the GPU machine the
+    settings state (bf16 compute, the GPU's kernels), its verdict against that machine; without
+    the sizes, a refusal that names them."""
+    args = ["plan", "model.preset=qwen2.5-7b", "data.seq_len=4096", "data.batch_size=4", "steps=1",
+            "engine.device=cuda", "engine.checkpoint_every=1", "engine.host_memory_gb=125"]
+    assert main([*args, "engine.device_memory_gb=79"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 compute" in out and out.rstrip().endswith("fits the stated machine")
+    assert main([*args, "engine.device_memory_gb=8"]) == 0
+    assert "the run does not fit: device memory" in capsys.readouterr().out
+    assert main(args[:-1] + ["engine.device_memory_gb=79"]) == 2
+    err = capsys.readouterr().err
+    assert "state engine.host_memory_gb" in err and "engine.device_memory_gb" not in err and "Traceback" not in err
