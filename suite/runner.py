@@ -196,13 +196,42 @@ def _reap(proc: subprocess.Popen, log: Path | None = None) -> tuple[str | None, 
 
 def _stacks(proc: subprocess.Popen, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
     """The Python stacks of the worker tree's processes, as faulthandler writes them to the log on
-    SIGUSR1 (suite.worker registers it; a helper process without it just ends early)."""
+    SIGUSR1 (suite.worker registers it; a helper process without it just ends early); where none
+    came, the kernel's view of the tree's threads instead."""
     start = log.stat().st_size
+    states = _thread_states(proc.pid)  # before the signal ends the helpers that do not take it
     os.killpg(proc.pid, signal.SIGUSR1)
     time.sleep(wait_s)
     with open(log, errors="replace") as f:
         f.seek(start)
-        return f.read()[-limit:]
+        return f.read()[-limit:] or states
+
+
+def _thread_states(pid: int, limit: int = 64) -> str:
+    """Each thread of the process tree at `pid`: its state and the kernel function it waits in
+    (/proc). A thread blocked inside the kernel (state D) runs no signal handler until it returns,
+    so this says where a late worker was when its Python stacks do not come."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return ""
+    lines = ["no Python stacks came back within the wait; each thread as the kernel saw it before the signal:"]
+    for p in procs:
+        try:
+            name, threads = p.name(), p.threads()
+        except psutil.Error:
+            continue
+        lines.append(f"pid {p.pid} ({name}), {len(threads)} threads")
+        for t in threads[:limit]:
+            task = Path(f"/proc/{p.pid}/task/{t.id}")
+            try:  # stat: "tid (comm) state ..."; comm may hold spaces, the state follows its ")"
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                comm, wchan = (task / "comm").read_text().strip(), (task / "wchan").read_text().strip()
+            except (OSError, IndexError):
+                continue
+            lines.append(f"  tid {t.id} {comm}: state {state}, waiting in {wchan or '-'}")
+    return "\n".join(lines)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

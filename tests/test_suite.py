@@ -126,6 +126,27 @@ def test_an_interrupt_while_a_late_worker_is_killed_still_leaves_its_result(tmp_
     assert r["status"] == "timeout" and "1 s" in r["reason"]
 
 
+def test_a_late_worker_that_writes_no_stacks_is_described_by_its_threads(tmp_path):
+    # a process that takes no SIGUSR1 (as one blocked in the kernel cannot): the runner's `stacks`
+    # then say where each of its threads waited, as /proc tells
+    from suite.runner import _stacks
+    log = tmp_path / "w.log"
+    log.write_text("")
+    code = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    with open(log, "a") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, start_new_session=True)
+    try:
+        while "up" not in log.read_text():
+            time.sleep(0.05)
+        start = log.stat().st_size
+        text = _stacks(proc, log, wait_s=0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert start == log.stat().st_size  # nothing came on the signal
+    assert "no Python stacks came back" in text and f"pid {proc.pid} " in text and "state S" in text
+
+
 def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     # a tiny run whose steps are many: it measures a few, then the limit kills it
     r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")
