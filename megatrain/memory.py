@@ -102,9 +102,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # its rows)
         "grad_accumulators": (min(max(B, 1) + 1, L) * layer + head + (0 if shape.tied else v * h)) * 4,
         "layer_grads": layer * c,  # autograd's per-parameter gradients of one layer
-        # a chunk's logits and their gradient; the library's loss adds a float32 copy and its
-        # float32 gradient, the compiled one reads the logits as they are (loss.py)
-        "head_chunk": chunk * v * (2 * c if s.loss_kernel == "compiled" else 4 + 4 + c),
+        "head_chunk": chunk * v * (4 + 4 + c),  # logits, their float32 copy and gradient
         # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states
         # and their gradients in flight
         "checkpoints": ((min(2, blocks) if s.offload_checkpoints else blocks) + 2) * M * tokens * h * c,

@@ -534,17 +534,6 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
     assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
 
 
-def test_the_plan_counts_the_compiled_loss_without_its_float32_copies():
-    """engine.loss_kernel compiled: a chunk's logits and their gradient in the compute dtype; the
-    library's loss adds the float32 copy and its float32 gradient (7B on the H100 at 4 x 4096: the
-    device peak 69.7 -> 65.1 GiB, results/h100/speed/loss_kernel_2026-11-25)."""
-    shape = shape_of("qwen2.5-7b")
-    eager, compiled = (plan(shape, replace(settings(shape), loss_kernel=k)).detail["device.head_chunk"]
-                       for k in ("eager", "compiled"))
-    logits = 4096 * shape.vocab
-    assert eager == logits * (4 + 4 + 2) and compiled == logits * 2 * 2
-
-
 def test_layer_kernels_auto_compile_on_a_gpu_only():
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel `auto`: compiled on a GPU (the
     MLP's only where it is SiLU-gated), eager on the CPU; a stated choice stands."""
