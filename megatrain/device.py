@@ -19,6 +19,9 @@ class _NoEvent:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 class Device:
     def __init__(self, name: str = "auto"):

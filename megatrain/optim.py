@@ -10,9 +10,18 @@ buffer and all updates wait for the step's end; they then run in the order the n
 forward reads the tiles, and the weight stream waits per tile (`Tile.ready`), so the updates
 overlap the next step's forward instead of stalling the device for the whole optimizer.
 The squared norms are taken on the device and arrive with the step's end.
+
+Without clipping the pieces are not applied in the order they arrive. The backward returns the
+tiles last-first, and the next forward reads them first-first: where the CPU's AdamW is slower than
+the backward, a first-come order leaves the first layers' updates for last, and the next step
+waits for all of them. The worker instead applies, of the pieces whose copy has landed, the one
+the next forward reads first; the pieces it leaves hold their slabs, so the backward runs ahead
+by up to the slabs' count, and what is left at the step's end is the last layers' updates, which
+overlap the next forward (results/h100x2/speed/short_step_2026-11-25).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -149,6 +158,7 @@ class OptimizerWorker:
         self.compiled = compiled
         self.threads = torch.get_num_threads()  # the worker's own OpenMP team, for compiled code too
         self.tiles = tiles  # in the order the forward reads them
+        self.order = {tile: k for k, tile in enumerate(tiles)}
         self.parts = parts or {tile: (0, tile.layout.numel) for tile in tiles}
         self.published = published
         self.timeline = timeline
@@ -209,10 +219,25 @@ class OptimizerWorker:
             raise RuntimeError(f"the optimizer worker failed: {type(e).__name__}: {e}") from e
 
     # ---- worker thread ----
+    def _next(self, pending: list) -> object:
+        """The next task to run. Everything queued is taken into `pending` (blocking only when
+        nothing is pending); a step's begin and finish run in their place, and of the gradient
+        pieces before them, the landed one that the next forward reads first, else the oldest."""
+        while True:
+            try:
+                pending.append(self._tasks.get(block=not pending))
+            except queue.Empty:
+                break
+        pieces = itertools.takewhile(lambda k: isinstance(pending[k], _Dense), range(len(pending)))
+        landed = [k for k in pieces if pending[k].landed.query()]
+        pick = min(landed, key=lambda k: (self.order[pending[k].tile], pending[k].lo), default=0)
+        return pending.pop(pick)
+
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
         handlers = {_Begin: self._do_begin, _Dense: self._do_dense, _Finish: self._do_finish}
-        while (task := self._tasks.get()) is not None:
+        pending = []  # tasks taken from the queue, in their order, not yet run
+        while (task := self._next(pending)) is not None:
             try:
                 if self._error is None:
                     if not isinstance(task, _Begin):
