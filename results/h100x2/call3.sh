@@ -16,8 +16,8 @@ run() { # name end_by args...: the harness's timeout 20 s before the slot ends, 
   echo "$name rc $? at $SECONDS s"
 }
 cp megatrain/optim.py /tmp/optim_new.py && cp .ab/megatrain/optim.py megatrain/optim.py
-run 14b_4seq_dt3_fifo 215 $(pt 14b_4seq_dt3_fifo)
+run 14b_4seq_dt3_fifo 210 $(pt 14b_4seq_dt3_fifo)
 cp /tmp/optim_new.py megatrain/optim.py
-run 14b_4seq_dt3_order 425 $(pt 14b_4seq_dt3_order)
+run 14b_4seq_dt3_order 405 $(pt 14b_4seq_dt3_order)
 python3 -m suite table $D 2>&1 | tail -4
 echo "done at $SECONDS s"
