@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     fig.legend(handles, [str(k) for k in COLORS], loc="upper center", ncol=len(COLORS) // 2, fontsize=8,
                frameon=False)
     if args.title:
-        fig.suptitle(args.title, y=0.02, fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 1 - 0.45 / fig.get_figheight()))  # two legend rows above
+        fig.suptitle(args.title, y=0.01, va="bottom", fontsize=9)  # a caption below the axis
+    fig.tight_layout(rect=(0, 0.07, 1, 1 - 0.45 / fig.get_figheight()))  # two legend rows above
     with atomic_file(args.out) as tmp:
         fig.savefig(tmp, dpi=130)
 
