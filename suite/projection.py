@@ -74,6 +74,10 @@ MACHINES = {m.name: m for m in (
                  "nvidia-h100-x1: bandwidth probe 54-55 GB/s pinned each way, memcpy 74 GB/s, "
                  "the 7B layer probe at 8 x 4096 (results/h100/speed/7b_16seq_mb8_K1_dt3_guard_after.json)",
                  ("NVIDIA H100 80GB HBM3", 16)),
+    MachineModel("h100x2", 78.5, 250.0, 50.9, 54.9, 99.7, 421.6, ("qwen2.5-7b", 8, 4096),
+                 "one H100 of nvidia-h100-x2 (32 cores, 256 GiB): bandwidth probe 50.9/54.9 GB/s pinned, "
+                 "memcpy 99.7 GB/s (results/h100x2/probes/bandwidth.json); the layer rate of the H100 x1 "
+                 "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32)),
     MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
                  "layer rate of the x2 host's H200", ("NVIDIA H200", 16)),
