@@ -88,7 +88,6 @@ def probe(cfg: OptimConfig) -> str | None:
     return None
 
 
-
 def probe_in_background(cfg: OptimConfig) -> Callable[[], str | None]:
     """`probe` on a thread of its own, started now; the returned call waits for its answer. A
     daemon thread: a run that stops meanwhile (a bad weights file) exits without waiting for it."""
