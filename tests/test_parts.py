@@ -15,7 +15,7 @@ from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConf
 from megatrain.memory import plan
 from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
-from megatrain.shapes import ModelShape, load_hf_config
+from megatrain.shapes import ModelShape, ParamSpec, load_hf_config
 from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
 from megatrain.templates import Architecture
 from megatrain.trainer import Trainer
@@ -84,6 +84,26 @@ def test_host_bytes_per_parameter(split):
         # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
         n = layer.layout.numel
         assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
+
+
+@pytest.mark.parametrize("master, split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_drawn_weights_are_those_of_a_drawn_tensor(master, split):
+    """A tile's seeded draws, in place into a whole float32 master or through a tensor otherwise,
+    are the numbers torch draws into a tensor of their own (the store's init did so before), in the
+    master and in its bf16 shadow."""
+    specs = [ParamSpec("w.weight", (37, 53)), ParamSpec("v.weight", (129,))]
+    tile = Tile("t", Layout.of(specs), master, torch.bfloat16, pinned=False, grad=False, split=split)
+    tile.reset()
+    gen = torch.Generator().manual_seed(7)
+    for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
+        tile.draw_normal(offset, spec.numel, 0.02, gen)
+    gen = torch.Generator().manual_seed(7)
+    for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
+        want = torch.empty(spec.shape).normal_(0.0, 0.02, generator=gen).reshape(-1)
+        with tile.plain_state() as state:
+            got = state["master"][offset: offset + spec.numel]
+            assert torch.equal(got.float(), want.to(master).float())
+        assert torch.equal(tile.shadow[offset: offset + spec.numel], want.to(torch.bfloat16))
 
 
 def test_templates_hold_no_weights_and_keep_per_layer_behaviour():
