@@ -7,7 +7,8 @@ from pathlib import Path
 from megatrain.units import GiB
 
 COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'TFLOP/s':>8} {'ratio':>6} "
-           f"{'busy':>5} {'opt exp':>7} {'idle un':>7} {'issuing':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7}")
+           f"{'busy':>5} {'opt exp':>7} {'idle un':>7} {'issuing':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7} "
+           f"{'setup s':>7} {'wall s':>6}")  # set-up and the whole point's wall: what packs a GPU call
 
 
 def rows(folders: list[str | Path]) -> list[tuple[str, dict]]:
@@ -36,7 +37,7 @@ def line(name: str, r: dict) -> str:
             f"{_number(exposed, 'gpu_busy_frac', 5, 2)} {_number(exposed, 'optimizer_exposed_s', 7, 3)} "
             f"{_number(exposed, 'idle_unattributed_s', 7, 3)} {_number(exposed, 'idle_while_issuing_s', 7, 3)} "
             f"{(peak.get('device_allocated_bytes') or 0) / GiB:7.1f} {(host or 0) / GiB:8.1f} "
-            f"{host / params if host and params else 0:7.2f}")
+            f"{host / params if host and params else 0:7.2f} {_number(r, 'setup_s', 7, 0)} {_number(r, 'wall_s', 6, 0)}")
 
 
 def main(folders: list[str]) -> int:

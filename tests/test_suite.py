@@ -266,3 +266,6 @@ def test_the_table_marks_a_breakdown_the_run_did_not_record():
     issuing = 10  # point, system, status, batch, step s, TFLOP/s, ratio, busy, opt exp, idle un, issuing
     assert line("old", old).split()[issuing] == "-"  # not measured: never a 0 that reads as measured
     assert line("new", new).split()[issuing] == "0.000"
+    timed = {**new, "setup_s": 88.3, "wall_s": 135.2}
+    assert line("timed", timed).split()[-2:] == ["88", "135"]  # set-up and wall: what packs a GPU call
+    assert line("new", new).split()[-2:] == ["-", "-"]
