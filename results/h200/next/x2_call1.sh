@@ -14,7 +14,7 @@ experiments/workflow_gpu.sh 150 h200 $P/scale/14b_zero_infinity.json $P/scale/32
   $P/scale/120b_zero3.json $P/scale/120b_zero_infinity.json --resources gpu=4 host=4 2>&1 | tail -15
 cp $OUT/workflow.tgz $OUT/refusals.tgz
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/pytest_gpu.txt | tail -4
+timeout 300 python3 -u -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/pytest_gpu.txt | tail -4  # -u: a cut run keeps its lines
 mkdir -p $OUT/probes
 timeout $((560 - SECONDS)) python3 -m experiments.probes.bandwidth --out $OUT/probes/bandwidth.json 2>&1 | tail -12
 echo "done at $SECONDS s"
