@@ -28,13 +28,6 @@ with that build on the two-H200 host stepped at half the rate (results/h200/spee
 `cpp.dynamic_threads` always emits the parallel region and lets the calling thread's team size
 decide.
 
-The build takes tens of seconds on a machine's first run, and as long again on the GPU machines
-with a warm cache (46-71 s of a 14B point's 88-126 s of set-up, results/h100x2/speed/
-short_step_2026-11-25). Under `auto` the trainer builds it on a thread of its own
-(`probe_in_background`) while the store is allocated and filled. The team size at the build does not
-matter (`cpp.dynamic_threads`): built on a thread whose pool the store's fill had narrowed to one, it
-ran at the rate of one built on the whole pool (1.42 G elements/s each, the 2-core machine).
-
 The update runs on the optimizer worker while the main thread launches the GPU's kernels, so it
 must not hold the GIL. Inductor's default Python binding of a CPU kernel calls it with the GIL held:
 each 7B layer's update (about 50 ms) then stalled the launches, and at 4 x 4096 tokens a step the
@@ -45,8 +38,6 @@ and no slower to build, on the CPU machine).
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable
 
 import torch
 
@@ -87,15 +78,3 @@ def probe(cfg: OptimConfig) -> str | None:
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
 
-
-def probe_in_background(cfg: OptimConfig) -> Callable[[], str | None]:
-    """`probe` on a thread of its own, started now; the returned call waits for its answer. A
-    daemon thread: a run that stops meanwhile (a bad weights file) exits without waiting for it."""
-    answer: list[str | None] = []
-    thread = threading.Thread(target=lambda: answer.append(probe(cfg)), name="megatrain-adamw-build", daemon=True)
-    thread.start()
-
-    def wait() -> str | None:
-        thread.join()
-        return answer[0] if answer else "the build's thread ended without an answer"
-    return wait

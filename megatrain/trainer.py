@@ -97,26 +97,25 @@ class Trainer:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
-        # The compiled host AdamW (torch.compile: tens of seconds): asked for by name, it is built
-        # before the store, so a machine that cannot build it is told before anything is allocated;
-        # under `auto` it builds beside the store's allocation and fill (fused_adamw.py), and a
-        # failed build is the eager update. Timed against the eager update after the fill, with the
-        # thread count just set (the optimizer worker's) and no other work running.
-        # Seconds spent building, or waiting for, and timing the compiled update (what of its build
-        # the fill did not cover), allocating the store, filling it and building the engine (its buffers)
-        self.setup_s = {}
+        # built and timed with the thread count just set (the optimizer worker's), before the store
         self.optimizer_rates = None
-        asked = cfg.engine.optimizer_kernel == "compiled"
-        build = None
+        clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
             say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
-                f"its cache){'' if asked else ' while the store is filled'}", self.progress)
-            clock = time.perf_counter()
-            if asked and (why := fused_adamw.probe(cfg.optim)):
-                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
-                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
-            build = (lambda: None) if asked else fused_adamw.probe_in_background(cfg.optim)
-            self.setup_s["optimizer_kernel"] = time.perf_counter() - clock
+                "its cache) and timing it against the eager update", self.progress)
+            asked = cfg.engine.optimizer_kernel == "compiled"
+            if why := fused_adamw.probe(cfg.optim):
+                if asked:
+                    raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
+                                     f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            else:
+                self.optimizer_rates = rates(cfg.optim)
+            if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
+                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
+        # seconds spent building and timing the compiled update (inductor's first build: tens of
+        # seconds on a fresh machine, its cache's reuse after), allocating the store, filling it and
+        # building the engine (its buffers)
+        self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled")
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
@@ -134,14 +133,6 @@ class Trainer:
         clock = time.perf_counter()
         self._fill_store()
         self.setup_s["fill"] = time.perf_counter() - clock
-        if build is not None:
-            clock = time.perf_counter()
-            say("waiting for the host AdamW's build, then timing it against the eager update", self.progress)
-            if (why := build()) is None:
-                self.optimizer_rates = rates(cfg.optim)
-            if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
-                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
-            self.setup_s["optimizer_kernel"] += time.perf_counter() - clock
         clock = time.perf_counter()
         self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps, self.comm, flags)
         self.setup_s["engine"] = time.perf_counter() - clock

@@ -184,30 +184,6 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
         trainer.close()
 
 
-def test_auto_builds_the_compiled_update_while_the_store_fills(tmp_path, monkeypatch):
-    """Under `auto` the build runs beside the store's fill: a build that can finish only once the
-    fill has begun is not waited for before it (built first, it would time out and `auto` would
-    fall back to the eager update)."""
-    tiny_checkpoint(tmp_path / "init", "tiny-llama")
-    real = trainer_module.resolve
-    monkeypatch.setattr(trainer_module, "resolve",
-                        lambda *a, **k: dataclasses.replace(real(*a, **k), optimizer_kernel="compiled"))
-    monkeypatch.setattr(trainer_module, "rates", lambda cfg: {"eager": 1.0, "compiled": 2.0})
-    filling, fill = threading.Event(), Trainer._fill_store
-
-    def fill_marked(self):
-        filling.set()
-        fill(self)
-    monkeypatch.setattr(Trainer, "_fill_store", fill_marked)
-    monkeypatch.setattr(fused_adamw, "probe", lambda cfg: None if filling.wait(10) else "built before the fill")
-    trainer = Trainer(load_config(base=tree(tmp_path, "auto")))
-    try:
-        assert trainer.settings.optimizer_kernel == "compiled"
-        assert set(trainer.setup_s) == {"store", "fill", "optimizer_kernel", "engine"}
-    finally:
-        trainer.close()
-
-
 def test_the_rates_time_both_updates():
     """optim.rates runs both updates (compiling the one-pass kernel) and gives positive rates."""
     got = optim.rates(OptimConfig(), n=1 << 16, reps=2)
