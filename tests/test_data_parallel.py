@@ -37,15 +37,15 @@ def settings(tmp_path, **top) -> dict:
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
 
 
-def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None
-             ) -> list[dict]:
-    """Run tests/dp_rank.py under torchrun, 2 ranks per "host", `nodes` hosts on this machine (each
-    its own torchrun, as on separate hosts); the ranks' reports."""
+def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None,
+             per_host: int = 2) -> list[dict]:
+    """Run tests/dp_rank.py under torchrun, `per_host` ranks per "host", `nodes` hosts on this
+    machine (each its own torchrun, as on separate hosts); the ranks' reports."""
     out = tmp_path / name
     out.mkdir()
     spec = out / "spec.json"
     spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank}))
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_host)]
     if nodes == 1:
         commands = [run + ["--standalone", str(HERE / "dp_rank.py"), str(spec)]]
     else:
@@ -61,7 +61,7 @@ def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 
         assert all(p.returncode != 0 for p in procs)
         return []
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(per_host * nodes)]
 
 
 def one_rank(tmp_path, tree: dict, batches) -> tuple[list[float], list[float], dict]:
@@ -126,6 +126,21 @@ def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
         assert_same_training(reports, torch.load(tmp_path / "hosts" / f"params-host{host}.pt"), reference)
     files = [set(r["files"]) for r in reports]
     assert files[0] == files[1] and files[2] == files[3] and not files[0] & files[2]
+
+
+def test_four_ranks_on_one_host_train_as_one(tmp_path, model_and_batches):
+    """4 ranks of one host (the four-GPU host's layout): one shared store, every tile in 4 parts
+    (the last shorter), each rank's slabs a quarter of a layer; clipping by the global norm."""
+    tree = settings(tmp_path)
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "four", per_host=4)
+    params = torch.load(tmp_path / "four" / "params-host0.pt")
+    assert_same_training(reports, params, one_rank(tmp_path, tree, model_and_batches))
+    assert len({f for r in reports for f in r["files"]}) == 1
+    assert sum(r["pss_bytes"] for r in reports) <= 1.1 * reports[0]["store_bytes"]
+    # a slab holds the largest part (rank 0's); the last rank's part is the shorter one
+    assert reports[0]["slab_numel"] == reports[0]["largest_layer_part"]
+    for r in reports:
+        assert r["largest_layer_part"] <= r["slab_numel"] < r["layer_numel"] <= 4 * r["slab_numel"], r
 
 
 def test_resume_after_a_two_rank_run(tmp_path):
