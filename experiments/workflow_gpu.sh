@@ -18,6 +18,9 @@
 # idle release (30 s here):
 #   experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET ...   start it, wait up to SECONDS, pack
 #   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait up to SECONDS more, pack
+# A detached run makes its targets one after another in the order given (one snakemake each, the
+# options after the targets passed to every one), cheapest first as the caller lists them: one
+# snakemake with them all would choose its own order.
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
 # Keep every pack: each call first copies this working tree to the machine, which removes the files
 # a detached run wrote before that this tree lacks.
@@ -49,9 +52,11 @@ case $mode in
     echo "snakemake exit $?" ;;
   detach)
     rm -rf "$state" && mkdir -p "$state" && echo "$hw" > "$state/hw"
-    setsid bash -c 'python3 -m snakemake --profile "$@"; echo $? > '"$state"'/rc' _ "$profile" "$@" \
-      > "$state/log" 2>&1 < /dev/null &
-    echo "detached: snakemake --profile $profile $* (log $state/log)" ;;
+    targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
+    setsid bash -c 'p=$1 n=$2; shift 2; rc=0
+      for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" "$t" "${@:n+1}" || rc=$?; done
+      echo $rc > '"$state"'/rc' _ "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
+    echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac
 if [ "$mode" != run ]; then
   [ -d "$state" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }
