@@ -39,7 +39,7 @@ from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
 MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
-GRAD_SLABS = (8, 4)
+GRAD_SLABS = (8, 4, 2)
 HOST_MEMORY_ENV = "MEGATRAIN_HOST_MEMORY_GB"
 
 
@@ -124,7 +124,8 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     if engine.no_recompute_layers == "auto":
         s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
-        s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes))
+        s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes,
+                                                   engine.grad_slabs == "auto"))
     if engine.grad_slabs == "auto":
         s = replace(s, grad_slabs=_slabs(shape, s, machine.host_available, data_bytes))
     return s
@@ -152,11 +153,16 @@ def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) ->
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
 
 
-def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int) -> bool:
-    """Whether the host takes the plan only with split masters: the 14-byte one over it, the 12-byte one within."""
-    def fits(split: bool) -> bool:
-        return memory.plan(shape, replace(s, split_masters=split), data_bytes).host_bytes <= host_available
-    return not fits(False) and fits(True)
+def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int,
+                  slabs_auto: bool) -> bool:
+    """Whether the host takes the plan only with split masters: the 14-byte one over it, the 12-byte one
+    within, at the run's gradient slabs; where neither is and the slabs are auto, the same question at
+    the fewest slabs (a GPT-OSS-120B layer's slab is 16 GiB pinned: two fewer can decide it)."""
+    def fits(split: bool, slabs: int = s.grad_slabs) -> bool:
+        return memory.plan(shape, replace(s, split_masters=split, grad_slabs=slabs), data_bytes).host_bytes <= host_available
+    if fits(False) or fits(True):
+        return not fits(False)
+    return slabs_auto and not fits(False, GRAD_SLABS[-1]) and fits(True, GRAD_SLABS[-1])
 
 
 def _slabs(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int) -> int:

@@ -148,8 +148,9 @@ def test_memory_plan_counts_bytes_per_parameter():
 def test_auto_splits_masters_only_when_the_host_needs_it():
     """engine.split_masters auto: whole masters (14 B/param, the faster CPU update) while that plan
     fits the stated host memory (engine.host_memory_gb); split (12 B/param) when only that one fits;
-    whole again when neither does (the refusal then names what splitting would save). true and
-    false hold whatever the host; float32 compute or bf16 masters have nothing to split."""
+    where neither does at 4 gradient slabs, the same choice at 2 (auto slabs only); whole again
+    when neither fits even so (the refusal then names what splitting would save). true and false
+    hold whatever the host; float32 compute or bf16 masters have nothing to split."""
     from megatrain.memory import DoesNotFit, admit
     from megatrain.resolve import host_available_bytes
     GiB = 2**30
@@ -158,22 +159,27 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
     whole = plan(arch, settings(arch, EngineConfig(split_masters=False, grad_slabs=4))).host_bytes
     split = plan(arch, settings(arch, replace(SPLIT, grad_slabs=4))).host_bytes
     assert whole - split > 14 * 2**30  # 2 bytes for each of 7.6 B parameters, less the scratch
+    split2 = plan(arch, settings(arch, replace(SPLIT, grad_slabs=2))).host_bytes  # 2 slabs fewer: a layer's
+    assert 1.5 * GiB < split - split2 < 2 * GiB                                  # float32 gradient each
     def auto(gib, engine=None, **kw):
         cfg = replace(engine or EngineConfig(), host_memory_gb=gib)
         machine = Machine(False, None, host_available_bytes(cfg.host_memory_gb))
         s = resolve(replace(cfg, master_dtype=kw.get("master", "float32"), compute_dtype=kw.get("compute", "bfloat16")),
                     DataConfig(seq_len=16384), OptimConfig(max_grad_norm=None), arch, machine)
         return s, machine
-    for gib, splits in ((whole / GiB, False), (whole / GiB + 1, False), (whole / GiB - 0.01, True),
-                        (split / GiB, True), (split / GiB - 0.01, False)):
+    for gib, splits, slabs in ((whole / GiB, False, 4), (whole / GiB + 1, False, 4), (whole / GiB - 0.01, True, 8),
+                               (split / GiB, True, 4), (split / GiB - 0.01, True, 2), (split2 / GiB, True, 2),
+                               (split2 / GiB - 0.01, False, 2)):
         s, machine = auto(gib)
-        assert s.split_masters == splits, gib
+        assert (s.split_masters, s.grad_slabs) == (splits, slabs), gib
         p = plan(arch, s)
         assert 11.99 < p.detail["store"] / arch.total_params() - 2 * (not splits) < 12.01
         if s.split_masters or gib >= whole / GiB:
             admit(p, machine.host_available, None)
+    # 4 slabs stated: split at 4 or not at all
+    assert not auto(split / GiB - 0.01, EngineConfig(grad_slabs=4))[0].split_masters
     # neither fits: refused with the 14-byte plan, naming what splitting saves
-    s, machine = auto(split / GiB - 0.01)
+    s, machine = auto(split2 / GiB - 0.01)
     with pytest.raises(DoesNotFit, match=r"engine.split_masters=true \(saves 1\d\.\d GiB: float32 masters in 12 bytes"):
         admit(plan(arch, s), machine.host_available, None)
     # turned off where it would have fit: refused, naming it
@@ -345,17 +351,19 @@ def test_auto_mlp_chunk_only_when_the_plan_needs_it():
 
 
 def test_grad_slabs_auto_takes_eight_where_the_host_holds_them():
-    """auto: 8 slabs where the plan with 8 fits the host, else 4 (where admission may then refuse,
-    naming them); a number given is kept; a negative one is refused by name."""
+    """auto: 8 slabs where the plan with 8 fits the host, else 4, else 2 (where admission may then
+    refuse, naming them); a number given is kept; a negative one is refused by name."""
     arch = shape_of("qwen2.5-7b")
-    host = {n: plan(arch, settings(arch, EngineConfig(grad_slabs=n))).host_bytes for n in (8, 4)}
+    host = {n: plan(arch, settings(arch, EngineConfig(grad_slabs=n))).host_bytes for n in (8, 4, 2)}
     assert host[8] - host[4] == 4 * Layout.of(arch.layer_specs).numel * 4  # a layer's float32 gradient each
     assert settings(arch).grad_slabs == 8 and settings(arch, host=host[8]).grad_slabs == 8
     assert settings(arch, host=host[8] - 1).grad_slabs == 4
     # short of 4 with whole masters: split ones (decided at 4 slabs) leave room for 8
     short = settings(arch, host=host[4] - 1)
     assert short.split_masters and short.grad_slabs == 8
-    assert settings(arch, EngineConfig(split_masters=False), host=host[4] - 1).grad_slabs == 4
+    whole = EngineConfig(split_masters=False)
+    assert settings(arch, whole, host=host[4] - 1).grad_slabs == 2
+    assert settings(arch, whole, host=host[2] - 1).grad_slabs == 2
     assert settings(arch, EngineConfig(grad_slabs=3), host=host[4]).grad_slabs == 3
     with pytest.raises(ValueError, match="engine.grad_slabs must be an integer >= 0 or auto, not -1"):
         EngineConfig(grad_slabs=-1)
