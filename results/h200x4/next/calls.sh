@@ -2,7 +2,7 @@
 # Prepared in session 21 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> bash results/h200x4/next/calls.sh start 1    then within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
-# Batch 1 (about 23 device minutes, cheapest and most issue-closing first): the 7B baselines at 4 GPUs
+# Batch 1 (about 24 device minutes, with the AdamW build probe, cheapest and most issue-closing first): the 7B baselines at 4 GPUs
 # (closes the `gpus` experiment's comparison), then the whole GPT-OSS-20B at 131K and 8K tokens a
 # step, then the whole Qwen3-30B-A3B. Batch 2 (about 17): the GPT-OSS-120B shape on 12 layers and
 # the 32B layer at 88 layers (44.5 B). Wall times are estimates from the session-21 points and the
@@ -18,7 +18,10 @@ case $1 in
             $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
       2) T="$R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
     esac
-    experiments/workflow_gpu.sh --detach 540 h200x4 $T $G 2>&1 | tail -12 ;;
+    if [ "$2" = 1 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
+      for i in 1 2; do CUDA=1 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
+    fi
+    experiments/workflow_gpu.sh --detach 480 h200x4 $T $G 2>&1 | tail -12 ;;
   attach)
     experiments/workflow_gpu.sh --attach 540 h200x4 2>&1 | tail -8 ;;
 esac

@@ -1,0 +1,35 @@
+"""Probe: where the compiled host AdamW's set-up time goes (`setup_s.optimizer_kernel` of a point,
+35-55 s per point on the GPU hosts even with TORCHINDUCTOR_CACHE_DIR kept across points, against
+2.3 s from the cache on the CPU machine). Run it twice in fresh processes with one cache:
+
+    for i in 1 2; do TORCHINDUCTOR_CACHE_DIR=/tmp/ind CUDA=1 python -m experiments.probes.adamw_build; done
+
+CUDA=1 first touches the GPU, as the trainer has by then. Prints the seconds of the build
+(fused_adamw.probe), of the timing (optim.rates) and inductor's FX graph cache counters (a hit: the
+build was loaded, not compiled).
+"""
+import json
+import os
+import time
+
+start = time.perf_counter()
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+from megatrain import fused_adamw  # noqa: E402
+from megatrain.config import OptimConfig  # noqa: E402
+from megatrain.optim import rates  # noqa: E402
+
+out = {"import_s": time.perf_counter() - start, "threads": torch.get_num_threads()}
+if os.environ.get("CUDA") == "1" and torch.cuda.is_available():
+    clock = time.perf_counter()
+    torch.zeros(1, device="cuda")
+    out["cuda_init_s"] = time.perf_counter() - clock
+clock = time.perf_counter()
+out["probe_error"] = fused_adamw.probe(OptimConfig())
+out["build_s"] = time.perf_counter() - clock
+clock = time.perf_counter()
+out["rates"] = rates(OptimConfig())
+out["rates_s"] = time.perf_counter() - clock
+out["inductor_counters"] = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}))
