@@ -6,7 +6,8 @@
 # (closes the `gpus` experiment's comparison), then the whole GPT-OSS-20B at 131K and 8K tokens a
 # step, then the whole Qwen3-30B-A3B. Batch 2 (about 17): the GPT-OSS-120B shape on 12 layers and
 # the 32B layer at 88 layers (44.5 B). Wall times are estimates from the session-21 points and the
-# 32B point of session 10 (setup 280 s at 397 GB of host).
+# 32B point of session 10 (setup 280 s at 397 GB of host). Batch 3: an A/B of the optimizer's threads
+# per rank at 4 GPUs.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -17,6 +18,18 @@ case $1 in
       1) T="$R/gpus/7b_g4_zero3.json $R/gpus/7b_g4_fsdp2.json $R/moe/oss20b_8k_megatrain.json $R/moe/oss20b_megatrain.json
             $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
       2) T="$R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
+      3) # A/B, about 7 minutes: the GPU idles 0.25-0.51 s a step while 4 ranks issue work (0.03 with one);
+         # prediction: with 2 of each rank's 16 optimizer threads left to its main and NCCL threads, that
+         # idle falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
+         # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call.
+         python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+         export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
+         mkdir -p $OUT/ab && for t in 16 14; do
+           python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
+             --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t \
+             --out $OUT/ab/7b_g4_threads$t.json > $OUT/ab/7b_g4_threads$t.log 2>&1
+         done
+         python3 -m suite table $OUT/ab; exit 0 ;;
     esac
     if [ "$2" = 1 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
       for i in 1 2; do CUDA=1 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
