@@ -2,18 +2,20 @@
 # Prepared in session 21 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> bash results/h200x4/next/calls.sh start 1    then within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
-# Batch 1 (about 24 device minutes, with the AdamW build probe, cheapest and most issue-closing first): the 7B baselines at 4 GPUs
-# (closes the `gpus` experiment's comparison), then the whole GPT-OSS-20B at 131K and 8K tokens a
-# step, then the whole Qwen3-30B-A3B. Batch 2 (about 17): the GPT-OSS-120B shape on 12 layers and
-# the 32B layer at 88 layers (44.5 B). Wall times are estimates from the session-21 points and the
-# 32B point of session 10 (setup 280 s at 397 GB of host). Batch 3: an A/B of the optimizer's threads
-# per rank at 4 GPUs.
+# Batch 1 (about 24 device minutes, cheapest and most issue-closing first): the AdamW build probe,
+# the 7B baselines at 4 GPUs (closes the `gpus` experiment's comparison), the whole GPT-OSS-20B at
+# 131K and 8K tokens a step, the whole Qwen3-30B-A3B. Batch 2 (about 19): two MoE layers' kernel
+# breakdown, the GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3
+# (about 7): an A/B of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the
+# session-21 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
 R=results/h200x4/points
 case $1 in
   start)
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
       1) T="$R/gpus/7b_g4_zero3.json $R/gpus/7b_g4_fsdp2.json $R/moe/oss20b_8k_megatrain.json $R/moe/oss20b_megatrain.json
             $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
@@ -22,8 +24,6 @@ case $1 in
          # prediction: with 2 of each rank's 16 optimizer threads left to its main and NCCL threads, that
          # idle falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
          # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call.
-         python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-         export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
          mkdir -p $OUT/ab && for t in 16 14; do
            python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
              --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t \
@@ -33,6 +33,13 @@ case $1 in
     esac
     if [ "$2" = 1 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
       for i in 1 2; do CUDA=1 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
+    fi
+    if [ "$2" = 2 ]; then  # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s
+      # against a dense layer's 470-490), by kernel kind, one layer resident (two to six minutes: flex attention builds for GPT-OSS)
+      for m in qwen3-30b-a3b gpt-oss-20b; do
+        timeout 240 python3 -m experiments.probes.layer_kernels --preset $m --batch 8 --seq 4096 --variants eager,norm \
+          --out $OUT/layer_$m.json 2>&1 | tail -8
+      done
     fi
     experiments/workflow_gpu.sh --detach 480 h200x4 $T $G 2>&1 | tail -12 ;;
   attach)
