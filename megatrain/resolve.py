@@ -156,8 +156,9 @@ def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, dat
     the fewest slabs (a GPT-OSS-120B layer's slab is 16 GiB pinned: two fewer can decide it)."""
     def fits(split: bool, slabs: int = s.grad_slabs) -> bool:
         return memory.plan(shape, replace(s, split_masters=split, grad_slabs=slabs), data_bytes).host_bytes <= host_available
-    if fits(False) or fits(True):
-        return not fits(False)
+    whole, split = fits(False), fits(True)
+    if whole or split:
+        return not whole
     return slabs_auto and not fits(False, GRAD_SLABS[-1]) and fits(True, GRAD_SLABS[-1])
 
 
