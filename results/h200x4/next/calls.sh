@@ -23,10 +23,11 @@ case $1 in
       3) # A/B, about 7 minutes: the GPU idles 0.25-0.51 s a step while 4 ranks issue work (0.03 with one);
          # prediction: with 2 of each rank's 16 optimizer threads left to its main and NCCL threads, that
          # idle falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
-         # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call.
+         # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call; each with its last
+         # step's timeline (where the idle goes: a reduce-scatter outside the labelled spans would show).
          mkdir -p $OUT/ab && for t in 16 14; do
            python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
-             --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t \
+             --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t trace=$OUT/ab/7b_g4_threads$t.trace.json \
              --out $OUT/ab/7b_g4_threads$t.json > $OUT/ab/7b_g4_threads$t.log 2>&1
          done
          python3 -m suite table $OUT/ab; exit 0 ;;
