@@ -43,7 +43,7 @@ case $1 in
           --out $OUT/layer_$m.json 2>&1 | tail -8
       done
     fi
-    experiments/workflow_gpu.sh --detach 480 h200x4 $T $G 2>&1 | tail -12 ;;
+    experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, probes included
   attach)
     experiments/workflow_gpu.sh --attach 540 h200x4 2>&1 | tail -8 ;;
 esac
