@@ -34,7 +34,7 @@ case $1 in
          python3 -m suite table $OUT/ab; exit 0 ;;
     esac
     if [ "$2" = 1 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
-      for i in 1 2; do CUDA=1 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
+      for c in 1 1 0; do CUDA=$c python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done  # cold, warm, warm without the GPU touched
     fi
     if [ "$2" = 2 ]; then  # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s
       # against a dense layer's 470-490), by kernel kind, one layer resident (two to six minutes: flex attention builds for GPT-OSS)
