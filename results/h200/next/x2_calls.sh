@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Prepared in session 21: the calls after `x2_call1.sh` on `nvidia-h200-x2`, in the order of
+# results/h200/README.md ("what is left": issue targets first, then the grid by group, cheapest
+# first, the long detached runs last), carrying [".whl", ".libaio"]:
+#   C=<commit> bash results/h200/next/x2_calls.sh start N     then within 30 s of each reply:
+#   bash results/h200/next/x2_calls.sh attach                 (extract each reply's workflow.tgz first)
+# One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
+# memory bandwidth are part of what it measures). A batch's targets come from one grid (the
+# h200-scale ones with $S). Estimated walls (the README's table): batch 1 about 25 device minutes,
+# 2 about 27, 3 about 20, 4 about 37, 5 about 27, 6 and 7 the detached long runs (10-20 minutes each).
+# The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
+# device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
+# `.ratel/LoHan` from RC4ML/LoHan (batch 2's Ratel points, experiments/ratel_gpu.sh; carry it too).
+set -u
+export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
+S="--config grid=workflows/grids/h200-scale.yaml"
+R=results/h200/points
+case $1 in
+  start)
+    case $2 in
+      1) # issue 21 target 3, then ratel (issue 20: an `ok` point on the H200), then the moe points (issue 23)
+         experiments/workflow_gpu.sh --detach 540 h200 $R/short_step/14b_4seq_dt3.json \
+           $R/short_step/14b_4seq_dt3_slabs8.json $R/moe/q30b_L6_megatrain.json $R/moe/q30b_L24_8k_megatrain.json \
+           $R/moe/q30b_L24_megatrain.json $R/moe/120b_L3_8k_megatrain.json $R/moe/120b_L3_megatrain.json \
+           $R/moe/120b_L4_megatrain.json $R/moe/q30b_L6_native.json $R/moe/q30b_L6_zero3.json $S 2>&1 | tail -12
+         ;;
+      2) experiments/workflow_gpu.sh --detach 540 h200 $R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json \
+           $R/width/w1.0_megatrain.json $R/width/w1.5_megatrain.json $R/width/w2.0_megatrain.json \
+           $R/width/w2.5_megatrain.json $R/width/w3.0_megatrain.json $R/ablations/full.json \
+           $R/ablations/K1.json $R/ablations/K1_b96.json $R/ablations/one_buffer.json $R/ablations/sync_grads.json \
+           2>&1 | tail -12 ;;
+      3) experiments/workflow_gpu.sh --detach 540 h200 $R/context/ctx1k.json $R/context/ctx8k.json \
+           $R/context/ctx32k.json $R/context/ctx128k.json $R/context/ctx256k.json 2>&1 | tail -12 ;;
+      4) experiments/workflow_gpu.sh --detach 540 h200 $R/depth/L28_megatrain.json $R/depth/L42_megatrain.json \
+           $R/depth/L56_megatrain.json $R/scale/14b_megatrain.json $R/scale/7b_native.json $R/scale/7b_zero3.json \
+           $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json 2>&1 | tail -12 ;;
+      5) experiments/workflow_gpu.sh --detach 540 h200 $R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json \
+           $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json \
+           2>&1 | tail -12 ;;
+      6) experiments/workflow_gpu.sh --detach 540 h200 $R/long_context/ctx512k_L28.json \
+           $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
+      7) experiments/workflow_gpu.sh --detach 540 h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
+    esac ;;
+  attach)
+    experiments/workflow_gpu.sh --attach 540 h200 2>&1 | tail -8 ;;
+esac
+python3 -m suite table $R/short_step $R/moe $R/ratel $R/width $R/ablations $R/context $R/depth $R/scale 2>&1 | tail -30
