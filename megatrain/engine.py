@@ -464,6 +464,12 @@ class Engine:
             rows.mul_((ids != self.shape.padding_idx).unsqueeze(1))
         table.index_add_(0, ids, rows)
 
+    def _reducing(self, tile: Tile):
+        """The timeline's span of a tile's gradient reduction among the ranks (none with one rank)."""
+        if not self.comm.distributed:
+            return contextlib.nullcontext()
+        return self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.REDUCE, tile.name)
+
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
         """Return a unit's float32 step gradient to pinned slabs, one piece per slab (a device
         tile's updates it where it is), and add each tile's squared norm into the step's norms.
@@ -474,7 +480,8 @@ class Engine:
             grad = acc[offset: offset + tile.layout.numel]
             k = self.tile_index[tile]
             if tile.on_device:
-                self.comm.sum(grad)
+                with self._reducing(tile):
+                    self.comm.sum(grad)
                 norm_sq = torch.linalg.vector_norm(grad).double().square()
                 if self.comm.ranks.local_rank == 0:
                     self.sq[k] += norm_sq
@@ -483,7 +490,8 @@ class Engine:
                 else:
                     self._clip_later.append((tile, grad))
                 continue
-            mine, lo, hi = self.comm.reduce_part(grad)
+            with self._reducing(tile):
+                mine, lo, hi = self.comm.reduce_part(grad)
             norm_sq = torch.linalg.vector_norm(mine[: hi - lo]).double().square()
             self.sq[k] += norm_sq
             self._norm_to_host(k, norm_sq)  # of this rank's part: the pieces it applies

@@ -7,7 +7,9 @@ step, when the device is idle. Every span has a Track (where it ran) and a Kind 
 nothing downstream reads meaning out of a label. After the step boundary `spans()` gives them in
 seconds from the step's start, and `summary()` the exposed-time breakdown:
 
-  gpu_busy_frac      compute-stream time in ops / step time
+  gpu_busy_frac      compute-stream time in ops / step time (the gradients' reduction among
+                     data-parallel ranks included: the collective the compute stream waits for)
+  reduce_s           of which the gradients' reduction (`Kind.REDUCE`)
   wait_weights_s     compute stream stalled on its weights-ready event
   optimizer_exposed_s  compute stream idle while the host was blocked on the optimizer (a tile's
                      update or a free gradient slab): the part of the optimizer that is not hidden
@@ -47,6 +49,7 @@ class Kind(StrEnum):
     LOAD = "load"  # a unit's weights to the device
     CHECKPOINT = "checkpoint"  # a block's checkpoints leaving or coming back
     GRADIENT = "gradient"  # a step gradient to a host slab
+    REDUCE = "reduce"  # a step gradient summed over the data-parallel ranks (the compute stream waits for it)
     UPDATE = "update"  # an AdamW update (host tiles on the optimizer thread, device tiles on compute)
     WAIT_WEIGHTS = "wait weights"  # compute stalled until its weights arrived
     WAIT_OPTIMIZER = "wait optimizer"  # the host blocked on the optimizer (a tile's update, a slab)
@@ -135,6 +138,7 @@ class Timeline:
             "step_s": step,
             "gpu_busy_s": _length(busy),
             "gpu_busy_frac": _length(busy) / step if step else 0.0,
+            "reduce_s": total(Track.COMPUTE, Kind.REDUCE),
             "wait_weights_s": total(Track.COMPUTE, Kind.WAIT_WEIGHTS),
             "optimizer_exposed_s": _length(_intersect(idle, blocked)),
             "host_blocked_on_optimizer_s": _length(blocked),

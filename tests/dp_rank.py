@@ -45,8 +45,10 @@ def main(spec_path: str) -> None:
     if spec.get("crash_rank") == trainer.ranks.rank:  # dies with the store built, the others in a collective
         os._exit(3)
     try:
+        reduce_s = None  # the last step's gradient reduction, as its timeline has it
         if spec["batches"]:
-            losses = [trainer.train_step(mbs)["loss"] for mbs in torch.load(spec["batches"], weights_only=False)]
+            steps = [trainer.train_step(mbs) for mbs in torch.load(spec["batches"], weights_only=False)]
+            losses, reduce_s = [m["loss"] for m in steps], steps[-1]["exposed"]["reduce_s"]
         else:
             losses = [m["loss"] for m in trainer.fit(log=open("/dev/null", "w"), progress=False)]
         trainer.engine.worker.flush()
@@ -55,7 +57,7 @@ def main(spec_path: str) -> None:
         layers = {t.name for t in e.store.layers}
         slabs = {"slab_numel": e.slab_numel, "layer_numel": max(t.layout.numel for t in e.store.layers),
                  "largest_layer_part": max(hi - lo for t, (lo, hi) in e.parts.items() if t.name in layers)}
-        report = {"rank": r.rank, "node": r.node, "losses": losses, **slabs,
+        report = {"rank": r.rank, "node": r.node, "losses": losses, "reduce_s": reduce_s, **slabs,
                   "grad_norms": [trainer.engine.worker.grad_norms[k] for k in sorted(trainer.engine.worker.grad_norms)],
                   "store_bytes": trainer.arena.nbytes if trainer.arena else None, **store_mapping()}
         (out / f"rank{r.rank}.json").write_text(json.dumps(report))

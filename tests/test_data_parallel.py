@@ -137,6 +137,7 @@ def test_four_ranks_on_one_host_train_as_one(tmp_path, model_and_batches):
     assert_same_training(reports, params, one_rank(tmp_path, tree, model_and_batches))
     assert len({f for r in reports for f in r["files"]}) == 1
     assert sum(r["pss_bytes"] for r in reports) <= 1.1 * reports[0]["store_bytes"]
+    assert all(r["reduce_s"] > 0 for r in reports)  # the timeline's spans of the gradients' reduction
     # a slab holds the largest part (rank 0's); the last rank's part is the shorter one
     assert reports[0]["slab_numel"] == reports[0]["largest_layer_part"]
     for r in reports:

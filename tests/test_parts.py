@@ -249,13 +249,14 @@ def test_timeline_breakdown_and_trace(tmp_path):
     assert tl._union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
     assert tl._complement([(1, 2), (3, 4)], 0, 5) == [(0, 1), (2, 3), (4, 5)]
     assert tl._intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
-    # compute busy but for a wait on weights (1-1.2), a gap with the host blocked on the optimizer
-    # for part of it (2-2.5, blocked 2.1-2.3) and the step's tail (3-3.5): 0.8 s idle unattributed
+    # compute busy (a gradient reduction at 2.9-3 among it) but for a wait on weights (1-1.2), a gap
+    # with the host blocked on the optimizer for part of it (2-2.5, blocked 2.1-2.3) and the step's
+    # tail (3-3.5): 0.8 s idle unattributed
     t = tl.Timeline(type("CPU", (), {"is_cuda": False})(), enabled=True)
     t.begin_step()
     for track, kind, start, end in ((tl.Track.COMPUTE, tl.Kind.FORWARD, 0.0, 1.0), (tl.Track.COMPUTE, tl.Kind.WAIT_WEIGHTS, 1.0, 1.2),
                                     (tl.Track.COMPUTE, tl.Kind.BACKWARD, 1.2, 2.0), (tl.Track.HOST, tl.Kind.WAIT_OPTIMIZER, 2.1, 2.3),
-                                    (tl.Track.COMPUTE, tl.Kind.BACKWARD, 2.5, 3.0),
+                                    (tl.Track.COMPUTE, tl.Kind.BACKWARD, 2.5, 2.9), (tl.Track.COMPUTE, tl.Kind.REDUCE, 2.9, 3.0),
                                     # the main thread issuing ops: one around the blocked wait, one in the tail
                                     (tl.Track.ISSUE, tl.Kind.ISSUE, 1.9, 2.4), (tl.Track.ISSUE, tl.Kind.ISSUE, 3.2, 3.3)):
         t._add(track, kind, "", start, end)
@@ -263,6 +264,7 @@ def test_timeline_breakdown_and_trace(tmp_path):
     got = t.summary()
     assert (got["wait_weights_s"], got["optimizer_exposed_s"]) == pytest.approx((0.2, 0.2))
     assert got["idle_unattributed_s"] == pytest.approx(0.8) and got["gpu_busy_s"] == pytest.approx(2.3)
+    assert got["reduce_s"] == pytest.approx(0.1)  # the gradient's reduction among ranks: busy, and apart
     # idle and issuing, outside the wait: 2.0-2.1, 2.3-2.4 and 3.2-3.3
     assert got["idle_while_issuing_s"] == pytest.approx(0.3)
     cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml", ["steps=2", "data.grad_accum=2"])

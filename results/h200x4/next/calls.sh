@@ -20,9 +20,10 @@ case $1 in
       1) T="$R/gpus/7b_g4_zero3.json $R/gpus/7b_g4_fsdp2.json $R/moe/oss20b_8k_megatrain.json $R/moe/oss20b_megatrain.json
             $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
       2) T="$R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
-      3) # A/B, about 7 minutes: the GPU idles 0.25-0.51 s a step while 4 ranks issue work (0.03 with one);
-         # prediction: with 2 of each rank's 16 optimizer threads left to its main and NCCL threads, that
-         # idle falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
+      3) # A/B, about 7 minutes: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with one),
+         # the gradients' reduce-scatter among it (now timed apart: reduce_s). Prediction: with 2 of each
+         # rank's 16 optimizer threads left to its main and NCCL threads, the idle that remains beside
+         # reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
          # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call; each with its last
          # step's timeline (where the idle goes: a reduce-scatter outside the labelled spans would show).
          mkdir -p $OUT/ab && for t in 16 14; do
