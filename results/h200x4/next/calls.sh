@@ -2,10 +2,10 @@
 # Prepared in session 21 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> bash results/h200x4/next/calls.sh start 1    then within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
-# Batch 1 (about 24 device minutes, cheapest and most issue-closing first): the AdamW build probe,
+# Batch 1 (about 25 device minutes, cheapest and most issue-closing first): the two-GPU checks,
 # the 7B baselines at 4 GPUs (closes the `gpus` experiment's comparison), the whole GPT-OSS-20B at
-# 131K and 8K tokens a step, the whole Qwen3-30B-A3B. Batch 2 (about 19): two MoE layers' kernel
-# breakdown, the GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3
+# 131K and 8K tokens a step, the whole Qwen3-30B-A3B. Batch 2 (about 20): the AdamW build probe, two MoE
+# layers' kernel breakdown, the GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3
 # (about 7): an A/B of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the
 # session-21 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
 set -u
@@ -33,7 +33,11 @@ case $1 in
          done
          python3 -m suite table $OUT/ab; exit 0 ;;
     esac
-    if [ "$2" = 1 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
+    if [ "$2" = 1 ]; then  # the two-GPU checks, the mixtures of experts' router loss over ranks among them (about 2 minutes)
+      timeout 240 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus tests/test_gpu.py 2>&1 \
+        | tee $OUT/pytest_two_gpus.txt | tail -4
+    fi
+    if [ "$2" = 2 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
       for c in 1 1 0; do CUDA=$c python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done  # cold, warm, warm without the GPU touched
     fi
     if [ "$2" = 2 ]; then  # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s
