@@ -86,6 +86,10 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     holds beside the plan (memory.plan)."""
     _check_against_shape(engine, shape)
     check_ranks(ranks, data.batch_size, "cuda" if machine.is_cuda else "cpu", machine.gpus)
+    if shape.router_aux_coef and ranks.distributed:
+        raise ValueError("the router's auxiliary loss (model.overrides.output_router_logits) is not supported "
+                         "with several ranks yet: each rank would balance the routing of its own rows only; "
+                         "set output_router_logits: false, or run one rank")
     compute = engine.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
