@@ -220,17 +220,14 @@ def two_gpus() -> None:
         pytest.skip("needs 2 GPUs")
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2", *MOE])
-def test_two_gpus_track_one_gpu(tmp_path, cuda_only, preset):
+def test_two_gpus_track_one_gpu(tmp_path, cuda_only):
     """Data-parallel MegaTrain on 2 GPUs (torchrun, NCCL, one shared host store) against 1 GPU with
     the same global batch, 20 steps: bf16 matmuls over 2 rows instead of 4 round differently, so the
     losses agree within bf16 tolerance and the updates point the same way; the two ranks report the
-    same losses (one global step). The mixtures of experts train with the router's loss, whose
-    routing counts are summed over the ranks (moe.py)."""
+    same losses (one global step)."""
     from test_data_parallel import torchrun
     two_gpus()
-    model = tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])
-    assert preset == "tiny-qwen2" or model.config.output_router_logits
+    model = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     batches = random_batches(STEPS, 2, BATCH, SEQ, model.config.vocab_size, pad=True)
     torch.save(batches, tmp_path / "batches.pt")
@@ -241,13 +238,12 @@ def test_two_gpus_track_one_gpu(tmp_path, cuda_only, preset):
     finally:
         trainer.close()
     reports = torchrun(tmp_path, gpu_tree(tmp_path), str(tmp_path / "batches.pt"), "two")
-    rtol, cosine = (1e-2, 0.99) if preset == "tiny-qwen2" else (2e-2, 0.9)  # routing ties may flip, as in the bf16 check
     assert reports[0]["losses"] == reports[1]["losses"]
-    torch.testing.assert_close(reports[0]["losses"], losses, rtol=rtol, atol=0)
+    torch.testing.assert_close(reports[0]["losses"], losses, rtol=1e-2, atol=0)
     two = torch.load(tmp_path / "two" / "params-host0.pt")
     moved = torch.cat([(params[k] - start[k]).flatten() for k in start if k in params])
     two_moved = torch.cat([(two[k] - start[k]).flatten() for k in start if k in params])
-    assert torch.nn.functional.cosine_similarity(moved, two_moved, dim=0) > cosine
+    assert torch.nn.functional.cosine_similarity(moved, two_moved, dim=0) > 0.99
 
 
 @pytest.mark.parametrize("system", ["megatrain", "fsdp2", "zero3"])
