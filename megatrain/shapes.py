@@ -65,8 +65,9 @@ class ParamSpec:
         return "zeros" if self.name.endswith("bias") else "ones"
 
 
-def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The `transformers` config of a run, from a preset, a config file, or a pretrained directory."""
+def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConfig:
+    """The `transformers` config of a run, from a preset, a config file, or a pretrained directory;
+    `cuda`: whether the run has a GPU, for the attention `auto` picks (None: whether this machine has one)."""
     if cfg.preset:
         values = preset(cfg.preset)
     else:
@@ -96,7 +97,8 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
     attn = cfg.attn_implementation
     if attn == "auto":  # GPT-OSS's sinks have no SDPA kernel; flex attention has them on a GPU only
-        attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if torch.cuda.is_available() else "eager"
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if cuda else "eager"
     elif attn == "sdpa" and not pretrained._supports_sdpa:
         raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
                          f"(GPT-OSS's attention sinks); set it to eager or auto")

@@ -128,14 +128,14 @@ def _engine_inputs(spec: RunSpec, ran: dict):
                      "grad_accum": spec.grad_accum},
             "steps": spec.total_steps}
     cfg = load_config(None, [], base=tree)
-    return cfg, ModelShape(spec.hf_config())
+    return cfg, ModelShape(spec.hf_config(cuda=True))  # the attention a GPU run picks (GPT-OSS: flex, not eager)
 
 
 def _layer_hw_rate(m: MachineModel) -> float:
     """The probe's rate as hardware FLOP/s: its layer's model FLOPs plus the recompute less the
     unread MLP output (a block's last layer at K = 1), over the same time."""
     preset, batch, seq = m.probe
-    shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config())
+    shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config(cuda=True))
     lens, one = [seq] * batch, shape.attention(range(1))
     model = model_flops(shape.layer_matmul_params(), one, lens)
     unread = shape.mlp_matmul_params() // 3 if shape.gated_mlp else 0

@@ -100,8 +100,9 @@ class RunSpec:
         except TypeError as e:
             raise ValueError(f"model: {e}") from None
 
-    def hf_config(self):
-        return load_hf_config(self.model_config())
+    def hf_config(self, cuda: bool | None = None):
+        """`cuda`: plan for a machine with a GPU or without one (None: this machine)."""
+        return load_hf_config(self.model_config(), cuda)
 
     def data_config(self) -> DataConfig:
         common = dict(seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed)

@@ -31,6 +31,16 @@ def test_the_model_against_every_committed_measurement():
     assert {r["machine"] for r in rows} >= {"h100", "h200x4"}
 
 
+def test_a_gpu_point_is_planned_with_the_attention_a_gpu_picks():
+    """GPT-OSS's sinks: flex attention on a GPU (memory linear in the sequence), eager attention's
+    quadratic scores only without one; the model plans a GPU point, wherever it runs."""
+    from megatrain.shapes import ModelShape
+    from suite.spec import RunSpec
+    spec = RunSpec(system="megatrain", model={"preset": "gpt-oss-20b"})
+    assert ModelShape(spec.hf_config(cuda=True)).attention_scores(4096) == 0
+    assert ModelShape(spec.hf_config(cuda=False)).attention_scores(4096) == 64 * 4096 * 4097
+
+
 def test_predictions_are_for_the_paper_machines_only():
     rows = predictions()
     assert rows and all(r["machine"].endswith("-paper") for r in rows)
