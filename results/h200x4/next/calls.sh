@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Prepared in session 21 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
+# Prepared in sessions 21-22 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> bash results/h200x4/next/calls.sh start 1    then within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
-# Batch 1 (about 25 device minutes, cheapest and most issue-closing first): the two-GPU checks,
-# the 7B baselines at 4 GPUs (closes the `gpus` experiment's comparison), the whole GPT-OSS-20B at
-# 131K and 8K tokens a step, the whole Qwen3-30B-A3B. Batch 2 (about 20): the AdamW build probe, two MoE
-# layers' kernel breakdown, the GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3
-# (about 7): an A/B of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the
+# Batch 1 (ran in session 22 but for `q30b_8k`, cut by the budget): the two-GPU checks, the 7B
+# baselines at 4 GPUs, the whole GPT-OSS-20B at 131K and 8K tokens a step, the whole Qwen3-30B-A3B.
+# Batch 2 (about 24): the AdamW build probe, two MoE layers' kernel breakdown, `q30b_8k`, the
+# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 7): an A/B of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the
 # session-21 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
@@ -19,7 +18,7 @@ case $1 in
     case $2 in
       1) T="$R/gpus/7b_g4_zero3.json $R/gpus/7b_g4_fsdp2.json $R/moe/oss20b_8k_megatrain.json $R/moe/oss20b_megatrain.json
             $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
-      2) T="$R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
+      2) T="$R/moe/q30b_8k_megatrain.json $R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
       3) # A/B, about 7 minutes: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with one),
          # the gradients' reduce-scatter among it (now timed apart: reduce_s). Prediction: with 2 of each
          # rank's 16 optimizer threads left to its main and NCCL threads, the idle that remains beside
