@@ -5,8 +5,9 @@
 # Batch 1 (ran in session 22 but for `q30b_8k`, cut by the budget): the two-GPU checks, the 7B
 # baselines at 4 GPUs, the whole GPT-OSS-20B at 131K and 8K tokens a step, the whole Qwen3-30B-A3B.
 # Batch 2 (about 24): the AdamW build probe, two MoE layers' kernel breakdown, `q30b_8k`, the
-# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 7): an A/B of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the
-# session-21 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
+# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 7): an A/B
+# of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the session-21 and
+# session-22 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
