@@ -6,7 +6,7 @@
 #    session 18 have not run on GPUs), with `moe_router_loss_over_ranks.patch` applied: the change
 #    that trains a mixture of experts with its router loss on several ranks, which lands once its
 #    2-GPU check (`test_two_gpus_track_one_gpu[tiny-gpt-oss|tiny-qwen3-moe]`) passes; on the x4
-#    host that check was cut by a 240 s limit while the GPT-OSS one ran (flex attention builds);
+#    host that check was cut by a 240 s limit while the GPT-OSS one built flex attention (it now runs eager);
 # 3. this host's bandwidth probe (the step model has no memcpy rate for it).
 # Then pack what it wrote: results/h200 and plots/h200 come back in $OUT/workflow.tgz.
 set -u
@@ -19,6 +19,7 @@ cp $OUT/workflow.tgz $OUT/refusals.tgz
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 git apply results/h200/next/moe_router_loss_over_ranks.patch  # the pending change, on the machine's copy only
 timeout 330 python3 -u -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/pytest_gpu.txt | tail -4  # -u: a cut run keeps its lines
+git apply -R results/h200/next/moe_router_loss_over_ranks.patch
 mkdir -p $OUT/probes
 timeout $((560 - SECONDS)) python3 -m experiments.probes.bandwidth --out $OUT/probes/bandwidth.json 2>&1 | tail -12
 echo "done at $SECONDS s"

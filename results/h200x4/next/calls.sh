@@ -37,6 +37,12 @@ case $1 in
       timeout 240 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus tests/test_gpu.py 2>&1 \
         | tee $OUT/pytest_two_gpus.txt | tail -4
     fi
+    if [ "$2" = 2 ]; then  # the pending MoE router loss over ranks, its 2-GPU checks on this copy only (about a minute)
+      git apply results/h200/next/moe_router_loss_over_ranks.patch
+      timeout 180 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus_track tests/test_gpu.py 2>&1 \
+        | tee $OUT/pytest_moe_two_gpus.txt | tail -4
+      git apply -R results/h200/next/moe_router_loss_over_ranks.patch
+    fi
     if [ "$2" = 2 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
       for c in 1 1 0; do CUDA=$c python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done  # cold, warm, warm without the GPU touched
     fi
