@@ -214,10 +214,11 @@ def machine_of(env: dict) -> MachineModel | None:
 
 
 def measured_points(roots: list[Path]) -> list[tuple[Path, dict]]:
-    """(file, result) of every MegaTrain point that ran (`ok`) under the result folders."""
+    """(file, result) of every MegaTrain point that ran (`ok`) among the result files and under the
+    result folders."""
     out = []
     for root in roots:
-        for f in sorted(root.rglob("*.json")):
+        for f in [root] if root.is_file() else sorted(root.rglob("*.json")):
             try:
                 r = json.loads(f.read_text())
             except (OSError, ValueError):
@@ -228,7 +229,8 @@ def measured_points(roots: list[Path]) -> list[tuple[Path, dict]]:
 
 
 def check(roots: list[Path]) -> list[dict]:
-    """The model against every measured point: predicted, measured and relative error of each quantity."""
+    """The model against every measured point (result files, or folders searched): predicted,
+    measured and relative error of each quantity."""
     rows = []
     for f, r in measured_points(roots):
         m = machine_of(r.get("env") or {})

@@ -238,6 +238,22 @@ def test_aggregate_real_results():
     assert "## Measured (h100)" in md and "## Paper (Figure 1" in md
 
 
+@pytest.mark.skipif(not BASELINES, reason="no stored H100 baseline results")
+def test_the_scale_table_prints_predictions_apart_with_the_models_error():
+    """The step model's rows for the paper's machines in their own section, after the measured and
+    the paper's; the model checked against the table's own MegaTrain points on a probed machine."""
+    df = aggregate.table(BASELINES, "scale", paper="figure1_scale")
+    md = aggregate.markdown(df, "scale", "h100", BASELINES)
+    measured, predicted = md.index("## Measured"), md.index("## Predicted")
+    assert measured < md.index("## Paper") < predicted
+    section = md[predicted:]
+    assert "| h200-paper | gpt-oss-120b | yes |" in section and "| gh200-paper | qwen2.5-7b | yes |" in section
+    checked = [line for line in section.splitlines() if line.startswith("| 7b_megatrain_b8x2 |")]
+    assert len(checked) == 1 and "%)" in checked[0]
+    assert "None of the measured points" in aggregate.markdown(df, "scale", "h100", [])
+    assert "## Predicted" not in aggregate.markdown(df, "depth", "h100", BASELINES)
+
+
 def test_grid_points_without_a_result_keep_a_not_run_row(tmp_path):
     """A table made before the whole grid has run (partial=true) lists the missing points as
     not_run, with their shape, and no throughput."""

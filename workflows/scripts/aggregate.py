@@ -118,11 +118,15 @@ class Experiment:
     # relative to its own side's full configuration
     reference: tuple[str, ...] = ()
     paper_reference: str | None = None
+    # the step model's predictions for the paper's rows on the paper's machines, in a section of
+    # their own, with the model against this table's measured points (suite/projection.py)
+    predicted: bool = False
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "scale": Experiment(("figure1_scale",), "params_B", "model size (billion parameters)", log_x=True,
-                        paper_x=lambda r: r["model"].map(model_params_b), paper_y={"model_tflops": "tflops"}),
+                        paper_x=lambda r: r["model"].map(model_params_b), paper_y={"model_tflops": "tflops"},
+                        predicted=True),
     # Tables 5 and 6 print MegaTrain's device memory; Figures 5 and 6 each system's throughput and host
     # memory where the text states them
     "depth": Experiment(("table5_depth", "figure5_depth"), "layers", "decoder layers",
@@ -281,16 +285,46 @@ def md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def markdown(df: pd.DataFrame, experiment: str, hardware: str) -> str:
+def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str | Path] = ()) -> str:
     """The measured rows, then each paper artefact's rows, as separate Markdown tables (a paper table
-    shows only its artefact's own columns)."""
+    shows only its artefact's own columns); where the experiment has them, the step model's
+    predictions, checked against the measured `results`."""
     out = [f"# {experiment} ({hardware})", "", f"## Measured ({hardware})", "",
            md_table(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
     paper = df[df["source"] == "paper"]
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
         out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols])]
+    if EXPERIMENTS.get(experiment, GENERIC).predicted:
+        out += predicted(results)
     return "\n".join(out) + "\n"
+
+
+def predicted(results: list[str | Path]) -> list[str]:
+    """The step model's predictions for the paper's scale rows on the paper's machines, and the
+    same model against the measured MegaTrain points among `results` (those of a probed machine)."""
+    from suite.projection import check, predictions
+    out = ["", "## Predicted by the step model (suite/projection.py): predictions, not measurements", "",
+           "The paper's scale rows (4096 x 8 x 4 micro-batches, the engine's default settings) on the paper's "
+           "machines, whose constants the model assumes where they were not probed (see "
+           "results/projection/projection.md). An MoE layer is timed at a dense layer's rate; the MoE layers "
+           "measured ran at about half of it (the `moe` tables), which leaves GPT-OSS-120B bound by the CPU's AdamW.",
+           "", "| machine | model | fits | host GiB | device GiB | step s | model TFLOP/s | bound | paper TFLOP/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for p in predictions():
+        out.append(f"| {p['machine']} | {p['preset']} | {p['fits']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} "
+                   f"| {p['step_s']:.1f} | {p['model_tflops']:.0f} | {p['bound']} | {p['paper_tflops'] or 'not printed'} |")
+    rows = check([Path(r) for r in results])
+    if not rows:
+        return out + ["", "None of the measured points above ran on a machine the model has probes of, so its error "
+                      "is not shown here; against every committed point: results/projection/projection.md."]
+    out += ["", "The model against the measured MegaTrain points above (projected / measured, and its error):", "",
+            "| point | bound | step s | host GiB |", "|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k]['projected']:.1f} / {r[k]['measured']:.1f} ({100 * r[k]['error']:+.1f}%)"
+                 for k in ("step_s", "host_GiB")]
+        out.append(f"| {Path(r['point']).stem} | {r['bound']} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     df = table(a.results, a.experiment, a.paper, a.grid)
     with atomic_file(a.csv) as tmp:
         df.to_csv(tmp, index=False)
-    write_text(a.md, markdown(df, a.experiment, a.hardware))
+    write_text(a.md, markdown(df, a.experiment, a.hardware, a.results))
     return 0
 
 
