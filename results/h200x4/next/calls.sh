@@ -5,9 +5,10 @@
 # Batch 1 (ran in session 22 but for `q30b_8k`, cut by the budget): the two-GPU checks, the 7B
 # baselines at 4 GPUs, the whole GPT-OSS-20B at 131K and 8K tokens a step, the whole Qwen3-30B-A3B.
 # Batch 2 (about 24): the AdamW build probe, two MoE layers' kernel breakdown, `q30b_8k`, the
-# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 7): an A/B
-# of the optimizer's threads per rank at 4 GPUs. Wall times are estimates from the session-21 and
-# session-22 points and the 32B point of session 10 (set-up 280 s at 397 GB of host).
+# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 11): an A/B
+# of the optimizer's threads per rank at 4 GPUs, then the three shared points. Wall times are
+# estimates from the session-21 and session-22 points and the 32B point of session 10 (set-up 280 s
+# at 397 GB of host).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -31,7 +32,10 @@ case $1 in
              --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t trace=$OUT/ab/7b_g4_threads$t.trace.json \
              --out $OUT/ab/7b_g4_threads$t.json > $OUT/ab/7b_g4_threads$t.log 2>&1
          done
-         python3 -m suite table $OUT/ab; exit 0 ;;
+         python3 -m suite table $OUT/ab
+         # then the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
+         G="" T="results/h200x4/points/shared/3b_L8_megatrain.json results/h200x4/points/shared/3b_L8_megatrain_K1.json
+            results/h200x4/points/shared/3b_L8_native.json" ;;
     esac
     if [ "$2" = 1 ]; then  # the two-GPU checks, the mixtures of experts' router loss over ranks among them (about 2 minutes)
       timeout 240 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus tests/test_gpu.py 2>&1 \
