@@ -28,7 +28,9 @@ from megatrain.trainer import Trainer
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 MATMUL = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "::mm", "addmm", "bmm")
-ATTENTION = ("flash", "fmha", "attention", "cudnn", "sdpa")
+# flex attention (GPT-OSS's sinks and windows) runs as Triton template kernels (`triton_tem_...`); the
+# engine's other compiled kernels (norms, the MLP's product, the loss) are pointwise and reductions
+ATTENTION = ("flash", "fmha", "attention", "cudnn", "sdpa", "triton_tem")
 
 
 def kind(name: str) -> str:
