@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Prepared in sessions 21-22 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
-#   C=<commit> bash results/h200x4/next/calls.sh start 1    then within 30 s of each reply:
+#   C=<commit> bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
-# Batch 1 (ran in session 22 but for `q30b_8k`, cut by the budget): the two-GPU checks, the 7B
-# baselines at 4 GPUs, the whole GPT-OSS-20B at 131K and 8K tokens a step, the whole Qwen3-30B-A3B.
-# Batch 2 (about 24): the AdamW build probe, two MoE layers' kernel breakdown, `q30b_8k`, the
-# GPT-OSS-120B shape on 12 layers, the 32B layer at 88 layers (44.5 B). Batch 3 (about 11): an A/B
-# of the optimizer's threads per rank at 4 GPUs, then the three shared points. Wall times are
-# estimates from the session-21 and session-22 points and the 32B point of session 10 (set-up 280 s
-# at 397 GB of host).
+# Batch 1 ran in session 22 (`../README.md`). Wall times are estimates from the session-21 and
+# session-22 points and the 32B point of session 10 (set-up 280 s at 397 GB of host):
+# 2 (one call, no points, up to 9 minutes): the pending MoE router loss over ranks on this copy only,
+#   its 2-GPU checks; the compiled AdamW's build; two MoE layers' kernel breakdown.
+# 3 (about 20 minutes, detached): `moe/q30b_8k`, the GPT-OSS-120B shape on 12 layers, the 32B layer
+#   at 88 layers (44.5 B).
+# 4 (about 11 minutes, detached after the A/B): an A/B of the optimizer's threads per rank at 4 GPUs,
+#   then the three points every machine's grid shares.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -18,10 +19,23 @@ case $1 in
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
-      1) T="$R/gpus/7b_g4_zero3.json $R/gpus/7b_g4_fsdp2.json $R/moe/oss20b_8k_megatrain.json $R/moe/oss20b_megatrain.json
-            $R/moe/q30b_megatrain.json $R/moe/q30b_8k_megatrain.json" ;;
-      2) T="$R/moe/q30b_8k_megatrain.json $R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
-      3) # A/B, about 7 minutes: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with one),
+      2) # the pending change, applied to this copy for its checks and taken off again (about two minutes)
+         git apply results/h200/next/moe_router_loss_over_ranks.patch
+         timeout 180 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus_track tests/test_gpu.py 2>&1 \
+           | tee $OUT/pytest_moe_two_gpus.txt | tail -4
+         git apply -R results/h200/next/moe_router_loss_over_ranks.patch
+         # where the compiled AdamW's 35-55 s of set-up per point go (about a minute): cold, warm, warm
+         # without the GPU touched
+         for c in 1 1 0; do CUDA=$c timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
+         # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s against a
+         # dense layer's 470-490), by kernel kind, one layer resident (flex attention builds for GPT-OSS)
+         for m in qwen3-30b-a3b gpt-oss-20b; do
+           timeout $(( (570 - SECONDS) / 2 )) python3 -m experiments.probes.layer_kernels --preset $m --batch 8 --seq 4096 \
+             --variants eager,norm --out $OUT/layer_$m.json 2>&1 | tail -8
+         done
+         exit 0 ;;
+      3) T="$R/moe/q30b_8k_megatrain.json $R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
+      4) # A/B, about 7 minutes: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with one),
          # the gradients' reduce-scatter among it (now timed apart: reduce_s). Prediction: with 2 of each
          # rank's 16 optimizer threads left to its main and NCCL threads, the idle that remains beside
          # reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
@@ -34,30 +48,9 @@ case $1 in
          done
          python3 -m suite table $OUT/ab
          # then the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
-         G="" T="results/h200x4/points/shared/3b_L8_megatrain.json results/h200x4/points/shared/3b_L8_megatrain_K1.json
-            results/h200x4/points/shared/3b_L8_native.json" ;;
+         G="" T="$R/shared/3b_L8_megatrain.json $R/shared/3b_L8_megatrain_K1.json $R/shared/3b_L8_native.json" ;;
     esac
-    if [ "$2" = 1 ]; then  # the two-GPU checks, the mixtures of experts' router loss over ranks among them (about 2 minutes)
-      timeout 240 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus tests/test_gpu.py 2>&1 \
-        | tee $OUT/pytest_two_gpus.txt | tail -4
-    fi
-    if [ "$2" = 2 ]; then  # the pending MoE router loss over ranks, its 2-GPU checks on this copy only (about a minute)
-      git apply results/h200/next/moe_router_loss_over_ranks.patch
-      timeout 180 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus_track tests/test_gpu.py 2>&1 \
-        | tee $OUT/pytest_moe_two_gpus.txt | tail -4
-      git apply -R results/h200/next/moe_router_loss_over_ranks.patch
-    fi
-    if [ "$2" = 2 ]; then  # where the compiled AdamW's 35-55 s of set-up per point go (about a minute)
-      for c in 1 1 0; do CUDA=$c python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done  # cold, warm, warm without the GPU touched
-    fi
-    if [ "$2" = 2 ]; then  # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s
-      # against a dense layer's 470-490), by kernel kind, one layer resident (two to six minutes: flex attention builds for GPT-OSS)
-      for m in qwen3-30b-a3b gpt-oss-20b; do
-        timeout 240 python3 -m experiments.probes.layer_kernels --preset $m --batch 8 --seq 4096 --variants eager,norm \
-          --out $OUT/layer_$m.json 2>&1 | tail -8
-      done
-    fi
-    experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, probes included
+    experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, the A/B included
   attach)
     experiments/workflow_gpu.sh --attach 540 h200x4 2>&1 | tail -8 ;;
 esac
