@@ -70,7 +70,7 @@ class Trainer:
         self.cfg = cfg
         self.ranks = ranks = Ranks.from_env()
         self.progress = progress and ranks.rank == 0
-        hf = load_hf_config(cfg.model)
+        hf = model_config(cfg)
         self.shape = shape = ModelShape(hf)
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and cfg.data.seq_len > limit:
@@ -363,6 +363,15 @@ class Trainer:
         self.comm.close()
 
 
+def model_config(cfg: TrainConfig):
+    """The run's `transformers` config, its `auto` attention the one of the device the run trains
+    on (engine.device), not of whether this machine has a GPU: a CPU run on a GPU machine takes
+    eager attention as on any CPU, and a plan made on a CPU machine for a GPU one that GPU's (for
+    GPT-OSS flex attention, whose memory is linear in the sequence, not eager attention's square)."""
+    name = cfg.engine.device
+    return load_hf_config(cfg.model, cuda=name.startswith("cuda") or (name == "auto" and torch.cuda.is_available()))
+
+
 def _stated_gpu_machine(engine, gpus: int) -> Machine:
     """A GPU machine this one is not, as engine.device_memory_gb and the stated host size say."""
     missing = [k for k, v in (("engine.device_memory_gb", engine.device_memory_gb),
@@ -429,7 +438,7 @@ def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
     one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank).
     engine.device cuda where this machine has no GPU: the plan of the GPU machine the settings
     state (engine.device_memory_gb, engine.host_memory_gb), to size one before renting it."""
-    shape = ModelShape(load_hf_config(cfg.model))
+    shape = ModelShape(model_config(cfg))
     ranks = Ranks(0, gpus, 0, gpus)
     if cfg.engine.device.startswith("cuda") and not torch.cuda.is_available():
         machine, where, shm = _stated_gpu_machine(cfg.engine, gpus), "the stated machine", None

@@ -132,6 +132,32 @@ def test_plan_prints_for_each_preset_without_allocating(preset, capsys):
     assert psutil.Process().memory_info().rss - before < 2 << 30
 
 
+def test_auto_attention_is_the_training_devices(monkeypatch):
+    """GPT-OSS's `auto` attention follows engine.device, not whether this machine has a GPU: a
+    plan made here for a GPU machine takes flex attention, a CPU run on a GPU machine eager
+    attention, as on any CPU."""
+    from megatrain.config import load_config
+    from megatrain.trainer import model_config
+
+    def attention(device: str) -> str:
+        cfg = load_config(None, [], base={"model": {"preset": "tiny-gpt-oss"}, "engine": {"device": device}})
+        return model_config(cfg)._attn_implementation
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (attention("cuda"), attention("cuda:1"), attention("auto")) == ("flex_attention", "flex_attention", "eager")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (attention("cpu"), attention("auto")) == ("eager", "flex_attention")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans this machine's own GPU there")
+def test_a_plan_for_a_gpu_machine_counts_no_eager_scores(capsys):
+    """The whole GPT-OSS-20B at 8 x 4096 planned from this machine for an 80 GB GPU: it fits there
+    (flex attention); planned with eager attention's score tensors it would need over 80 GiB."""
+    args = ["plan", "model.preset=gpt-oss-20b", "data.seq_len=4096", "data.batch_size=8", "steps=1",
+            "engine.checkpoint_every=1", "engine.host_memory_gb=400", "engine.device_memory_gb=80"]
+    assert main([*args, "engine.device=cuda"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("fits the stated machine")
+
+
 def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="model.attn_implementation: gpt_oss has no SDPA"):
         load_hf_config(ModelConfig(preset="tiny-gpt-oss", attn_implementation="sdpa"))
