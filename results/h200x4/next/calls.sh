@@ -5,7 +5,7 @@
 # Batch 1 ran in session 22 (`../README.md`). Wall times are estimates from the session-21 and
 # session-22 points and the 32B point of session 10 (set-up 280 s at 397 GB of host):
 # 2 (one call, no points, up to 9 minutes): the pending MoE router loss over ranks on this copy only,
-#   its 2-GPU checks; the compiled AdamW's build; two MoE layers' kernel breakdown.
+#   its 2-GPU checks; the compiled AdamW's build; two MoE layers' kernel breakdown at two micro-batches.
 # 3 (about 20 minutes, detached): `moe/q30b_8k`, the GPT-OSS-120B shape on 12 layers, the 32B layer
 #   at 88 layers (44.5 B).
 # 4 (about 11 minutes, detached after the A/B): an A/B of the optimizer's threads per rank at 4 GPUs,
@@ -28,10 +28,16 @@ case $1 in
          # without the GPU touched
          for c in 1 1 0; do CUDA=$c timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
          # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s against a
-         # dense layer's 470-490), by kernel kind, one layer resident (flex attention builds for GPT-OSS)
-         for m in qwen3-30b-a3b gpt-oss-20b; do
-           timeout $(( (570 - SECONDS) / 2 )) python3 -m experiments.probes.layer_kernels --preset $m --batch 8 --seq 4096 \
-             --variants eager,norm --out $OUT/layer_$m.json 2>&1 | tail -8
+         # dense layer's 470-490), by kernel kind, one layer resident, with the GPU's default kernels;
+         # at the grid's micro-batch (8 x 4096) and at twice it. Prediction: the MoE layers at 8 x 4096
+         # run at about half the dense layer's rate, as the whole-model steps did (200-234); at 16 x 4096
+         # each expert's grouped GEMM has twice the rows (Qwen3-30B-A3B 2K -> 4K, GPT-OSS-20B 4K -> 8K),
+         # which should lift the rate by 10-20%, more for Qwen3's 128 small experts than for GPT-OSS's 32.
+         # Qwen3 first (no flex attention to build), then GPT-OSS (flex builds once; the second from cache).
+         for mb in qwen3-30b-a3b:8 qwen3-30b-a3b:16 gpt-oss-20b:8 gpt-oss-20b:16; do
+           m=${mb%:*} b=${mb#*:}
+           timeout $(( 570 - SECONDS )) python3 -m experiments.probes.layer_kernels --preset $m --batch $b --seq 4096 \
+             --variants norm --out $OUT/layer_${m}_b$b.json 2>&1 | tail -5
          done
          exit 0 ;;
       3) T="$R/moe/q30b_8k_megatrain.json $R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
