@@ -24,9 +24,10 @@ case $1 in
          timeout 180 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k two_gpus_track tests/test_gpu.py 2>&1 \
            | tee $OUT/pytest_moe_two_gpus.txt | tail -4
          git apply -R results/h200/next/moe_router_loss_over_ranks.patch
-         # where the compiled AdamW's 35-55 s of set-up per point go (about a minute): cold, warm, warm
-         # without the GPU touched
-         for c in 1 1 0; do CUDA=$c timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
+         # where the compiled AdamW's 35-55 s of set-up per point go (two minutes at most): cold and warm,
+         # with the engine's C++ wrapper and without it (on the CPU machine a cold build took 11 s with it
+         # and 3 s without; from the cache 2 s either way)
+         for w in 1 1 0 0; do CUDA=1 WRAPPER=$w timeout 60 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl; done
          # where an MoE layer's time goes (the H100's Qwen3-30B-A3B layer: 208 model TFLOP/s against a
          # dense layer's 470-490), by kernel kind, one layer resident, with the GPU's default kernels;
          # at the grid's micro-batch (8 x 4096) and at twice it. Prediction: the MoE layers at 8 x 4096
