@@ -6,7 +6,9 @@
 
 CUDA=1 first touches the GPU, as the trainer has by then. WRAPPER=0 builds the kernel without
 `cpp_wrapper` (the engine's has it, to release the GIL: fused_adamw.py), to tell whether the C++
-wrapper is what takes the time or misses the cache. Prints the seconds of the build
+wrapper is what takes the time or misses the cache. Prints the seconds of inductor's check of the
+CPU's vector instruction sets (on torch 2.11 on the CPU machine 13 of a 14 s build from the cache:
+a compile and a Python that imports torch for each), of the build
 (fused_adamw.probe), of the timing (optim.rates) and inductor's FX graph cache counters (a hit: the
 build was loaded, not compiled).
 """
@@ -31,6 +33,11 @@ if os.environ.get("CUDA") == "1" and torch.cuda.is_available():
     clock = time.perf_counter()
     torch.zeros(1, device="cuda")
     out["cuda_init_s"] = time.perf_counter() - clock
+clock = time.perf_counter()  # inductor's check of the CPU's vector ISAs, once a process: on torch
+vec_isa = getattr(torch._inductor, "cpu_vec_isa", None)  # 2.11 a build and a `python -c "import torch"` per ISA
+if vec_isa is not None and hasattr(vec_isa, "valid_vec_isa_list"):
+    out["vec_isas"] = [str(isa) for isa in vec_isa.valid_vec_isa_list()]
+    out["vec_isa_check_s"] = time.perf_counter() - clock
 clock = time.perf_counter()
 out["probe_error"] = fused_adamw.probe(OptimConfig())
 out["build_s"] = time.perf_counter() - clock
