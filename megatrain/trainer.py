@@ -86,10 +86,6 @@ class Trainer:
         # the model is admitted before the data is read, the data before the store is allocated:
         # a run that cannot fit, or a bad dataset, costs nothing
         memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared)
-        # under optimizer_kernel auto on a GPU, inductor's check of the CPU's vector instruction sets
-        # runs from here beside reading the data and allocating and filling the store (`_VectorISAs`)
-        auto = s.optimizer_kernel == "compiled" and cfg.engine.optimizer_kernel != "compiled"
-        isas = _VectorISAs() if auto else None
         self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
         if data_bytes:  # the data's bytes may be what makes split masters needed (engine.split_masters: auto)
@@ -104,11 +100,14 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         # The compiled host AdamW is built and timed with the thread count just set (the optimizer
         # worker's): where it was asked for, now, so that a machine that cannot build it is told before
-        # the store is allocated; under auto (a GPU run) once the store is filled.
+        # the store is allocated; under auto (a GPU run) once the store is filled, with inductor's check
+        # of the CPU's vector instruction sets run beside the allocation and the fill (`_VectorISAs`).
         # setup_s: seconds spent building and timing the compiled update (inductor's first build: tens
-        # of seconds on a fresh machine, its cache's reuse after; under auto only what the data and the
-        # store did not hide), allocating the store, filling it and building the engine (its buffers)
+        # of seconds on a fresh machine, its cache's reuse after; under auto only what the fill did not
+        # hide), allocating the store, filling it and building the engine (its buffers)
         self.optimizer_rates, self.setup_s = None, {"optimizer_kernel": 0.0}
+        auto = s.optimizer_kernel == "compiled" and cfg.engine.optimizer_kernel != "compiled"
+        isas = _VectorISAs() if auto else None
         if s.optimizer_kernel == "compiled" and not auto:
             self._choose_optimizer_kernel(asked=True)
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled")
@@ -385,8 +384,8 @@ class _VectorISAs(threading.Thread):
     thread of its own: the first build of a CPU kernel in a process makes it, and on torch 2.11 it
     builds and loads a test program per instruction set, each in a fresh Python that imports torch
     (13 of the 14 s of a build from the cache on the CPU machine, experiments/probes/adamw_build.py).
-    Beside reading the data and the store's allocation and fill it costs their time, not its own;
-    the result is kept for the process (where a torch has no such check, nothing runs)."""
+    Beside the store's allocation and fill it costs their time, not its own; the result is kept
+    for the process (where a torch has no such check, nothing runs)."""
 
     def __init__(self):
         super().__init__(name="vector-isa-check", daemon=True)  # a failed run does not wait for it
