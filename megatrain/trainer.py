@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -98,18 +97,25 @@ class Trainer:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
-        # The compiled host AdamW is built and timed with the thread count just set (the optimizer
-        # worker's): where it was asked for, now, so that a machine that cannot build it is told before
-        # the store is allocated; under auto (a GPU run) once the store is filled, with inductor's check
-        # of the CPU's vector instruction sets run beside the allocation and the fill (`_VectorISAs`).
-        # setup_s: seconds spent building and timing the compiled update (inductor's first build: tens
-        # of seconds on a fresh machine, its cache's reuse after; under auto only what the fill did not
-        # hide), allocating the store, filling it and building the engine (its buffers)
-        self.optimizer_rates, self.setup_s = None, {"optimizer_kernel": 0.0}
-        auto = s.optimizer_kernel == "compiled" and cfg.engine.optimizer_kernel != "compiled"
-        isas = _VectorISAs() if auto else None
-        if s.optimizer_kernel == "compiled" and not auto:
-            self._choose_optimizer_kernel(asked=True)
+        # built and timed with the thread count just set (the optimizer worker's), before the store
+        self.optimizer_rates = None
+        clock = time.perf_counter()
+        if s.optimizer_kernel == "compiled":
+            say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
+                "its cache) and timing it against the eager update", self.progress)
+            asked = cfg.engine.optimizer_kernel == "compiled"
+            if why := fused_adamw.probe(cfg.optim):
+                if asked:
+                    raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
+                                     f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            else:
+                self.optimizer_rates = rates(cfg.optim)
+            if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
+                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
+        # seconds spent building and timing the compiled update (inductor's first build: tens of
+        # seconds on a fresh machine, its cache's reuse after), allocating the store, filling it and
+        # building the engine (its buffers)
+        self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled")
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
@@ -127,9 +133,6 @@ class Trainer:
         clock = time.perf_counter()
         self._fill_store()
         self.setup_s["fill"] = time.perf_counter() - clock
-        if auto:
-            self._choose_optimizer_kernel(asked=False, isas=isas)
-            s = self.settings
         clock = time.perf_counter()
         self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps, self.comm, flags)
         self.setup_s["engine"] = time.perf_counter() - clock
@@ -137,25 +140,6 @@ class Trainer:
         self.step = 0
         if cfg.resume:
             self.load_state(Path(cfg.output_dir) / "state")
-
-    def _choose_optimizer_kernel(self, asked: bool, isas: "_VectorISAs | None" = None) -> None:
-        """Build the compiled host AdamW (once `isas`, the check run beside the fill, is done) and
-        time it against the eager update: refused by name where it was `asked` for and cannot build;
-        under auto the faster of the two (the rates reported)."""
-        clock = time.perf_counter()
-        if isas is not None:
-            isas.join()
-        say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
-            "its cache) and timing it against the eager update", self.progress)
-        if why := fused_adamw.probe(self.cfg.optim):
-            if asked:
-                raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
-                                 f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
-        else:
-            self.optimizer_rates = rates(self.cfg.optim)
-        if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
-            self.settings = dataclasses.replace(self.settings, optimizer_kernel="eager")  # auto: the faster one
-        self.setup_s["optimizer_kernel"] = time.perf_counter() - clock
 
     def _fill_store(self) -> None:
         """Seeded or pretrained weights; a shared store is filled once per host (device tiles, one
@@ -377,26 +361,6 @@ class Trainer:
         self.sampler.close()
         self.store.close()
         self.comm.close()
-
-
-class _VectorISAs(threading.Thread):
-    """Inductor's check of which vector instruction sets this CPU's compiled code may use, run on a
-    thread of its own: the first build of a CPU kernel in a process makes it, and on torch 2.11 it
-    builds and loads a test program per instruction set, each in a fresh Python that imports torch
-    (13 of the 14 s of a build from the cache on the CPU machine, experiments/probes/adamw_build.py).
-    Beside the store's allocation and fill it costs their time, not its own; the result is kept
-    for the process (where a torch has no such check, nothing runs)."""
-
-    def __init__(self):
-        super().__init__(name="vector-isa-check", daemon=True)  # a failed run does not wait for it
-        self.start()
-
-    def run(self) -> None:
-        try:
-            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-            valid_vec_isa_list()
-        except Exception:  # another torch, or the check failing: the build makes the check itself
-            pass
 
 
 def model_config(cfg: TrainConfig):

@@ -3,7 +3,6 @@ setting's refusals. Compiles a small C++ kernel (torch.compile, seconds, cached 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 
@@ -181,43 +180,6 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
     try:
         assert trainer.settings.optimizer_kernel == chosen
         assert trainer.optimizer_rates == {"eager": 1.0, "compiled": compiled_rate}
-    finally:
-        trainer.close()
-
-
-def test_auto_checks_the_vector_isas_beside_the_fill_and_builds_after_it(tmp_path, monkeypatch):
-    """Under auto (a GPU run) inductor's check of the CPU's vector instruction sets, tens of seconds
-    on torch 2.11, runs on a thread of its own while the store is filled; the compiled update is
-    built and timed once both are done, and setup_s counts the wait. Asked for by name, it is
-    built before the store (a machine that cannot build it is told first: the test above)."""
-    import torch._inductor.cpu_vec_isa as vec_isa
-    tiny_checkpoint(tmp_path / "init", "tiny-llama")
-    events = []
-
-    @functools.cache  # as inductor's: once a process
-    def check():
-        events.append(("check starts", threading.current_thread().name))
-        time.sleep(0.5)
-        events.append(("check ends", threading.current_thread().name))
-        return []
-    fill, probe = trainer_module.Trainer._fill_store, fused_adamw.probe
-    monkeypatch.setattr(vec_isa, "valid_vec_isa_list", check)
-    monkeypatch.setattr(trainer_module.Trainer, "_fill_store",
-                        lambda self: (events.append(("fill", threading.current_thread().name)), fill(self)))
-    monkeypatch.setattr(fused_adamw, "probe", lambda cfg: (events.append(("build", threading.current_thread().name)),
-                                                            probe(cfg))[1])
-    real = trainer_module.resolve
-    monkeypatch.setattr(trainer_module, "resolve",
-                        lambda *a, **k: dataclasses.replace(real(*a, **k), optimizer_kernel="compiled"))
-    trainer = Trainer(load_config(base=tree(tmp_path, "auto")))
-    try:
-        main = threading.main_thread().name
-        order = [e for e, _ in events]
-        assert sorted(order) == ["build", "check ends", "check starts", "fill"]
-        assert order.index("fill") < order.index("check ends") < order.index("build")  # beside the fill, then built
-        assert dict(events) == {"check starts": "vector-isa-check", "check ends": "vector-isa-check",
-                                "fill": main, "build": main}
-        assert trainer.setup_s["optimizer_kernel"] >= 0.3  # the check's rest, waited for after the fill
     finally:
         trainer.close()
 
