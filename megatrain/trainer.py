@@ -143,23 +143,15 @@ class Trainer:
 
     def _fill_store(self) -> None:
         """Seeded or pretrained weights; a shared store is filled once per host (device tiles, one
-        copy per GPU, by every rank), then every rank waits for it. The filling rank takes the
-        cores of the host's ranks meanwhile: the others only wait (the tiles are filled in parallel,
-        each from its own generator, so the numbers do not depend on the thread count)."""
+        copy per GPU, by every rank), then every rank waits for it."""
         cfg, first = self.cfg, self.ranks.local_rank == 0
         tiles = None if first else [t for t in self.store.tiles if t.on_device]
-        threads = torch.get_num_threads()
-        if first and self.ranks.local_world > 1:
-            torch.set_num_threads(min(os.cpu_count() or 1, threads * self.ranks.local_world))
-        try:
-            if cfg.model.pretrained:
-                with bar("loading the weights", self._params(tiles), self.progress) as advance:
-                    self.store.load_pretrained(cfg.model.pretrained, tiles, advance)
-            else:
-                with bar("initialising the weights", self._params(tiles), self.progress) as advance:
-                    self.store.init_random(cfg.seed, tiles, advance)
-        finally:
-            torch.set_num_threads(threads)
+        if cfg.model.pretrained:
+            with bar("loading the weights", self._params(tiles), self.progress) as advance:
+                self.store.load_pretrained(cfg.model.pretrained, tiles, advance)
+        else:
+            with bar("initialising the weights", self._params(tiles), self.progress) as advance:
+                self.store.init_random(cfg.seed, tiles, advance)
         self.comm.barrier()
 
     def _check_output_dir(self) -> None:
