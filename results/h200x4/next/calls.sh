@@ -8,8 +8,9 @@
 #   its 2-GPU checks; the compiled AdamW's build; two MoE layers' kernel breakdown at two micro-batches.
 # 3 (about 20 minutes, detached): `moe/q30b_8k`, the GPT-OSS-120B shape on 12 layers, the 32B layer
 #   at 88 layers (44.5 B).
-# 4 (about 11 minutes, detached after the A/B): an A/B of the optimizer's threads per rank at 4 GPUs,
-#   then the three points every machine's grid shares.
+# 4 (one call, no points, about 9 minutes): A/Bs of the pending set-up patch and of the optimizer's
+#   threads per rank at 4 GPUs.
+# 5 (about 4 minutes, detached): the three points every machine's grid shares.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -42,19 +43,26 @@ case $1 in
          done
          exit 0 ;;
       3) T="$R/moe/q30b_8k_megatrain.json $R/moe/120b_L12_megatrain.json $R/largest/32b_L88_16seq_megatrain.json" ;;
-      4) # A/B, about 7 minutes: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with one),
-         # the gradients' reduce-scatter among it (now timed apart: reduce_s). Prediction: with 2 of each
-         # rank's 16 optimizer threads left to its main and NCCL threads, the idle that remains beside
-         # reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one (3.885 measured), the AdamW (1.25 s
-         # busy of a 6.8 s step) still hidden. Default first, then 14 threads, same call; each with its last
-         # step's timeline (where the idle goes: a reduce-scatter outside the labelled spans would show).
-         mkdir -p $OUT/ab && for t in 16 14; do
-           python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
-             --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t trace=$OUT/ab/7b_g4_threads$t.trace.json \
-             --out $OUT/ab/7b_g4_threads$t.json > $OUT/ab/7b_g4_threads$t.log 2>&1
+      4) # Two A/Bs at 7B on 4 GPUs, three runs, about 9 minutes, each with its last step's timeline.
+         # (a) main; (b) with setup_overlap.patch on this copy: the filling rank takes the waiting ranks'
+         # cores, and inductor's check of the CPU's vector instruction sets runs beside the data and the
+         # store, the AdamW built after the fill. Prediction (b against a): setup_s.fill 24 -> about
+         # 10 s (one rank's fill at 7B), setup_s.optimizer_kernel 55 -> about 20 s (what data, store
+         # and fill do not hide of the check), the step unchanged. (c) the patch and 14 optimizer threads
+         # a rank instead of 16: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with
+         # one), reduce_s now timed apart; prediction: with 2 of each rank's cores left to its main and
+         # NCCL threads the idle beside reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one
+         # (3.885 measured), the AdamW (1.25 s busy of a 6.8 s step) still hidden.
+         mkdir -p $OUT/ab && for run in a:16 b:16 c:14; do
+           v=${run%:*} t=${run#*:}
+           [ $v = b ] && git apply results/h200x4/next/setup_overlap.patch
+           timeout $(( 585 - SECONDS )) python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
+             --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t trace=$OUT/ab/7b_g4_$v.trace.json \
+             --out $OUT/ab/7b_g4_$v.json > $OUT/ab/7b_g4_$v.log 2>&1
          done
-         python3 -m suite table $OUT/ab
-         # then the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
+         git apply -R results/h200x4/next/setup_overlap.patch
+         python3 -m suite table $OUT/ab; exit 0 ;;
+      5) # the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
          G="" T="$R/shared/3b_L8_megatrain.json $R/shared/3b_L8_megatrain_K1.json $R/shared/3b_L8_native.json" ;;
     esac
     experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, the A/B included
