@@ -156,6 +156,10 @@ _SIGN = -(1 << 31)
 # and a block's float32 master and widened low halves stay in the cores' caches between them (on the
 # 2-core box, 1 thread: 2^16-2^18 alike, 2^14 and 2^20 slower; more threads favour fewer blocks)
 _BLOCK = 1 << 18
+# elements a seeded draw that cannot go in place takes at a time: the fill's threads each hold one
+# such float32 chunk, not a whole matrix (a GPT-OSS-120B layer's experts are 2.1 G elements, and
+# the fill draws up to a core's worth of layers at once)
+_DRAW = 1 << 22
 
 
 def _blocks(n: int) -> Iterator[tuple[int, int]]:
@@ -305,8 +309,14 @@ class Tile:
         if self.master is not None and self.master.dtype == torch.float32 and not self.on_device and not self.split:
             self.master[lo:lo + n].normal_(0.0, std, generator=gen)
             self.refresh_shadow(lo, lo + n)
-        else:
-            self.write_master(torch.empty(n).normal_(0.0, std, generator=gen), lo)
+        else:  # in chunks of _DRAW, each a multiple of 16 and the last at least _DRAW long: torch
+            # draws a float tensor's normals as blocks of 16 from one stream of uniforms, so the
+            # chunks hold the numbers of one whole draw
+            start = lo
+            while start < lo + n:
+                end = lo + n if lo + n - start < 2 * _DRAW else start + _DRAW
+                self.write_master(torch.empty(end - start).normal_(0.0, std, generator=gen), start)
+                start = end
 
     def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
         """Recast the shadow of a tile that keeps a whole master in another dtype than the shadow's."""

@@ -12,6 +12,7 @@ import torch
 
 from conftest import random_batches
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
+import megatrain.store as store_module
 from megatrain.memory import plan
 from megatrain.optim import lr_at
 from megatrain.resolve import Machine, resolve
@@ -87,10 +88,12 @@ def test_host_bytes_per_parameter(split):
 
 
 @pytest.mark.parametrize("master, split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
-def test_drawn_weights_are_those_of_a_drawn_tensor(master, split):
-    """A tile's seeded draws, in place into a whole float32 master or through a tensor otherwise,
-    are the numbers torch draws into a tensor of their own (the store's init did so before), in the
-    master and in its bf16 shadow."""
+@pytest.mark.parametrize("chunk", [1 << 22, 64])
+def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeypatch):
+    """A tile's seeded draws, in place into a whole float32 master or through a tensor otherwise
+    (in chunks, here also of 64 elements: 1961 = 29 x 64 + 105), are the numbers torch draws into a
+    tensor of their own (the store's init did so before), in the master and in its bf16 shadow."""
+    monkeypatch.setattr(store_module, "_DRAW", chunk)
     specs = [ParamSpec("w.weight", (37, 53)), ParamSpec("v.weight", (129,))]
     tile = Tile("t", Layout.of(specs), master, torch.bfloat16, pinned=False, grad=False, split=split)
     tile.reset()
