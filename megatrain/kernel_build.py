@@ -28,7 +28,9 @@ The refusal comes before anything runs, so a call here waits while the flag is s
 from __future__ import annotations
 
 import functools
+import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -57,3 +59,27 @@ def compiled(fn: Callable, **options) -> Callable:
                 if not _tracing():  # not the refusal: a failure of this kernel
                     raise
     return run
+
+
+def check_vector_isas() -> None:
+    """Inductor's check of which vector instruction sets this CPU's compiled code may use, made
+    before a first CPU build would make it. On torch 2.11 it builds a test program per candidate set
+    and loads each in a fresh Python that imports torch, one set after another: 27.5-28.8 s of each
+    point's set-up on the four-GPU host's 64 cores (results/h200x4/probes_2026-11-26). Here every
+    candidate's check runs at once, a thread each (the checks are subprocesses and builds under
+    per-set file locks); inductor keeps each set's answer for the process, so its list, and every
+    build after, reuses them. On the 2-core CPU machine with torch 2.11 (four sets, their builds in
+    the cache): 7.9-8.0 s against 13.0-13.4 one after another. Where a torch has no such check,
+    nothing runs."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        candidates = []
+        if platform.machine() in ("x86_64", "AMD64"):  # inductor's own filter: the CPU's flags
+            flags = cpu_vec_isa.x86_isa_checker()
+            candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+        if len(candidates) > 1:
+            with ThreadPoolExecutor(len(candidates)) as pool:
+                list(pool.map(bool, candidates))
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception:  # another torch, or the check failing: the build makes the check itself
+        pass

@@ -29,6 +29,7 @@ from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as che
                                    shared_memory_free)
 from megatrain.engine import Engine
 from megatrain.io import write_json
+from megatrain.kernel_build import check_vector_isas
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at, rates
 from megatrain.progress import bar, say
@@ -104,6 +105,7 @@ class Trainer:
             say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
                 "its cache) and timing it against the eager update", self.progress)
             asked = cfg.engine.optimizer_kernel == "compiled"
+            check_vector_isas()
             if why := fused_adamw.probe(cfg.optim):
                 if asked:
                     raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "

@@ -184,6 +184,37 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
         trainer.close()
 
 
+def test_the_vector_isa_checks_run_side_by_side(monkeypatch):
+    """kernel_build.check_vector_isas: each candidate instruction set the CPU's flags allow is
+    checked on a thread of its own, all at once, before inductor's list (which then reuses the
+    answers); a set the flags lack is not checked."""
+    import torch._inductor.cpu_vec_isa as vec_isa
+    from megatrain import kernel_build
+    checked, listed = {}, []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+
+        def __bool__(self):
+            checked[self.name] = threading.current_thread().name
+            time.sleep(0.4)
+            return True
+    fakes = [Fake("avx512 amx_tile"), Fake("avx512"), Fake("avx2"), Fake("neon")]
+    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512", "amx_tile"])
+    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
+    monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: listed.append(sorted(checked)))
+    start = time.perf_counter()
+    kernel_build.check_vector_isas()
+    assert time.perf_counter() - start < 1.0  # three checks of 0.4 s, side by side
+    assert listed == [["avx2", "avx512", "avx512 amx_tile"]]  # all checked before the list, not "neon"
+    assert len(set(checked.values())) == 3
+
+
 def test_the_rates_time_both_updates():
     """optim.rates runs both updates (compiling the one-pass kernel) and gives positive rates."""
     got = optim.rates(OptimConfig(), n=1 << 16, reps=2)

@@ -3,9 +3,9 @@
 #   C=<commit> bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
-# 2 (one call, no points, about 7 minutes): the pending MoE router loss over ranks on this copy only,
-#   its 2-GPU check alone (twice cut: the dense case ran first within the same 180-240 s); the
-#   GPT-OSS layer probe at 16 x 4096 that session 23's call cut.
+# 2 (one call, no points, about 9 minutes): the pending MoE router loss over ranks on this copy only,
+#   its 2-GPU check alone (twice cut: the dense case ran first within the same 180-240 s); the split
+#   masters' update rate by thread count; the vector-ISA check, inductor's way and the engine's.
 # 4 (one call, no points, about 9 minutes): A/Bs of the pending set-up patch and of the optimizer's
 #   threads per rank at 4 GPUs.
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
@@ -25,16 +25,30 @@ case $1 in
          timeout 360 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k "two_gpus_track and gpt" tests/test_gpu.py 2>&1 \
            | tee $OUT/pytest_moe_two_gpus.txt | tail -6
          git apply -R results/h200/next/moe_router_loss_over_ranks.patch
-         # GPT-OSS-20B's layer at 16 x 4096 (Qwen3-30B-A3B's did not move from 8 to 16 x 4096: 236.1, 235.8)
-         timeout $(( 570 - SECONDS )) python3 -m experiments.probes.layer_kernels --preset gpt-oss-20b --batch 16 --seq 4096 \
-           --variants norm --out $OUT/layer_gpt-oss-20b_b16.json 2>&1 | tail -5
+         # the split masters' update against the whole masters' at 16, 32 and 64 threads (about two minutes):
+         # on this host the 120B shape's and the 88-layer model's split updates ran at 0.54-0.65 ns a
+         # parameter, the whole masters' at 0.14-0.21 (a quarter; 0.41 on the 2-core CPU machine, 0.52 on
+         # the x2 host). Prediction: the split update stops scaling well before 64 threads, the whole
+         # one does not; if both scale alike, the steps' split rate is not the kernel's and the probe says so.
+         for t in 16 32 64; do for v in "SPLIT=0 COMPILED=0" "SPLIT=1 COMPILED=0"; do
+           env $v T=$t PYTHONPATH=. timeout 60 python3 experiments/probes/adamw_rate.py 134217728 4 "$v T=$t" | tee -a $OUT/adamw_split_rate.txt
+         done; done
+         # inductor's check of the vector instruction sets, its own way (one set after another: 27.5-28.8 s
+         # here in session 23) against the engine's (kernel_build.check_vector_isas: every set's at once;
+         # 13.0-13.4 -> 7.9-8.0 s on the 2-core CPU machine with torch 2.11). Prediction: about 28 -> 8 s,
+         # one set's build and fresh `import torch` (10 s here) instead of four.
+         for c in inductor engine inductor engine; do
+           ISA_CHECK=$c CUDA=1 timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl
+         done
          exit 0 ;;
       4) # Two A/Bs at 7B on 4 GPUs, three runs, about 9 minutes, each with its last step's timeline.
-         # (a) main; (b) with setup_overlap.patch on this copy: the filling rank takes the waiting ranks'
-         # cores, and inductor's check of the CPU's vector instruction sets runs beside the data and the
-         # store, the AdamW built after the fill. Prediction (b against a): setup_s.fill 24 -> about
-         # 10 s (one rank's fill at 7B), setup_s.optimizer_kernel 55 -> about 20 s (what data, store
-         # and fill do not hide of the check), the step unchanged. (c) the patch and 14 optimizer threads
+         # (a) main, whose check of the CPU's vector instruction sets now runs every set's check at once
+         # (session 23; prediction against session 21's 7b_g4: setup_s.optimizer_kernel 55 -> about 30 s,
+         # four ranks' checks side by side); (b) with setup_overlap.patch on this copy: the filling rank
+         # takes the waiting ranks' cores, and the check runs beside the data and the store, the AdamW
+         # built after the fill. Prediction (b against a): setup_s.fill 24 -> about 10 s (one rank's fill
+         # at 7B), setup_s.optimizer_kernel about 30 -> 5 s or less (the check hidden by data, store
+         # and fill), the step unchanged. (c) the patch and 14 optimizer threads
          # a rank instead of 16: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with
          # one), reduce_s now timed apart; prediction: with 2 of each rank's cores left to its main and
          # NCCL threads the idle beside reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one
