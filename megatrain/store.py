@@ -156,9 +156,9 @@ _SIGN = -(1 << 31)
 # and a block's float32 master and widened low halves stay in the cores' caches between them (on the
 # 2-core box, 1 thread: 2^16-2^18 alike, 2^14 and 2^20 slower; more threads favour fewer blocks)
 _BLOCK = 1 << 18
-# elements a seeded draw that cannot go in place takes at a time: the fill's threads each hold one
-# such float32 chunk, not a whole matrix (a GPT-OSS-120B layer's experts are 2.1 G elements, and
-# the fill draws up to a core's worth of layers at once)
+# elements a seeded draw that cannot go in place, or a split tile's write, takes at a time: the
+# fill's threads each hold one such float32 chunk, not a whole matrix (a GPT-OSS-120B layer's
+# experts are 2.1 G elements, and the fill draws up to a core's worth of layers at once)
 _DRAW = 1 << 22
 
 
@@ -294,8 +294,11 @@ class Tile:
         flags live in `exp_avg_sq`: write the moments first."""
         hi = lo + values.numel()
         values = values.reshape(-1)
-        if self.split:
-            split(values.to(torch.float32).contiguous(), self.shadow[lo:hi], self.low[lo:hi], self.exp_avg_sq[lo:hi])
+        if self.split:  # through float32 chunks of _DRAW elements: a checkpoint's bf16 tensor is not widened whole
+            for a in range(lo, hi, _DRAW):
+                b = min(hi, a + _DRAW)
+                split(values[a - lo: b - lo].to(torch.float32).contiguous(), self.shadow[a:b], self.low[a:b],
+                      self.exp_avg_sq[a:b])
             return
         self.master[lo:hi].copy_(values)
         self.refresh_shadow(lo, hi)

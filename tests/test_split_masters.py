@@ -81,6 +81,30 @@ def test_split_and_join_are_exact_for_every_finite_float32():
     assert torch.equal(bits(out)[number], b[number]) and torch.equal(bits(exp_avg_sq), v_bits)
 
 
+def test_a_split_tile_is_written_in_chunks_exactly(monkeypatch):
+    """Tile.write_master into a split tile goes through float32 chunks of store._DRAW elements (here
+    1000: chunk edges off the tie search's rows), from a bf16 or a float32 tensor, at an offset:
+    the masters read back are the values written, halfway ones rounded down included."""
+    import megatrain.store as store
+    monkeypatch.setattr(store, "_DRAW", 1000)
+    widened = []
+    monkeypatch.setattr(store, "split", lambda master, *rest: (widened.append(master.numel()), split(master, *rest)))
+    b = edge_patterns()[: 1 << 14]
+    values = as_float(b)
+    values = torch.where(torch.isnan(values), torch.zeros(()), values)
+    n = values.numel()
+    tile = Tile("t", Layout.of([ParamSpec("w", (7 + n,))]), torch.float32, torch.bfloat16, pinned=False, grad=False,
+                split=True)
+    tile.reset()
+    tile.write_master(values, 7)
+    tile.write_master(values[:7].to(torch.bfloat16), 0)
+    assert max(widened) == 1000 and sum(widened) == n + 7  # no float32 copy larger than a chunk
+    with tile.plain_state() as state:
+        assert torch.equal(bits(state["master"][7: 7 + n]), bits(values))
+        assert torch.equal(state["master"][:7], values[:7].to(torch.bfloat16).float())
+    assert torch.equal(tile.shadow[7: 7 + n], values.to(torch.bfloat16))
+
+
 def test_ties_found_in_rows_and_tail():
     low = torch.zeros(5 * 1024 + 37, dtype=torch.int16)
     at = [0, 63, 64, 1023, 1024, 3000, 3001, 5 * 1024, 5 * 1024 + 36]  # row and sub-row edges, two in one
