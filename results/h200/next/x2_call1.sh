@@ -11,7 +11,8 @@
 # Each packs what it wrote: results/h200 and plots/h200 come back in $OUT/workflow.tgz (a), the rest
 # under $OUT.
 set -u
-export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
+# the host stated to admission (every system's): this host's MemTotal starts small and grows as memory is used
+export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri MEGATRAIN_HOST_MEMORY_GB=250
 P=results/h200/points
 case $1 in
   a)

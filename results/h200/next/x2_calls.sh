@@ -12,7 +12,9 @@
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (batch 2's Ratel points, experiments/ratel_gpu.sh; carry it too).
 set -u
-export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri RATEL_HOME=$PWD/.ratel/LoHan
+# the host stated to admission (every system's): this host's MemTotal starts small and grows as memory is used
+export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri RATEL_HOME=$PWD/.ratel/LoHan \
+  MEGATRAIN_HOST_MEMORY_GB=250
 S="--config grid=workflows/grids/h200-scale.yaml"
 R=results/h200/points
 case $1 in
