@@ -94,12 +94,17 @@ def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeyp
     (in chunks, here also of 64 elements: 1961 = 29 x 64 + 105), are the numbers torch draws into a
     tensor of their own (the store's init did so before), in the master and in its bf16 shadow."""
     monkeypatch.setattr(store_module, "_DRAW", chunk)
+    drawn = []
+    write = Tile.write_master
+    monkeypatch.setattr(Tile, "write_master", lambda self, values, lo=0: (drawn.append(values.numel()), write(self, values, lo)))
     specs = [ParamSpec("w.weight", (37, 53)), ParamSpec("v.weight", (129,))]
     tile = Tile("t", Layout.of(specs), master, torch.bfloat16, pinned=False, grad=False, split=split)
     tile.reset()
     gen = torch.Generator().manual_seed(7)
     for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
         tile.draw_normal(offset, spec.numel, 0.02, gen)
+    # drawn in place, or through tensors of at most two chunks (the last chunk takes the tail)
+    assert (drawn == []) if (master, split) == (torch.float32, False) else (max(drawn) < 2 * chunk and sum(drawn) == 1961 + 129)
     gen = torch.Generator().manual_seed(7)
     for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
         want = torch.empty(spec.shape).normal_(0.0, 0.02, generator=gen).reshape(-1)
