@@ -18,13 +18,10 @@ case $1 in
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
-      2) # the pending change, applied to this copy for its check and taken off again. The two earlier
+      2) # the two probes first (about 3.5 minutes), then the pending change, applied to this copy for its
+         # check and taken off again, with the rest of the call (at least 5.5 minutes). The two earlier
          # calls ran the dense case first and cut the MoE one at 180 and 240 s in all, with no output
          # from it: a hang or only slow is not known, so each step of it is timed (--durations).
-         git apply results/h200/next/moe_router_loss_over_ranks.patch
-         timeout 360 python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k "two_gpus_track and gpt" tests/test_gpu.py 2>&1 \
-           | tee $OUT/pytest_moe_two_gpus.txt | tail -6
-         git apply -R results/h200/next/moe_router_loss_over_ranks.patch
          # the split masters' update against the whole masters' at 16, 32 and 64 threads (about two minutes):
          # on this host the 120B shape's and the 88-layer model's split updates ran at 0.54-0.65 ns a
          # parameter, the whole masters' at 0.14-0.21 (a quarter; 0.41 on the 2-core CPU machine, 0.52 on
@@ -40,6 +37,10 @@ case $1 in
          for c in inductor engine inductor engine; do
            ISA_CHECK=$c CUDA=1 timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl
          done
+         git apply results/h200/next/moe_router_loss_over_ranks.patch
+         timeout $(( 585 - SECONDS )) python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k "two_gpus_track and gpt" tests/test_gpu.py 2>&1 \
+           | tee $OUT/pytest_moe_two_gpus.txt | tail -6
+         git apply -R results/h200/next/moe_router_loss_over_ranks.patch
          exit 0 ;;
       4) # Two A/Bs at 7B on 4 GPUs, three runs, about 9 minutes, each with its last step's timeline.
          # (a) main, whose check of the CPU's vector instruction sets now runs every set's check at once
