@@ -12,7 +12,7 @@ before it settled:
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
                        the 14-byte plan does not fit the host and the 12-byte one does: the split
-                       update is about 3x slower on the CPU, where the GPU's backward may not hide it
+                       update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
                        (decided with 4 gradient slabs where those are auto)
   grad_slabs           8 where the plan with 8 fits the host, else 4: past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096

@@ -308,7 +308,10 @@ def predicted(results: list[str | Path]) -> list[str]:
            "The paper's scale rows (4096 x 8 x 4 micro-batches, the engine's default settings) on the paper's "
            "machines, whose constants the model assumes where they were not probed (see "
            "results/projection/projection.md). An MoE layer is timed at a dense layer's rate; the MoE layers "
-           "measured ran at about half of it (the `moe` tables), which leaves GPT-OSS-120B bound by the CPU's AdamW.",
+           "measured ran at about half of it (the `moe` tables), which leaves GPT-OSS-120B bound by the CPU's AdamW. "
+           "That AdamW runs over split masters, which the model times at 0.41 of the whole masters' rate; on the "
+           "four-GPU host's 64 cores they ran at about 0.26, and the model's step for its 12-layer GPT-OSS-120B run "
+           "was 34% short of the measured one (results/projection/README.md): that row's step is likely too short.",
            "", "| machine | model | fits | host GiB | device GiB | step s | model TFLOP/s | bound | paper TFLOP/s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for p in predictions():
