@@ -20,7 +20,11 @@ R=results/h200/points
 case $1 in
   start)
     case $2 in
-      1) # issue 21 target 3, then ratel (issue 20: an `ok` point on the H200), then the moe points (issue 23)
+      1) # the 7 refusals by admission first (15 s each, four at once: they allocate nothing), then issue 21
+         # target 3, then the moe points (issue 23), detached
+         experiments/workflow_gpu.sh 150 h200 $R/scale/14b_zero_infinity.json $R/scale/32b_zero_infinity.json \
+           $R/scale/72b_zero_infinity.json $R/scale/120b_megatrain.json $R/scale/120b_native.json \
+           $R/scale/120b_zero3.json $R/scale/120b_zero_infinity.json --resources gpu=4 host=4 2>&1 | tail -8
          experiments/workflow_gpu.sh --detach 540 h200 $R/short_step/14b_4seq_dt3.json \
            $R/short_step/14b_4seq_dt3_slabs8.json $R/moe/q30b_L6_megatrain.json $R/moe/q30b_L24_8k_megatrain.json \
            $R/moe/q30b_L24_megatrain.json $R/moe/120b_L3_8k_megatrain.json $R/moe/120b_L3_megatrain.json \
