@@ -25,29 +25,29 @@ case $1 in
          experiments/workflow_gpu.sh 150 h200 $R/scale/14b_zero_infinity.json $R/scale/32b_zero_infinity.json \
            $R/scale/72b_zero_infinity.json $R/scale/120b_megatrain.json $R/scale/120b_native.json \
            $R/scale/120b_zero3.json $R/scale/120b_zero_infinity.json --resources gpu=4 host=4 2>&1 | tail -8
-         experiments/workflow_gpu.sh --detach 540 h200 $R/short_step/14b_4seq_dt3.json \
+         experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/short_step/14b_4seq_dt3.json \
            $R/short_step/14b_4seq_dt3_slabs8.json $R/moe/q30b_L6_megatrain.json $R/moe/q30b_L24_8k_megatrain.json \
            $R/moe/q30b_L24_megatrain.json $R/moe/120b_L3_8k_megatrain.json $R/moe/120b_L3_megatrain.json \
            $R/moe/120b_L4_megatrain.json $R/moe/q30b_L6_native.json $R/moe/q30b_L6_zero3.json $S 2>&1 | tail -12
          ;;
-      2) experiments/workflow_gpu.sh --detach 540 h200 $R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json \
+      2) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json \
            $R/width/w1.0_megatrain.json $R/width/w1.5_megatrain.json $R/width/w2.0_megatrain.json \
            $R/width/w2.5_megatrain.json $R/width/w3.0_megatrain.json $R/ablations/full.json \
            $R/ablations/K1.json $R/ablations/K1_b96.json $R/ablations/one_buffer.json $R/ablations/sync_grads.json \
            2>&1 | tail -12 ;;
-      3) experiments/workflow_gpu.sh --detach 540 h200 $R/context/ctx1k.json $R/context/ctx8k.json \
+      3) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/context/ctx1k.json $R/context/ctx8k.json \
            $R/context/ctx32k.json $R/context/ctx128k.json $R/context/ctx256k.json 2>&1 | tail -12 ;;
-      4) experiments/workflow_gpu.sh --detach 540 h200 $R/depth/L28_megatrain.json $R/depth/L42_megatrain.json \
+      4) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/depth/L28_megatrain.json $R/depth/L42_megatrain.json \
            $R/depth/L56_megatrain.json $R/scale/14b_megatrain.json $R/scale/7b_native.json $R/scale/7b_zero3.json \
            $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json 2>&1 | tail -12 ;;
-      5) experiments/workflow_gpu.sh --detach 540 h200 $R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json \
+      5) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json \
            $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json \
            2>&1 | tail -12 ;;
-      6) experiments/workflow_gpu.sh --detach 540 h200 $R/long_context/ctx512k_L28.json \
+      6) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/long_context/ctx512k_L28.json \
            $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
-      7) experiments/workflow_gpu.sh --detach 540 h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
+      7) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
     esac ;;
   attach)
-    experiments/workflow_gpu.sh --attach 540 h200 2>&1 | tail -8 ;;
+    experiments/workflow_gpu.sh --attach $((550 - SECONDS)) h200 2>&1 | tail -8 ;;
 esac
 python3 -m suite table $R/short_step $R/moe $R/ratel $R/width $R/ablations $R/context $R/depth $R/scale 2>&1 | tail -30
