@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
 # Prepared in sessions 19-23 for the first two `nvidia-h200-x2` calls (results/h200/README.md, "what
 # is left", step 1), carrying [".whl", ".libaio"]. Run as: C=<commit> bash results/h200/next/x2_call1.sh a|b
-# a (about 9 minutes): the 7 refusals by admission (15 s each, four at once: `host` and `gpu` raised, as
-#   they allocate nothing), then the GPU tests of the tree on this host's H200s, the two-GPU ones among
-#   them (the whole file took 288 s on one H100 in session 20, before the two-GPU cases);
+# a (about 9 minutes): the GPU tests of the tree on this host's H200s, the two-GPU ones among them
+#   (the whole file took 288 s on one H100 in session 20, before the two-GPU cases). The refusals
+#   this call also made at first ran in session 24, with x2_calls.sh's batch 1;
 # b (about 8 minutes): the pending `moe_router_loss_over_ranks.patch` on this copy only, its 2-GPU check
 #   alone (cut twice on the x4 host, where the dense case ran first in the same 180-240 s); inductor's
 #   check of the CPU's vector instruction sets both ways (experiments/probes/adamw_build.py); this
 #   host's bandwidth probe, quick (the step model has no memcpy rate for it).
-# Each packs what it wrote: results/h200 and plots/h200 come back in $OUT/workflow.tgz (a), the rest
-# under $OUT.
+# What each writes comes back under $OUT.
 set -u
 # the host stated to admission (every system's): this host's MemTotal starts small and grows as memory is used
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri MEGATRAIN_HOST_MEMORY_GB=250
-P=results/h200/points
 case $1 in
   a)
-    experiments/workflow_gpu.sh 150 h200 $P/scale/14b_zero_infinity.json $P/scale/32b_zero_infinity.json \
-      $P/scale/72b_zero_infinity.json $P/scale/120b_megatrain.json $P/scale/120b_native.json \
-      $P/scale/120b_zero3.json $P/scale/120b_zero_infinity.json --resources gpu=4 host=4 2>&1 | tail -15
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     # -u: a cut run keeps its lines
     timeout $((585 - SECONDS)) python3 -u -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 \
