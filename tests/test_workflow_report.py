@@ -304,6 +304,25 @@ def test_ablation_bars_are_relative_to_their_own_full_configuration(tmp_path):
     assert paper["paper: MegaTrain (full)  [full: 0%]"] == 0
 
 
+def test_bars_take_their_systems_colour_and_print_their_value(tmp_path):
+    """The MoE experiment's bars: one colour and one legend entry per system, the value beside each
+    bar, a point that did not run named by its status in every panel."""
+    points = {"q_megatrain": _result("megatrain", tflops=142.4), "q_native": _result("native", tflops=79.6),
+              "q_zero3": _result("zero3", tflops=72.0), "big_megatrain": _result("megatrain", status="error")}
+    fig = plot.figure(_table(tmp_path, "moe", points), "moe", "h200")
+    assert len(fig.axes) == 3  # throughput, host and device memory
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    colour = {lab: p.get_facecolor() for lab, p in zip(labels, sorted(ax.patches, key=lambda p: p.get_y()))}
+    assert colour["measured: q_megatrain"] != colour["measured: q_native"] != colour["measured: q_zero3"]
+    assert colour["measured: q_megatrain"] == pytest.approx(plot.matplotlib.colors.to_rgba(plot.SYSTEM_COLORS["megatrain"]))
+    texts = [t.get_text() for t in ax.texts]
+    assert {"142", "79.6", "72"} <= set(texts) and "error" in texts
+    assert ax.get_xlim()[1] > 142.4  # the largest value's label inside the axes
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [f"measured (h200): {s}" for s in ("megatrain", "native", "zero3")]
+
+
 def test_smoke_test_figure_says_so_and_keeps_to_its_own_scale(tmp_path):
     paths = _write(tmp_path, "depth")
     df = aggregate.table(paths, "depth").assign(peak_device_GiB=None)  # the CPU has no device memory

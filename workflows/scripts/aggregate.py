@@ -165,6 +165,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     # grows with the count by design; no paper artefact (the paper trains on one GPU)
     "gpus": Experiment((), "gpus", "GPU count (data-parallel ranks on one host)", kind="scaling",
                        panels=("tokens_per_s", "peak_host_GiB"), varies=("batch",)),
+    # mixtures of experts at reduced depth beside the baselines on a shape they fit (docs/moe.md): no
+    # paper artefact (the paper prints no MoE measurement)
+    "moe": Experiment((), "id", "grid point", kind="bars"),
 }
 GENERIC = Experiment((), "id", "grid point", kind="bars", panels=("model_tflops",))
 

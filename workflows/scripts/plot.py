@@ -16,7 +16,8 @@ panels and the paper's matching columns); an unknown experiment gets bars of TFL
   marker per status, "refused (oom_host)" apart from "not attempted (no result file)".
 - Where our quantity and the paper's differ (our device memory is the allocator's peak, the
   paper's Tables 5 and 6 print an allocation), the legend and the axis label say which is which.
-- Ablation bars (aggregate.Experiment.reference): each bar relative to its own side's full
+- Bars: one per point, in its system's colour (as on the line figures), its value beside it.
+  Ablation bars (aggregate.Experiment.reference): each bar relative to its own side's full
   configuration, ours to ours and the paper's to the paper's.
 - A GPU-count experiment (kind "scaling"): one line per model and system over the GPU count, its
   ideal linear scaling from its 1-GPU point dashed in its colour, each point's speed-up over that
@@ -416,9 +417,10 @@ def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
 
 
 def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
-    """One horizontal bar per measured point (labelled by the experiment's x), then the paper's
-    rows as open hatched bars below; a point that did not run is a red status note at zero. With
-    the experiment's `reference`, each bar is its change against its own side's full configuration."""
+    """One horizontal bar per measured point (labelled by the experiment's x, coloured by its
+    system, its value beside it), then the paper's rows as open hatched bars below; a point that did
+    not run is a red status note at zero. With the experiment's `reference`, each bar is its change
+    against its own side's full configuration."""
     ours, paper = _split(df)
     if spec.reference:  # our full configuration first, as the paper's table puts its own
         ours = ours.assign(_first=~ours["id"].isin(spec.reference)).sort_values(["_first", "id"], kind="stable")
@@ -451,7 +453,10 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             pshown = 100 * (pvals / pbase - 1) if pd.notna(pbase) else pvals * np.nan
         else:
             shown, pshown = vals, pvals
-        ax.barh(range(n), shown.fillna(0), label=f"measured ({hardware})")
+        for system in dict.fromkeys(ours["system"]):  # a colour and a legend entry per system
+            at = np.flatnonzero((ours["system"] == system).to_numpy())
+            ax.barh(at, shown.iloc[at].fillna(0), color=SYSTEM_COLORS.get(system, "C7"),
+                    label=f"measured ({hardware}): {system}")
         for i, (status, v, raw) in enumerate(zip(ours["status"], shown, vals)):
             if status != "ok":
                 ax.annotate(status, (0, i), xytext=(3, 0), textcoords="offset points", va="center",
@@ -459,6 +464,8 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             elif relative and pd.notna(v):
                 ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, i), xytext=(3 if v >= 0 else -3, 0),
                             textcoords="offset points", va="center", ha="left" if v >= 0 else "right", fontsize=6)
+            elif pd.notna(v):
+                ax.annotate(_fmt(v), (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=6)
         if len(paper) and pshown.notna().any():
             ax.barh(range(n, n + len(paper)), pshown.fillna(0), fill=False, hatch="//", edgecolor="black",
                     label=f"paper ({spec.paper_hardware})")
@@ -479,6 +486,9 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             what = TITLES[y].lower()
             ax.set(xlabel=f"{what}: change vs its own full configuration (%)", title=f"{TITLES[y]}, relative")
         else:
+            top = max([*shown.dropna(), *pshown.dropna()], default=0)
+            if top > 0:
+                ax.set_xlim(0, 1.15 * top)  # room for the value labels
             ax.set(xlabel=YLABELS[y], title=TITLES[y])
     axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
     axes[0].invert_yaxis()
