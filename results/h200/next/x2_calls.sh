@@ -35,9 +35,10 @@ case $1 in
            $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json \
            2>&1 | tail -12 ;;
       6) # the moe point that failed in session 24 first (dynamo in flex attention's recompile; its error
-         # result removed from this copy so that the workflow runs it), then issue 21 target 4
+         # result removed from this copy so that the workflow runs it; dynamo's internal stack kept should it
+         # fail again), then issue 21 target 4
          rm -f $R/moe/120b_L3_megatrain.json
-         experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/moe/120b_L3_megatrain.json $R/long_context/ctx512k_L28.json \
+         TORCHDYNAMO_VERBOSE=1 experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/moe/120b_L3_megatrain.json $R/long_context/ctx512k_L28.json \
            $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
       7) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
     esac ;;
