@@ -8,13 +8,17 @@
 #   alone (cut twice on the x4 host, where the dense case ran first in the same 180-240 s); inductor's
 #   check of the CPU's vector instruction sets both ways (experiments/probes/adamw_build.py); this
 #   host's bandwidth probe, quick (the step model has no memcpy rate for it).
-# c (about 7 minutes): the pending `lean_experts.patch` (engine.experts_kernel: lean, the GPU's default
-#   for a mixture of experts in it) on this copy only: its GPU tests and the MoE tests beside it, then
-#   the layer probe of Qwen3-30B-A3B and GPT-OSS-20B at 8 x 4096 with the library's experts and the
-#   lean ones in one process each. Predicted (written before it runs, from the four-GPU host's kernel
-#   breakdown: the masked fills 11.9 and 12.2 ms, the index backward 2.7 and 12.3 ms of 75.3 and 125.6
-#   ms, what replaces them a few ms): the Qwen3 layer 236 -> 270-285 model TFLOP/s, the GPT-OSS-20B
-#   layer 199 -> 230-240; the library's variant where the x4 host's was (236, 199) within 3%.
+# c (about 8 minutes): the pending `lean_experts.patch` (engine.experts_kernel: lean and, with
+#   engine.mlp_kernel: compiled, their gate compiled: the GPU's defaults for a mixture of experts in it)
+#   on this copy only: its GPU tests and the MoE tests beside it, then the layer probe of
+#   Qwen3-30B-A3B and GPT-OSS-20B at 8 x 4096 with the library's experts, the lean ones, and the lean
+#   ones with the compiled gate, in one process each. Predicted (written before it runs, from the
+#   four-GPU host's kernel breakdown: the masked fills 11.9 and 12.2 ms, the index backward 2.7 and
+#   12.3 ms of 75.3 and 125.6 ms, what replaces them a few ms; the gate's elementwise passes, about 7
+#   forward (twice, with the recompute) and 10 backward over the routed rows, about 0.4 ms each for
+#   Qwen3 and 0.7 for GPT-OSS, against one each way): the library's variant where the x4 host's was
+#   (236, 199) within 3%; lean: Qwen3 270-285 model TFLOP/s, GPT-OSS-20B 230-240; lean with the
+#   compiled gate: Qwen3 275-295, GPT-OSS-20B 255-290.
 # What each writes comes back under $OUT.
 set -u
 # the host stated to admission (every system's): this host's MemTotal starts small and grows as memory is used
@@ -48,7 +52,7 @@ case $1 in
     for m in qwen3-30b-a3b gpt-oss-20b; do  # the first takes half of what is left; each writes after every variant
       [ $m = gpt-oss-20b ] && t=$((585 - SECONDS)) || t=$(((585 - SECONDS) / 2))
       timeout $t python3 -m experiments.probes.layer_kernels --preset $m --batch 8 --seq 4096 \
-        --variants experts_library,experts_lean --out $OUT/probes/layer_${m}_b8.json 2>&1 | tail -6
+        --variants experts_library,experts_lean,experts_lean_gate --out $OUT/probes/layer_${m}_b8.json 2>&1 | tail -6
     done
     git apply -R results/h200/next/lean_experts.patch ;;
 esac
