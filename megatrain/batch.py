@@ -27,3 +27,13 @@ class Batch:
             return [e - s for s, e in zip(starts, ends) if e - s > 1]  # a sequence of one is padding
         mask = self.attention_mask if self.attention_mask is not None else torch.ones_like(self.input_ids)
         return [int(n) for n in mask.sum(dim=1)]
+
+    def token_mask(self) -> torch.Tensor | None:
+        """1 for each token of a sequence, 0 for padding, [B, S]; None where no token is padding.
+        Packed rows have no mask: their padding is each token that starts a sequence of one (position
+        0, followed by position 0 or the row's end), as `sequence_lengths` counts it."""
+        if self.position_ids is None:
+            return self.attention_mask
+        starts = self.position_ids == 0
+        alone = starts & torch.cat([starts[:, 1:], torch.ones_like(starts[:, :1])], dim=1)
+        return None if not alone.any() else (~alone).to(self.input_ids.dtype)

@@ -183,7 +183,7 @@ class Engine:
         step = _Step(microbatches, targets, 1.0 / n_targets)
         s = self.shape
         if s.router_aux_coef:
-            step.routing = [Routing(s.experts, s.top_k, s.router_aux_coef / len(microbatches), mb.attention_mask)
+            step.routing = [Routing(s.experts, s.top_k, s.router_aux_coef / len(microbatches), mb.token_mask())
                             for mb in microbatches]
         with self.dev.on(self.dev.compute):
             self.sq = torch.zeros(len(self.store.tiles), dtype=torch.float64, device=self.dev.torch)

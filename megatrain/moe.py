@@ -69,7 +69,8 @@ class Routing:
 
     def __init__(self, experts: int, top_k: int, weight: float, mask: torch.Tensor | None):
         """`weight`: what aux counts for in the step's loss (coef / micro-batches); `mask`: the
-        micro-batch's attention mask (1 for a real token), None when every row counts."""
+        micro-batch's tokens that are not padding (Batch.token_mask, packed rows' too), None when
+        every row counts."""
         self.experts, self.top_k, self.weight = experts, top_k, weight
         self.mask = None if mask is None else mask.reshape(-1).to(torch.float32)
         self.picks: torch.Tensor | None = None  # float32 (experts,), summed over layers

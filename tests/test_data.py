@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain.batch import Batch
 from megatrain.config import DataConfig
 from megatrain.data import SyntheticSource, make_sources
 from megatrain.data.formats import encode, encode_chats
@@ -251,6 +252,20 @@ def test_packing_keeps_examples_apart(tmp_path):
     rows = [src._row(k) for k in range(2)]
     assert sorted(b.sequence_lengths()) == sorted(src.examples.lengths[np.concatenate(rows)].tolist())
     assert pack(np.array([5, 5, 7, 3, 16]), 16).tolist() == [0, 2, 4, 5]
+    # the padding after a row's last example, what a mixture of experts' router loss leaves out
+    lengths = src.examples.lengths
+    for row, ids, mask in zip(rows, b.input_ids, b.token_mask()):
+        assert mask.tolist() == [1] * int(lengths[row].sum()) + [0] * (len(ids) - int(lengths[row].sum()))
+
+
+def test_token_mask_is_the_attention_mask_or_none():
+    """Unpacked rows: their attention mask; packed rows without padding: None (every token counts)."""
+    ids = torch.ones(2, 4, dtype=torch.int64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert Batch(ids, ids, mask).token_mask() is mask and Batch(ids, ids).token_mask() is None
+    assert Batch(ids, ids, None, torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])).token_mask() is None
+    packed = Batch(ids, ids, None, torch.tensor([[0, 1, 0, 0], [0, 1, 2, 3]]))
+    assert packed.token_mask().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
 
 
 def test_text_is_joined_and_cut(tmp_path):
