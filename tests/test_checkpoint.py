@@ -31,12 +31,15 @@ def test_save_pretrained_round_trip(tmp_path, engine):
     assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], state["model.layers.0.mlp.up_proj.weight"])
 
 
-@pytest.mark.parametrize("engine", [{}, {"device_tiles": 2}, {"compute_dtype": "bfloat16", "split_masters": True}],
-                         ids=["host", "device-tiles", "split-masters"])
-def test_resume_equals_uninterrupted(tmp_path, engine):
+@pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {}), ("tiny-qwen2", {"device_tiles": 2}),
+                                            ("tiny-qwen2", {"compute_dtype": "bfloat16", "split_masters": True}),
+                                            ("tiny-gpt-oss", {}), ("tiny-qwen3-moe", {"device_tiles": 2})],
+                         ids=["host", "device-tiles", "split-masters", "gpt-oss", "qwen3-moe-device-tiles"])
+def test_resume_equals_uninterrupted(tmp_path, preset, engine):
     """Device tiles' master and moments go through the saved state like the host tiles'; split
-    masters (engine.split_masters) are saved joined, with plain moments, and split again on resume."""
-    tiny_checkpoint(tmp_path / "init", "tiny-qwen2")
+    masters (engine.split_masters) are saved joined, with plain moments, and split again on resume;
+    mixtures of experts (their router loss on) resume as the dense models do."""
+    tiny_checkpoint(tmp_path / "init", preset)
     whole = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "a")))
     try:
         whole.fit(log=open("/dev/null", "w"), progress=False)
