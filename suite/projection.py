@@ -23,9 +23,10 @@ the paper's has assumed constants, named as such.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatrain import memory
@@ -66,7 +67,15 @@ class MachineModel:
     probe: tuple[str, int, int]  # its shape: (preset, batch, seq), checkpoint every layer
     source: str  # where the constants come from
     match: tuple[str, int] | None = None  # (GPU name, host cores) of a result's env run on it
+    # a mixture of experts' layer, per family: its probe's model TFLOP/s and shape, as `probe`
+    # (an MoE layer runs at about half a dense layer's rate: docs/moe.md); a family without one is
+    # timed at the dense layer's rate
+    moe_layers: dict = field(default_factory=dict)
 
+
+# The MoE layers' probes on the four-GPU host's H200 (experiments/probes/layer_kernels.py, the
+# compiled norms: results/h200x4/probes_2026-11-26), for every machine with that GPU
+H200_MOE = {"qwen3_moe": (236.1, ("qwen3-30b-a3b", 8, 4096)), "gpt_oss": (199.1, ("gpt-oss-20b", 8, 4096))}
 
 # Probes of the lent machines (the bandwidth probe, a memcpy, Engine.layer_ceiling), 2026-11.
 MACHINES = {m.name: m for m in (
@@ -80,21 +89,22 @@ MACHINES = {m.name: m for m in (
                  "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32)),
     MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
-                 "layer rate of the x2 host's H200", ("NVIDIA H200", 16)),
+                 "layer rate of the x2 host's H200; MoE layers the x4 host's H200's", ("NVIDIA H200", 16), H200_MOE),
     MachineModel("h200", 139.2, 250.0, 55.1, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "one H200 of nvidia-h200-x2: 55.1/55.3 GB/s pinned; memcpy not probed on this host, the "
-                 "single-GPU H200 machine's 72 GB/s; the 14B layer probe at 8 x 4096 (432, by hand)",
-                 ("NVIDIA H200", 32)),
+                 "single-GPU H200 machine's 72 GB/s; the 14B layer probe at 8 x 4096 (432, by hand); MoE "
+                 "layers the x4 host's H200's", ("NVIDIA H200", 32), H200_MOE),
     MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
                  "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
-                 "(eager) at 4 x 4096: 438", ("NVIDIA H200", 64)),
+                 "(eager) at 4 x 4096: 438; MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, GPT-OSS-20B's 199.1",
+                 ("NVIDIA H200", 64), H200_MOE),
     # The paper's machines: assumed, not probed here.
     MachineModel("gh200-paper", 94.0, 447.0, 450.0, 450.0, 400.0, 421.6, ("qwen2.5-7b", 8, 4096),
                  "assumed: NVLink-C2C at its 450 GB/s per direction, LPDDR5X memcpy 400 GB/s, the "
                  "H100 machine's layer rate (its GPU is an H100 with HBM3)"),
     MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "assumed: PCIe Gen4 (half the Gen5 links measured here), the x4 host's memcpy, "
-                 "the H200's 14B layer rate"),
+                 "the H200's 14B layer rate and MoE layers' rates", moe_layers=H200_MOE),
 )}
 
 
@@ -131,16 +141,17 @@ def _engine_inputs(spec: RunSpec, ran: dict):
     return cfg, ModelShape(spec.hf_config(cuda=True))  # the attention a GPU run picks (GPT-OSS: flex, not eager)
 
 
-def _layer_hw_rate(m: MachineModel) -> float:
-    """The probe's rate as hardware FLOP/s: its layer's model FLOPs plus the recompute less the
+@functools.cache
+def _layer_hw_rate(tflops: float, probe: tuple[str, int, int]) -> float:
+    """A layer probe's rate as hardware FLOP/s: its layer's model FLOPs plus the recompute less the
     unread MLP output (a block's last layer at K = 1), over the same time."""
-    preset, batch, seq = m.probe
+    preset, batch, seq = probe
     shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config(cuda=True))
     lens, one = [seq] * batch, shape.attention(range(1))
     model = model_flops(shape.layer_matmul_params(), one, lens)
     unread = shape.mlp_matmul_params() // 3 if shape.gated_mlp else 0
     hw = model + recompute_flops(shape.layer_matmul_params(), one, lens) - 2 * seq * batch * unread
-    return m.layer_tflops * 1e12 * _causal(hw, shape, 1, 1, lens) / model
+    return tflops * 1e12 * _causal(hw, shape, 1, 1, lens) / model
 
 
 def _causal(hw: float, shape: ModelShape, layers: int, recomputed: int, lens: list[int]) -> float:
@@ -196,7 +207,13 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE if s.split_masters else 1.0)  # s per param
-    gpu = _causal(hw, shape, L, sched.recomputed_layers, lens) / _layer_hw_rate(m)
+    executed, dense = _causal(hw, shape, L, sched.recomputed_layers, lens), _layer_hw_rate(m.layer_tflops, m.probe)
+    moe = m.moe_layers.get(shape.family)
+    if moe is None:
+        gpu = executed / dense
+    else:  # the layers at their MoE probe's rate, the LM head (6 v h a token) at the dense layer's
+        head = 6 * shape.vocab * shape.hidden * sum(lens)
+        gpu = head / dense + (executed - head) / _layer_hw_rate(*moe)
     first_host = embed or head if s.device_tiles == 0 else layer
     tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),

@@ -46,3 +46,19 @@ def test_predictions_are_for_the_paper_machines_only():
     assert rows and all(r["machine"].endswith("-paper") for r in rows)
     assert all("assumed" in MACHINES[r["machine"]].source for r in rows)
     assert all(r["model_tflops"] > 0 and r["host_GiB"] > 0 for r in rows)
+
+
+def test_moe_layers_run_at_their_probes_rate():
+    """A mixture of experts' layers are timed at their family's layer probe (about half a dense
+    layer's rate on the H200), the LM head at the dense layer's; a family without a probe, or a
+    machine without one, at the dense layer's rate."""
+    from dataclasses import replace
+
+    from suite.projection import project
+    from suite.spec import RunSpec
+    spec = RunSpec(system="megatrain", model={"preset": "qwen3-30b-a3b", "overrides": {"num_hidden_layers": 24}},
+                   batch_size=8, grad_accum=4, options={"engine": {"checkpoint_every": 1}})
+    m = MACHINES["h200x4"]
+    moe, dense = project(spec, m).terms["gpu"], project(spec, replace(m, moe_layers={})).terms["gpu"]
+    assert 1.6 < moe / dense < 2.2  # 438 against 236.1 model TFLOP/s, each probe's FLOPs executed apart
+    assert not MACHINES["h100"].moe_layers
