@@ -407,44 +407,26 @@ class HostStore:
         in_parallel(fill, [(i, t) for i, t in enumerate(self.tiles) if only is None or t in only])
 
     def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None, advance: Advance = nothing) -> None:
-        """Copy a local safetensors checkpoint into the tiles (`only`: these), one tensor at a time;
-        `advance(n)` as each tensor's n parameters are in."""
-        directory = Path(directory)
-        files = pretrained_shards(directory)
+        """Copy a local safetensors checkpoint (check_pretrained: its names and shapes are the
+        config's) into the tiles (`only`: these), one tensor at a time; `advance(n)` as each tensor's
+        n parameters are in."""
+        files = check_pretrained(self.shape, Path(directory))
         tiles = self.tiles if only is None else only
-        where, skip = {}, set()  # name -> (tile, offset, shape): a contiguous range of the tile
-        for tile in self.tiles:
+        where = {}  # name -> (tile, offset): a contiguous range of the tile
+        for tile in tiles:
             layout = torch.empty(tile.layout.numel, device="meta")  # views that know their offsets
             for name, view in self.shape.checkpoint_tensors(tile.name, tile.layout.views(layout)):
-                if tile not in tiles:
-                    skip.add(name)
-                    continue
                 assert view.is_contiguous(), name
-                where[name] = (tile, view.storage_offset(), tuple(view.shape))
-        for tile in tiles:
+                where[name] = (tile, view.storage_offset())
             tile.reset()
-        missing = set(where)
-        unexpected = []
         for file in files:
             with _shard(file) as f:
                 for name in f.keys():
-                    if name in skip:
-                        continue
-                    if name not in where:
-                        if not (self.shape.tied and name == "lm_head.weight") and "rotary_emb" not in name:
-                            unexpected.append(name)
-                        continue
-                    tensor = f.get_tensor(name)
-                    tile, offset, shape = where[name]
-                    if tuple(tensor.shape) != shape:
-                        raise ValueError(f"model.pretrained: {name} has shape {tuple(tensor.shape)}, "
-                                         f"the config implies {shape}")
-                    tile.write_master(tensor, offset)
-                    missing.discard(name)
-                    advance(tensor.numel())
-        if missing or unexpected:
-            raise ValueError(f"model.pretrained: checkpoint does not match the config: "
-                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+                    if name in where:
+                        tensor = f.get_tensor(name)
+                        tile, offset = where[name]
+                        tile.write_master(tensor, offset)
+                        advance(tensor.numel())
 
 
 def in_parallel(fn: Callable[..., None], jobs: list[tuple]) -> None:
@@ -474,9 +456,50 @@ def _shard(path: Path):
         raise ValueError(f"model.pretrained: {path} is not a readable safetensors file ({e})") from None
 
 
+def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `shape` stores (ModelShape.checkpoint_tensors), with its shape;
+    from the tiles' layouts on the meta device: nothing is allocated."""
+    units = [("embed", shape.embed_specs), *((f"layer.{i}", shape.layer_specs) for i in range(shape.num_layers)),
+             ("head", shape.head_specs)]
+    out = {}
+    for name, specs in units:
+        layout = Layout.of(specs)
+        views = layout.views(torch.empty(layout.numel, device="meta"))
+        out.update((n, tuple(v.shape)) for n, v in shape.checkpoint_tensors(name, views))
+    return out
+
+
+def check_pretrained(shape: ModelShape, directory: Path) -> list[Path]:
+    """The shards of a local checkpoint of `shape`, their headers read and their tensors' names and
+    shapes checked against the config's: a missing, truncated or garbage shard, or a checkpoint of
+    another model, is refused by name before anything is allocated."""
+    files = pretrained_shards(directory)
+    expected = checkpoint_shapes(shape)
+    found = {}
+    for file in files:
+        with _shard(file) as f:
+            found.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(n for n in set(found) - set(expected)
+                        if not (shape.tied and n == "lm_head.weight") and "rotary_emb" not in n)
+    if any(n.endswith(("_blocks", "_scales")) for n in unexpected):  # the published GPT-OSS weights
+        raise ValueError(
+            f"model.pretrained: {directory} holds MXFP4-quantized experts ({unexpected[0]}, ...); the engine "
+            "trains plain weights: dequantize them once with transformers, AutoModelForCausalLM.from_pretrained("
+            "path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(out), "
+            "and point model.pretrained at out")
+    if missing or unexpected:
+        raise ValueError(f"model.pretrained: checkpoint does not match the config: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, dims in expected.items():
+        if found[name] != dims:
+            raise ValueError(f"model.pretrained: {name} has shape {found[name]}, the config implies {dims}")
+    return files
+
+
 def pretrained_shards(directory: Path) -> list[Path]:
     """The safetensors shards of a local checkpoint, each header read: a missing, truncated or
-    garbage shard is refused by name before anything is allocated."""
+    garbage shard is refused by name."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -36,7 +36,7 @@ from megatrain.progress import bar, say
 from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.runlog import RunLog, perplexity
 from megatrain.shapes import ModelShape, load_hf_config
-from megatrain.store import HostStore, pretrained_shards
+from megatrain.store import HostStore, check_pretrained
 from megatrain.templates import Architecture
 from megatrain.units import GiB
 
@@ -78,7 +78,7 @@ class Trainer:
             raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
         self._check_output_dir()
         if cfg.model.pretrained:
-            pretrained_shards(Path(cfg.model.pretrained))
+            check_pretrained(shape, Path(cfg.model.pretrained))
         self.device = Device(_rank_device(cfg.engine.device, ranks))
         machine = Machine.of(self.device, cfg.engine)
         self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)

@@ -10,6 +10,11 @@ from megatrain.config import ModelConfig, OptimConfig
 from megatrain.batch import Batch
 from megatrain.optim import lr_at
 
+# datasets' logger binds its handler to the sys.stderr of its first use: importing it here binds the
+# session's, not the captured stream of the first test that reads a dataset (closed when that test
+# ends, so the next one's log record would print a logging error's traceback into its output)
+import datasets  # noqa: E402,F401
+
 
 def tiny_checkpoint(path, preset: str, overrides: dict | None = None, seed: int = 0):
     """Save a seeded, float32, randomly initialised tiny model; return it."""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_checkpoint
 from megatrain.cli import main
@@ -153,6 +154,16 @@ def bad_files(tmp_path):
     (tmp_path / "badcfg").mkdir()
     cfg = json.loads((tmp_path / "init" / "config.json").read_text())
     (tmp_path / "badcfg" / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 3}))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(shard)
+    name = "model.layers.0.mlp.up_proj.weight"
+    for kind, changed in (("missing", {k: v for k, v in weights.items() if k != name}),
+                          ("reshaped", {**weights, name: weights[name][:-1]}),
+                          # the published GPT-OSS weights' experts: MXFP4 blocks and scales
+                          ("mxfp4", {**{k: v for k, v in weights.items() if k != name},
+                                     name + "_blocks": weights[name].to(torch.uint8), name + "_scales": weights[name][:, 0].clone()})):
+        shutil.copytree(tmp_path / "init", tmp_path / kind)
+        save_file(changed, tmp_path / kind / shard.name, metadata={"format": "pt"})
     return tmp_path
 
 
@@ -164,8 +175,17 @@ def bad_files(tmp_path):
     (["model.pretrained={d}/trunc"], r"model.pretrained: .*trunc/model.safetensors is not a readable safetensors file"),
     (["model.pretrained={d}/garbage"], r"model.pretrained: .*garbage/model.safetensors is not a readable safetensors"),
     (["model.config={d}/badcfg"], r"model: transformers refuses this llama config: .*attention heads"),
-], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses"])
-def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, overrides, message):
+    (["model.pretrained={d}/missing"], r"model.pretrained: checkpoint does not match the config: missing "
+                                       r"\['model.layers.0.mlp.up_proj.weight'\], unexpected \[\]"),
+    (["model.pretrained={d}/reshaped"], r"model.pretrained: model.layers.0.mlp.up_proj.weight has shape \(127, 64\), "
+                                        r"the config implies \(128, 64\)"),
+    (["model.pretrained={d}/mxfp4"], r"model.pretrained: .*mxfp4 holds MXFP4-quantized experts .*Mxfp4Config\(dequantize=True\)"),
+], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses",
+        "checkpoint-missing-a-tensor", "checkpoint-tensor-of-another-shape", "mxfp4-checkpoint"])
+def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, monkeypatch, overrides, message):
+    """Each is refused by name before the host store is allocated, and nothing is written."""
+    import megatrain.trainer
+    monkeypatch.setattr(megatrain.trainer, "HostStore", None)  # allocating the store would fail otherwise
     out = bad_files / "out"
     args = ["train", "--no-progress", "engine.device=cpu", "data.seq_len=16", "steps=1", f"output_dir={out}"]
     assert main(args + [o.format(d=bad_files) for o in overrides]) == 2
