@@ -85,6 +85,25 @@ def test_aggregate_and_plot_each_kind(kind, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and pdf.read_bytes()[:4] == b"%PDF"
 
 
+def test_scale_table_lists_the_mixtures_of_experts_measured_beside_it(tmp_path):
+    """The scale table's MoE rows: the `moe` experiment's points (reduced depth or whole), with their
+    tokens a step, in a section of their own, never among the dense measured rows."""
+    paths = _write(tmp_path, "scale")
+    moe = tmp_path / "points" / "moe"
+    moe.mkdir()
+    point = _result("megatrain", "gpt-oss-120b", layers=4, tflops=178.5, params=14_010_590_528)
+    point["spec"] |= {"batch_size": 8, "grad_accum": 4, "seq_len": 4096}
+    (moe / "120b_L4_megatrain.json").write_text(json.dumps(point))
+    csv, md = tmp_path / "scale.csv", tmp_path / "scale.md"
+    assert aggregate.main(["--experiment", "scale", "--hardware", "cpu", "--moe", str(moe / "120b_L4_megatrain.json"),
+                           "--csv", str(csv), "--md", str(md), *map(str, paths)]) == 0
+    assert "120b_L4" not in csv.read_text()  # the dense rows and the figure are the scale points alone
+    section = md.read_text().split("## Mixtures of experts (measured on cpu: the `moe` experiment)")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| 120b_L4_megatrain"))
+    assert [c.strip() for c in row.split("|")[1:8]] == ["120b_L4_megatrain", "megatrain", "gpt-oss-120b", "4",
+                                                        "131072", "ok", "178"]
+
+
 def test_x_coordinates(tmp_path):
     width = aggregate.table(_write(tmp_path, "width"), "width")
     assert sorted(width[width["source"] == "measured"]["x"]) == [1.0, 2.0, 3.0]  # hidden 64k / tiny-llama's 64

@@ -55,6 +55,15 @@ def experiment_results(wildcards):
     return [f for f in files if os.path.exists(f)] if PARTIAL else files
 
 
+def moe_results(wildcards):
+    """For the scale table: the mixtures of experts measured at reduced depth on this hardware (the
+    `moe` experiment, which a scale grid of the same hardware runs), as they are now."""
+    if wildcards.experiment != "scale":
+        return []
+    folder = f"results/{HW}/points/moe"
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".json")) if os.path.isdir(folder) else []
+
+
 def paper_option(wildcards):
     paper = GRID["experiments"][wildcards.experiment].get("paper") or []
     return " ".join(f"--paper {name}" for name in ([paper] if isinstance(paper, str) else paper))

@@ -9,7 +9,8 @@ report: "report/workflow.rst"
 rule table:
     """One experiment's points -> a tidy CSV and a Markdown table, the paper's rows apart."""
     input:
-        experiment_results,
+        points=experiment_results,
+        moe=moe_results,
     output:
         csv=f"results/{HW}/tables/{{experiment}}.csv",
         md=report(f"results/{HW}/tables/{{experiment}}.md", caption="report/table.rst",
@@ -22,9 +23,10 @@ rule table:
         paper=paper_option,
         hardware=HW,
         grid=GRID_FILE,
+        moe=lambda wildcards, input: " ".join(f"--moe {f}" for f in input.moe),
     shell:
         "python -m workflows.scripts.aggregate --experiment {wildcards.experiment} --hardware {params.hardware} "
-        "{params.paper} --grid {params.grid} --csv {output.csv} --md {output.md} {input} > {log} 2>&1"
+        "{params.paper} --grid {params.grid} {params.moe} --csv {output.csv} --md {output.md} {input.points} > {log} 2>&1"
 
 
 # One figure rule per experiment, so that each figure carries its own caption (a caption's path

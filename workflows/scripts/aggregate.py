@@ -288,18 +288,29 @@ def md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str | Path] = ()) -> str:
+def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str | Path] = (),
+             moe: list[str | Path] = ()) -> str:
     """The measured rows, then each paper artefact's rows, as separate Markdown tables (a paper table
-    shows only its artefact's own columns); where the experiment has them, the step model's
-    predictions, checked against the measured `results`."""
+    shows only its artefact's own columns); the mixtures of experts measured on this hardware
+    (`moe`: the scale table's MoE rows); where the experiment has them, the step model's
+    predictions, checked against the measured `results` and `moe`."""
     out = [f"# {experiment} ({hardware})", "", f"## Measured ({hardware})", "",
            md_table(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
     paper = df[df["source"] == "paper"]
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
         out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols])]
+    if moe:
+        rows = measured(moe, "moe")
+        rows = rows.assign(tokens=rows["batch"] * rows["accum"] * rows["seq"])
+        out += ["", f"## Mixtures of experts (measured on {hardware}: the `moe` experiment)", "",
+                "A row with `layers` is the model's shape on that many of its layers (the most this host holds, or "
+                "fewer), a row without them the whole model, each at `tokens` a step; a full-depth row this host "
+                "cannot hold is the step model's, in the predictions below.", "",
+                md_table(rows[["id", "system", "preset", "layers", "tokens", "status", "model_tflops", "step_time_s",
+                               "peak_host_GiB", "peak_device_GiB", "params_B"]])]
     if EXPERIMENTS.get(experiment, GENERIC).predicted:
-        out += predicted(results)
+        out += predicted([*results, *moe])
     return "\n".join(out) + "\n"
 
 
@@ -340,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paper", action="append",
                    help="workflows/paper artefact (file stem) to append, repeatable (default: the experiment's)")
     p.add_argument("--grid", help="the grid file: its points of this experiment without a result get a not_run row")
+    p.add_argument("--moe", action="append", default=[],
+                   help="the scale table: a mixture of experts' result at reduced depth, repeatable")
     p.add_argument("--csv", required=True)
     p.add_argument("--md", required=True)
     p.add_argument("results", nargs="*")
@@ -347,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     df = table(a.results, a.experiment, a.paper, a.grid)
     with atomic_file(a.csv) as tmp:
         df.to_csv(tmp, index=False)
-    write_text(a.md, markdown(df, a.experiment, a.hardware, a.results))
+    write_text(a.md, markdown(df, a.experiment, a.hardware, a.results, a.moe))
     return 0
 
 
