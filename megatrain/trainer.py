@@ -433,6 +433,8 @@ def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
     engine.device cuda where this machine has no GPU: the plan of the GPU machine the settings
     state (engine.device_memory_gb, engine.host_memory_gb), to size one before renting it."""
     shape = ModelShape(model_config(cfg))
+    if cfg.model.pretrained:  # a checkpoint the run would refuse is refused here too
+        check_pretrained(shape, Path(cfg.model.pretrained))
     ranks = Ranks(0, gpus, 0, gpus)
     if cfg.engine.device.startswith("cuda") and not torch.cuda.is_available():
         machine, where, shm = _stated_gpu_machine(cfg.engine, gpus), "the stated machine", None

@@ -183,7 +183,8 @@ def bad_files(tmp_path):
 ], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses",
         "checkpoint-missing-a-tensor", "checkpoint-tensor-of-another-shape", "mxfp4-checkpoint"])
 def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, monkeypatch, overrides, message):
-    """Each is refused by name before the host store is allocated, and nothing is written."""
+    """Each is refused by name before the host store is allocated, and nothing is written; `megatrain
+    plan` refuses it too."""
     import megatrain.trainer
     monkeypatch.setattr(megatrain.trainer, "HostStore", None)  # allocating the store would fail otherwise
     out = bad_files / "out"
@@ -194,6 +195,8 @@ def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, monkeypa
     assert not out.exists()  # nothing written
     with pytest.raises(ValueError, match=message):  # --debug shows the traceback instead
         main(["train", "--debug", *args[1:], *(o.format(d=bad_files) for o in overrides)])
+    assert main(["plan", "engine.device=cpu", "data.seq_len=16", "steps=1", *(o.format(d=bad_files) for o in overrides)]) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_settings_stand_anywhere_among_the_flags():
