@@ -160,6 +160,11 @@ class ModelShape:
     def layer_class(self) -> type:
         return getattr(self.modeling, f"{self.prefix}DecoderLayer")
 
+    def units(self) -> list[tuple[str, list[ParamSpec]]]:
+        """The store's tiles in order, each by name ('embed', 'layer.N', 'head') with its parameter specs."""
+        return [("embed", self.embed_specs), *((f"layer.{i}", self.layer_specs) for i in range(self.num_layers)),
+                ("head", self.head_specs)]
+
     # ---- names in a `transformers` checkpoint ----
     def hf_names(self, tile: str) -> list[str]:
         """Names of a tile's parameters in the library's model, in spec order ('embed', 'head' or 'layer.N')."""

@@ -356,11 +356,9 @@ class HostStore:
         self.shape = shape
         master, compute, pinned, clipping, split = s.master, s.compute, s.pinned, s.clipping, s.split_masters
         self.blocks = alloc = Blocks(take, register=pinned)
-        where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)]
-        self.embed = Tile("embed", Layout.of(shape.embed_specs), master, compute, pinned, clipping, where[0], alloc, split)
-        self.layers = [Tile(f"layer.{i}", Layout.of(shape.layer_specs), master, compute, pinned, clipping,
-                            where[i + 1], alloc, split) for i in range(shape.num_layers)]
-        self.head = Tile("head", Layout.of(shape.head_specs), master, compute, pinned, clipping, None, alloc, split)
+        where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)] + [None]  # the head's on the host
+        self.embed, *self.layers, self.head = [Tile(name, Layout.of(specs), master, compute, pinned, clipping, at, alloc, split)
+                                              for (name, specs), at in zip(shape.units(), where, strict=True)]
 
     @property
     def tiles(self) -> list[Tile]:
@@ -459,10 +457,8 @@ def _shard(path: Path):
 def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `shape` stores (ModelShape.checkpoint_tensors), with its shape;
     from the tiles' layouts on the meta device: nothing is allocated."""
-    units = [("embed", shape.embed_specs), *((f"layer.{i}", shape.layer_specs) for i in range(shape.num_layers)),
-             ("head", shape.head_specs)]
     out = {}
-    for name, specs in units:
+    for name, specs in shape.units():
         layout = Layout.of(specs)
         views = layout.views(torch.empty(layout.numel, device="meta"))
         out.update((n, tuple(v.shape)) for n, v in shape.checkpoint_tensors(name, views))

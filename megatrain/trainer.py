@@ -123,7 +123,7 @@ class Trainer:
         clock = time.perf_counter()
         self.arena = flags = None
         if ranks.distributed:  # one store per host, in shared memory, filled by the host's first rank
-            names = ["embed", *(f"layer.{i}" for i in range(shape.num_layers)), "head"]
+            names = [name for name, _ in shape.units()]
             store_bytes = HostStore.nbytes(shape, s)[0]
             self.arena = SharedArena(store_bytes + Flags.nbytes(len(names), ranks.local_world),
                                      self.comm.run_name(), self.comm)
