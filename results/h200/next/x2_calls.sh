@@ -8,7 +8,8 @@
 # memory bandwidth are part of what it measures). A batch's targets come from one grid (the
 # h200-scale ones with $S). Batch 1 (the refusals, short_step, moe) ran in session 24, in about 25
 # device minutes. Estimated walls of the rest (the README's table): batch 2 about 27, 3 about 20, 4
-# about 37, 5 about 27, 6 and 7 the detached long runs (10-20 minutes each).
+# about 37, 5 about 27; 6 (the 120B MoE point, then one step of 7B at 512K: about 12 minutes), 7 and 8
+# (ZeRO-Infinity, swap on the disk: 10-20 minutes each) detached.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (batch 2's Ratel points, experiments/ratel_gpu.sh; carry it too).
@@ -39,8 +40,9 @@ case $1 in
          # fail again), then issue 21 target 4
          rm -f $R/moe/120b_L3_megatrain.json
          TORCHDYNAMO_VERBOSE=1 experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/moe/120b_L3_megatrain.json $R/long_context/ctx512k_L28.json \
-           $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
-      7) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
+           $S 2>&1 | tail -12 ;;
+      7) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
+      8) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
     esac ;;
   attach)
     experiments/workflow_gpu.sh --attach $((550 - SECONDS)) h200 2>&1 | tail -8 ;;
