@@ -27,7 +27,9 @@ from megatrain.trainer import Trainer
 
 SEQ, BATCH, ACCUM, STEPS = 16, 4, 2, 3
 HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+# the repository ahead of the caller's path (a GPU host's carried packages live on PYTHONPATH)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
 
 
 def settings(tmp_path, **top) -> dict:
