@@ -144,7 +144,9 @@ class EngineConfig:
     norm_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the SiLU-gated MLP's silu(gate) * up: eager (the library's) or compiled (one fused kernel each
     # way, gate and up kept: swiglu.py); the whole MLP only (a chunked MLP runs its own), refused
-    # for other MLPs; auto: compiled on a GPU where the MLP is SiLU-gated, else eager
+    # for other MLPs; for a mixture of experts, the gate between the experts' projections
+    # (GPT-OSS's clamped one, Qwen3-MoE's SiLU one: lean_experts.py), with the lean experts only;
+    # auto: compiled on a GPU where the MLP is SiLU-gated or the lean experts' gate compiles, else eager
     mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
@@ -153,6 +155,11 @@ class EngineConfig:
     # 16 x 4096; results/h100/speed/README.md), eager on the CPU; both track each other on the GPU
     # (tests/test_gpu.py)
     loss_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    # a mixture of experts' experts: library (transformers' grouped-GEMM experts) or lean (the same
+    # grouped GEMMs and gate without expert parallelism's sentinel masks, the routing's gathers undone
+    # by gathers: lean_experts.py; the forward bit for bit the library's); auto: lean on a GPU, the
+    # library's on the CPU (where the tests hold the engine exact against the library)
+    experts_kernel: Literal["auto", "library", "lean"] = "auto"
     host_memory_gb: float | None = None  # host memory to admit against; None: read from the OS
     device_memory_gb: float | None = None  # device memory to admit against; None: read from the GPU
     timeline: bool = True  # time every op per stream (CUDA events) for the exposed-time breakdown
@@ -193,6 +200,7 @@ class EngineSettings:
     norm_kernel: Literal["compiled", "eager"]
     mlp_kernel: Literal["compiled", "eager"]
     loss_kernel: Literal["compiled", "eager"]
+    experts_kernel: Literal["library", "lean"]
     timeline: bool
     tokens: int  # per micro-batch (batch_size x seq_len)
     seq_len: int  # tokens per sequence at most

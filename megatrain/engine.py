@@ -282,6 +282,9 @@ class Engine:
     def _head(self, st: _Step, op: Head, w: list[torch.Tensor]) -> None:
         """The loss, its gradient, and the gradient flowing into the last layer."""
         dev, chunk = self.dev, self.s.loss_chunk_tokens
+        if st.routing and self.comm.distributed:  # every layer has routed: the whole micro-batches' routing
+            for routing in st.routing:
+                routing.summed(self.comm.sum)
         with self.timeline.stream(Track.COMPUTE, dev.compute, Kind.HEAD):
             acc = torch.zeros(self.head_unit.numel, dtype=torch.float32, device=dev.torch)
             grads = self.head_unit.views(acc)

@@ -18,11 +18,17 @@ adds the root <P_sum(l), coef * E f / R> beside its output (`Routing.root`).
 The library's model adds coef * aux to each forward's mean cross-entropy; a step here is one
 forward per micro-batch, so each micro-batch's aux enters with weight coef / M: the library's
 loss of each micro-batch averaged over the step (equal to it with one micro-batch).
+
+With data-parallel ranks each routes its own rows of a micro-batch. Picks, probability sums and
+rows are sums over rows, so their sums over the ranks, taken once the forward is done and before
+any backward (`Routing.summed`), are the whole micro-batch's: every rank then computes the same aux,
+and each rank's probabilities get the same vector E f / R, with f and R the whole micro-batch's.
 """
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
+from typing import Callable
 
 import torch
 from torch import nn
@@ -75,26 +81,34 @@ class Routing:
         self.mask = None if mask is None else mask.reshape(-1).to(torch.float32)
         self.picks: torch.Tensor | None = None  # float32 (experts,), summed over layers
         self.prob_sum: torch.Tensor | None = None
-        self.rows: torch.Tensor | float = 0.0
+        self.rows: torch.Tensor | None = None  # float32 ()
 
     def add(self, logits: torch.Tensor) -> None:
         """A layer's routing, in the library's arithmetic and layer order."""
         with torch.no_grad():
             probs = probabilities(logits)
             _, selected = torch.topk(probs, self.top_k, dim=-1)
-            def zeros() -> torch.Tensor:
-                return torch.zeros(self.experts, dtype=torch.float32, device=logits.device)
+            def zeros(*size: int) -> torch.Tensor:
+                return torch.zeros(size, dtype=torch.float32, device=logits.device)
             if self.picks is None:
-                self.picks, self.prob_sum = zeros(), zeros()
+                self.picks, self.prob_sum, self.rows = zeros(self.experts), zeros(self.experts), zeros()
             if self.mask is None:
                 self.picks = self.picks + torch.bincount(selected.reshape(-1), minlength=self.experts).float()
                 self.prob_sum = self.prob_sum + probs.float().sum(dim=0)
                 self.rows = self.rows + probs.shape[0]
             else:
                 self.mask = mask = self.mask.to(logits.device)  # moved once, at the first layer
-                self.picks = self.picks + zeros().scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(self.top_k))
+                self.picks = self.picks + zeros(self.experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(self.top_k))
                 self.prob_sum = self.prob_sum + (probs.float() * mask.unsqueeze(-1)).sum(dim=0)
                 self.rows = self.rows + mask.sum()
+
+    def summed(self, sum_: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Picks, probability sums and rows summed over the data-parallel ranks (`sum_`: an in-place
+        all-reduce), in one collective: the whole micro-batch's routing on every rank."""
+        flat = torch.cat([self.picks, self.prob_sum, self.rows.reshape(1)])
+        sum_(flat)
+        e = self.experts
+        self.picks, self.prob_sum, self.rows = flat[:e], flat[e:2 * e], flat[2 * e]
 
     def loss(self) -> torch.Tensor:
         """weight * aux: this micro-batch's share of the step's loss."""

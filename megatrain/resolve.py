@@ -32,7 +32,7 @@ import os
 import psutil
 import torch
 
-from megatrain import memory
+from megatrain import lean_experts, memory
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.shapes import ModelShape
@@ -86,17 +86,21 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     holds beside the plan (memory.plan)."""
     _check_against_shape(engine, shape)
     check_ranks(ranks, data.batch_size, "cuda" if machine.is_cuda else "cpu", machine.gpus)
-    if shape.router_aux_coef and ranks.distributed:
-        raise ValueError("the router's auxiliary loss (model.overrides.output_router_logits) is not supported "
-                         "with several ranks yet: each rank would balance the routing of its own rows only; "
-                         "set output_router_logits: false, or run one rank")
     compute = engine.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
     splittable = engine.master_dtype == "float32" and compute == "bfloat16"  # store.can_split
     norm = engine.norm_kernel if engine.norm_kernel != "auto" else "compiled" if machine.is_cuda else "eager"
+    experts = engine.experts_kernel if engine.experts_kernel != "auto" else (
+        "lean" if machine.is_cuda and shape.experts else "library")
+    # a mixture of experts' gate compiles within the lean experts, for the gates lean_experts has
+    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.config.hidden_act) is not None
     mlp = engine.mlp_kernel if engine.mlp_kernel != "auto" else (
-        "compiled" if machine.is_cuda and shape.gated_mlp else "eager")
+        "compiled" if machine.is_cuda and (shape.gated_mlp or gate) else "eager")
+    if mlp == "compiled" and shape.experts and not gate:
+        raise ValueError("engine.mlp_kernel: compiled compiles a mixture of experts' gate within the lean experts"
+                         + (" (set engine.experts_kernel: lean)" if experts != "lean" else
+                            f"; this {shape.family} model's activation has no compiled gate (set engine.mlp_kernel: eager)"))
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
         split_masters=splittable and engine.split_masters is True,
@@ -113,6 +117,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
             engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
         loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
+        experts_kernel=experts,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)
@@ -139,9 +144,12 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
     if isinstance(engine.no_recompute_layers, int) and engine.no_recompute_layers > L:
         raise ValueError(f"engine.no_recompute_layers must be at most the model's {L} layers, "
                          f"not {engine.no_recompute_layers}")
-    if engine.mlp_kernel == "compiled" and not shape.gated_mlp:
+    if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
         raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
                          f"model's is not (set engine.mlp_kernel: eager)")
+    if engine.experts_kernel == "lean" and not shape.experts:
+        raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
+                         f"no experts (set engine.experts_kernel: auto)")
 
 
 def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from megatrain import lean_experts
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
 from megatrain.moe import capture_logits, is_router
@@ -42,13 +43,14 @@ class Template:
 
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
-    chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py)."""
+    chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py; a
+    mixture of experts' experts and their gate: lean_experts.py)."""
 
     def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
-                 compiled_mlp: bool = False):
+                 compiled_mlp: bool = False, lean_moe: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
-        self.compiled_norms, self.compiled_mlp = compiled_norms, compiled_mlp
+        self.compiled_norms, self.compiled_mlp, self.lean_moe = compiled_norms, compiled_mlp, lean_moe
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
@@ -70,6 +72,9 @@ class Architecture:
                     make_lean(sub, float32_scale=s.family == "gpt_oss", compiled=self.compiled_norms)
                 elif is_router(sub):  # its logits feed the auxiliary loss (moe.py)
                     capture_logits(sub)
+                elif self.lean_moe and lean_experts.is_experts(sub):  # compiled_mlp: their gate compiled
+                    gate = lean_experts.gate_kind(s.family, s.config.hidden_act) if self.compiled_mlp else None
+                    lean_experts.make_lean(sub, gate)
             if self.mlp_chunk:
                 chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
             elif s.gated_mlp:

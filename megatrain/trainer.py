@@ -118,7 +118,8 @@ class Trainer:
         # seconds on a fresh machine, its cache's reuse after), allocating the store, filling it and
         # building the engine (its buffers)
         self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
-        self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled")
+        self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
+                                 lean_moe=s.experts_kernel == "lean")
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
         self.arena = flags = None

@@ -45,9 +45,10 @@ OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
 # split masters (engine.split_masters): the update runs at this fraction of the whole masters' rate
 # (experiments/probes/adamw_rate.py on the 2-core CPU machine, docs/host-store.md)
 SPLIT_RATE = 0.41
-# the layer kernels of the probes that measured each machine's layer rate (layer_tflops), and the
-# loss eager, as every point ran before engine.loss_kernel defaulted to compiled on a GPU
-EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager"}
+# the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
+# eager and the library's experts, as every point ran before engine.loss_kernel and
+# engine.experts_kernel defaulted to compiled and lean on a GPU
+EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", "experts_kernel": "library"}
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
 # kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
 # H100 host, held about 0.4 GiB each of the host peak the harness counts
@@ -67,15 +68,26 @@ class MachineModel:
     probe: tuple[str, int, int]  # its shape: (preset, batch, seq), checkpoint every layer
     source: str  # where the constants come from
     match: tuple[str, int] | None = None  # (GPU name, host cores) of a result's env run on it
-    # a mixture of experts' layer, per family: its probe's model TFLOP/s and shape, as `probe`
-    # (an MoE layer runs at about half a dense layer's rate: docs/moe.md); a family without one is
-    # timed at the dense layer's rate
+    # a mixture of experts' layer, per family and experts' variant (`experts_variant`): its probe's
+    # model TFLOP/s and shape, as `probe` (with the library's experts an MoE layer runs at about half
+    # a dense layer's rate: docs/moe.md); a family without one is timed at the dense layer's rate
     moe_layers: dict = field(default_factory=dict)
 
 
-# The MoE layers' probes on the four-GPU host's H200 (experiments/probes/layer_kernels.py, the
-# compiled norms: results/h200x4/probes_2026-11-26), for every machine with that GPU
-H200_MOE = {"qwen3_moe": (236.1, ("qwen3-30b-a3b", 8, 4096)), "gpt_oss": (199.1, ("gpt-oss-20b", 8, 4096))}
+# The MoE layers' probes on the H200 (experiments/probes/layer_kernels.py, the compiled norms), for
+# every machine with that GPU: the library's experts on the four-GPU host's
+# (results/h200x4/probes_2026-11-26), the lean ones, without and with their compiled gate, on the
+# one-GPU machine's (results/h200/probes_2026-11-26; the library's there: 235.7 and 201.6)
+H200_MOE = {"qwen3_moe": {"library": (236.1, ("qwen3-30b-a3b", 8, 4096)), "lean": (300.6, ("qwen3-30b-a3b", 8, 4096)),
+                          "lean_gate": (302.0, ("qwen3-30b-a3b", 8, 4096))},
+            "gpt_oss": {"library": (199.1, ("gpt-oss-20b", 8, 4096)), "lean": (248.8, ("gpt-oss-20b", 8, 4096)),
+                        "lean_gate": (295.8, ("gpt-oss-20b", 8, 4096))}}
+
+
+def experts_variant(s) -> str:
+    """A run's experts as the MoE layer probe names its variants: the library's, the lean ones, the
+    lean ones with their gate compiled (engine.experts_kernel, engine.mlp_kernel)."""
+    return "library" if s.experts_kernel == "library" else "lean_gate" if s.mlp_kernel == "compiled" else "lean"
 
 # Probes of the lent machines (the bandwidth probe, a memcpy, Engine.layer_ceiling), 2026-11.
 MACHINES = {m.name: m for m in (
@@ -89,14 +101,15 @@ MACHINES = {m.name: m for m in (
                  "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32)),
     MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
-                 "layer rate of the x2 host's H200; MoE layers the x4 host's H200's", ("NVIDIA H200", 16), H200_MOE),
-    MachineModel("h200", 139.2, 250.0, 55.1, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
-                 "one H200 of nvidia-h200-x2: 55.1/55.3 GB/s pinned; memcpy not probed on this host, the "
-                 "single-GPU H200 machine's 72 GB/s; the 14B layer probe at 8 x 4096 (432, by hand); MoE "
-                 "layers the x4 host's H200's", ("NVIDIA H200", 32), H200_MOE),
+                 "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE),
+    MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 432.0, ("qwen2.5-14b", 8, 4096),
+                 "one H200 of nvidia-h200-x2: bandwidth probe 55.5/55.3 GB/s pinned, memcpy 105.9 GB/s "
+                 "(results/h200/probes_2026-11-26/bandwidth.json); the 14B layer probe at 8 x 4096 (432, "
+                 "by hand); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE),
     MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
                  "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
-                 "(eager) at 4 x 4096: 438; MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, GPT-OSS-20B's 199.1",
+                 "(eager) at 4 x 4096: 438; the library's MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, "
+                 "GPT-OSS-20B's 199.1 (the lean ones: the one-GPU machine's H200)",
                  ("NVIDIA H200", 64), H200_MOE),
     # The paper's machines: assumed, not probed here.
     MachineModel("gh200-paper", 94.0, 447.0, 450.0, 450.0, 400.0, 421.6, ("qwen2.5-7b", 8, 4096),
@@ -208,7 +221,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE if s.split_masters else 1.0)  # s per param
     executed, dense = _causal(hw, shape, L, sched.recomputed_layers, lens), _layer_hw_rate(m.layer_tflops, m.probe)
-    moe = m.moe_layers.get(shape.family)
+    moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
     if moe is None:
         gpu = executed / dense
     else:  # the layers at their MoE probe's rate, the LM head (6 v h a token) at the dense layer's
@@ -256,7 +269,7 @@ def check(roots: list[Path]) -> list[dict]:
                 or spec.get("gpus", 1) > 1:
             continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
         engine = (r.get("info") or {}).get("engine") or {}
-        ran = {k: engine.get(k, "eager") for k in EAGER}  # eager before the setting existed
+        ran = {k: engine.get(k, v) for k, v in EAGER.items()}  # EAGER's before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
         # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
         # compiled loss's head chunk): the projection times that run, not today's choice

@@ -146,6 +146,22 @@ def test_four_ranks_on_one_host_train_as_one(tmp_path, model_and_batches):
         assert r["largest_layer_part"] <= r["slab_numel"] < r["layer_numel"] <= 4 * r["slab_numel"], r
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_two_ranks_train_a_mixture_of_experts_with_its_router_loss_as_one(tmp_path, preset):
+    """The router's load-balancing loss (moe.py) over the whole micro-batch: each rank routes its own
+    rows, the picks, probability sums and rows are summed over the ranks before any backward, so
+    the loss, the gradients and the weights are the one rank's (right-padded rows left out of the
+    routing's counts on each rank)."""
+    model = tiny_checkpoint(tmp_path / "init", preset)
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef
+    batches = random_batches(STEPS, ACCUM, BATCH, SEQ, model.config.vocab_size, pad=True)
+    torch.save(batches, tmp_path / "batches.pt")
+    tree = settings(tmp_path)
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
+    reference = one_rank(tmp_path, tree, batches)
+    assert_same_training(reports, torch.load(tmp_path / "two" / "params-host0.pt"), reference)
+
+
 def test_resume_after_a_two_rank_run(tmp_path):
     """2 ranks train 2 steps (fit, synthetic data: the sampler's rows split by rank) and save; 2
     ranks, or 1, resume for 2 more: the same as 1 rank for 4 steps (the state does not depend on N)."""

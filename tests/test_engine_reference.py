@@ -103,17 +103,26 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
 @pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {"norm_kernel": "compiled"}),
                                             ("tiny-gpt-oss", {"norm_kernel": "compiled"}),
                                             ("tiny-qwen2", {"mlp_kernel": "compiled"}),
-                                            ("tiny-qwen2", {"loss_kernel": "compiled"})])
+                                            ("tiny-qwen2", {"loss_kernel": "compiled"}),
+                                            ("tiny-gpt-oss", {"experts_kernel": "lean"}),
+                                            ("tiny-qwen3-moe", {"experts_kernel": "lean"}),
+                                            ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"})])
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (float32 on the CPU:
-    the fused kernels' arithmetic in another order) within the reference's tolerances, kept layers,
-    the norms over token chunks and the recompute's unread down projection included."""
+    the fused kernels' arithmetic in another order), and engine.experts_kernel: lean, its gate
+    compiled or not, within the reference's tolerances, kept layers, the norms over token chunks and
+    the recompute's unread down projection included."""
+    import megatrain.lean_experts as lean_experts
     import megatrain.lean_norm as lean_norm
     import megatrain.loss as loss
     import megatrain.swiglu as swiglu
     module, names = {"norm_kernel": (lean_norm, ("_compiled_forward", "_compiled_backward")),
                      "mlp_kernel": (swiglu, ("_compiled_product", "_compiled_grads")),
-                     "loss_kernel": (loss, ("_compiled_cross_entropy",))}[next(iter(engine))]
+                     "loss_kernel": (loss, ("_compiled_cross_entropy",)),
+                     "experts_kernel": (lean_experts, ("_forward",))}[next(iter(engine))]
+    if "experts_kernel" in engine and "mlp_kernel" in engine:  # a mixture of experts' compiled kernel: its gate
+        module, names = lean_experts, ("_compiled_gate",)
     calls = dict.fromkeys(names, 0)
 
     def counted(name):

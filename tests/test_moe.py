@@ -168,19 +168,6 @@ def test_refusals_name_the_setting():
         Architecture(shape_of("tiny-qwen3-moe"), mlp_chunk=8)
 
 
-def test_the_router_loss_is_refused_with_several_ranks():
-    from megatrain.config import load_config
-    from megatrain.distributed import Ranks
-    from megatrain.resolve import Machine, resolve
-    cfg = load_config(None, [], base={"model": {"preset": "tiny-gpt-oss"}, "engine": {"device": "cpu"},
-                                      "data": {"source": "synthetic", "seq_len": 16, "batch_size": 2}})
-    shape = shape_of("tiny-gpt-oss")
-    assert shape.router_aux_coef
-    resolve(cfg.engine, cfg.data, cfg.optim, shape, Machine(False, None, 1 << 34))  # one rank: fine
-    with pytest.raises(ValueError, match="router's auxiliary loss"):
-        resolve(cfg.engine, cfg.data, cfg.optim, shape, Machine(False, None, 1 << 34), Ranks(world=2, local_world=2))
-
-
 def test_hardware_flops_recompute_the_active_weights_of_the_recomputed_layers():
     """The schedule's hardware FLOPs for a mixture of experts: the model's, plus one forward of each
     recomputed layer at its active weights and own window; the experts' output is computed in full."""

@@ -574,7 +574,9 @@ def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
 
 def test_layer_kernels_auto_compile_on_a_gpu_only():
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel `auto`: compiled on a GPU (the
-    MLP's only where it is SiLU-gated), eager on the CPU; a stated choice stands."""
+    MLP's only where it is SiLU-gated), eager on the CPU; engine.experts_kernel `auto`: lean on a GPU
+    where the model has experts, the library's elsewhere, lean refused for a dense model; a mixture
+    of experts' compiled MLP kernel is its gate, within the lean experts only; a stated choice stands."""
     data = DataConfig(seq_len=4096, batch_size=2)
     chosen = {}
     auto = EngineConfig()
@@ -583,12 +585,22 @@ def test_layer_kernels_auto_compile_on_a_gpu_only():
                                  ("qwen2.5-7b", True, EngineConfig(norm_kernel="eager", mlp_kernel="eager")),
                                  ("qwen2.5-7b", True, EngineConfig(norm_kernel="compiled"))):
         s = resolve(engine, data, OptimConfig(), shape_of(preset), Machine(cuda, None, 1 << 50, int(cuda)))
-        chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel, s.loss_kernel)
-    assert chosen == {("qwen2.5-7b", True, "auto"): ("compiled", "compiled", "compiled"),
-                      ("qwen2.5-7b", False, "auto"): ("eager", "eager", "eager"),
-                      ("gpt-oss-20b", True, "auto"): ("compiled", "eager", "compiled"),
-                      ("qwen2.5-7b", True, "eager"): ("eager", "eager", "compiled"),
-                      ("qwen2.5-7b", True, "compiled"): ("compiled", "compiled", "compiled")}
+        chosen[preset, cuda, engine.norm_kernel] = (s.norm_kernel, s.mlp_kernel, s.loss_kernel, s.experts_kernel)
+    assert chosen == {("qwen2.5-7b", True, "auto"): ("compiled", "compiled", "compiled", "library"),
+                      ("qwen2.5-7b", False, "auto"): ("eager", "eager", "eager", "library"),
+                      ("gpt-oss-20b", True, "auto"): ("compiled", "compiled", "compiled", "lean"),
+                      ("qwen2.5-7b", True, "eager"): ("eager", "eager", "compiled", "library"),
+                      ("qwen2.5-7b", True, "compiled"): ("compiled", "compiled", "compiled", "library")}
+    gpu = Machine(True, None, 1 << 50, 1)
+    s = resolve(EngineConfig(), data, OptimConfig(), shape_of("gpt-oss-20b"), Machine(False, None, 1 << 50, 0))
+    assert (s.experts_kernel, s.mlp_kernel) == ("library", "eager")  # the CPU: the library's, as the reference trains
+    s = resolve(EngineConfig(experts_kernel="library"), data, OptimConfig(), shape_of("qwen3-30b-a3b"), gpu)
+    assert (s.experts_kernel, s.mlp_kernel) == ("library", "eager")  # the gate compiles within the lean experts
+    with pytest.raises(ValueError, match="engine.experts_kernel: lean is for a mixture of experts"):
+        resolve(EngineConfig(experts_kernel="lean"), data, OptimConfig(), shape_of("qwen2.5-7b"), gpu)
+    with pytest.raises(ValueError, match="compiles a mixture of experts' gate within the lean experts .set engine"):
+        resolve(EngineConfig(experts_kernel="library", mlp_kernel="compiled"), data, OptimConfig(),
+                shape_of("gpt-oss-20b"), gpu)
 
 
 def test_engine_kernels_build_in_this_process():
@@ -603,9 +615,16 @@ def test_engine_kernels_build_in_this_process():
 
 
 def test_compiled_mlp_kernel_is_refused_for_other_mlps(tmp_path):
-    with pytest.raises(ValueError, match="engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this gpt_oss"):
-        resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), DataConfig(seq_len=16, batch_size=1), OptimConfig(),
-                shape_of("tiny-gpt-oss"), Machine(False, None, 1 << 40))
+    """A dense MLP that is not SiLU-gated, and a mixture of experts' gate outside the lean experts."""
+    args = DataConfig(seq_len=16, batch_size=1), OptimConfig()
+    with pytest.raises(ValueError, match="engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this qwen2"):
+        resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), *args, shape_of("tiny-qwen2", hidden_act="gelu"),
+                Machine(False, None, 1 << 40))
+    with pytest.raises(ValueError, match="compiles a mixture of experts' gate within the lean experts .set engine"):
+        resolve(EngineConfig(device="cpu", mlp_kernel="compiled"), *args, shape_of("tiny-gpt-oss"), Machine(False, None, 1 << 40))
+    with pytest.raises(ValueError, match="this qwen3_moe model's activation has no compiled gate"):
+        resolve(EngineConfig(device="cpu", mlp_kernel="compiled", experts_kernel="lean"), *args,
+                shape_of("tiny-qwen3-moe", hidden_act="gelu"), Machine(False, None, 1 << 40))
 
 
 def test_memory_plan_counts_pinned_buffers_at_their_allocated_size():

@@ -54,7 +54,7 @@ def test_moe_layers_run_at_their_probes_rate():
     machine without one, at the dense layer's rate."""
     from dataclasses import replace
 
-    from suite.projection import project
+    from suite.projection import EAGER, project
     from suite.spec import RunSpec
     spec = RunSpec(system="megatrain", model={"preset": "qwen3-30b-a3b", "overrides": {"num_hidden_layers": 24}},
                    batch_size=8, grad_accum=4, options={"engine": {"checkpoint_every": 1}})
@@ -62,3 +62,6 @@ def test_moe_layers_run_at_their_probes_rate():
     moe, dense = project(spec, m).terms["gpu"], project(spec, replace(m, moe_layers={})).terms["gpu"]
     assert 1.6 < moe / dense < 2.2  # 438 against 236.1 model TFLOP/s, each probe's FLOPs executed apart
     assert not MACHINES["h100"].moe_layers
+    # a run with the lean experts and their gate compiled at that variant's probe rate (302.0)
+    lean = project(spec, m, {**EAGER, "experts_kernel": "lean", "mlp_kernel": "compiled"}).terms["gpu"]
+    assert 1.2 < moe / lean < 1.35

@@ -7,11 +7,17 @@ own choice) the ceiling's seconds and model TFLOP/s; then, under the default, on
 whose device kernels are summed by kind: matrix products, attention, and the rest (norms, rotary,
 SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give. The
 default ceiling and the breakdown again with the compiled kernels (`--variants`: the norms',
-engine.norm_kernel; the MLP's product, engine.mlp_kernel; both).
+engine.norm_kernel; the MLP's product, engine.mlp_kernel; both), or for a mixture of experts the
+library's experts against the lean ones (experts_library, experts_lean: engine.experts_kernel) and
+the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel).
 
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
 On the CPU (a check of the probe itself): --preset tiny-qwen2 --seq 64 --batch 2 --device cpu.
+Each variant builds its own trainer in this process. On a GPU host the earlier trainers' host memory
+is not all given back (GPT-OSS-20B's layer: 69 GiB at the peak alone, 119 GiB for two variants in one
+process, results/h200/probes_2026-11-26/exits.txt; the CPU gives it back), and past the host's memory
+the kernel kills the process without a word: give a large model's variants a process each there.
 """
 from __future__ import annotations
 
@@ -65,12 +71,17 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
 VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
             "both": {"norm_kernel": "compiled", "mlp_kernel": "compiled"},
             "norm": {"norm_kernel": "compiled", "mlp_kernel": "eager"},
-            "mlp": {"norm_kernel": "eager", "mlp_kernel": "compiled"}}
+            "mlp": {"norm_kernel": "eager", "mlp_kernel": "compiled"},
+            # a mixture of experts' layer, the norms compiled (the GPU's default): the library's experts
+            # against the lean ones (engine.experts_kernel)
+            "experts_library": {"norm_kernel": "compiled", "mlp_kernel": "eager", "experts_kernel": "library"},
+            "experts_lean": {"norm_kernel": "compiled", "mlp_kernel": "eager", "experts_kernel": "lean"},
+            "experts_lean_gate": {"norm_kernel": "compiled", "mlp_kernel": "compiled", "experts_kernel": "lean"}}
 
 
 def measure(args, kernels: dict, backends: bool) -> dict:
     """The ceilings (each SDPA backend's too, with `backends`) and the kernel breakdown of one
-    layer built with `kernels` (engine.norm_kernel, engine.mlp_kernel)."""
+    layer built with `kernels` (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
     cfg = load_config(base={
         "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
         # the eager host AdamW: the ceiling runs no optimizer step, and the compiled one's build costs
@@ -102,7 +113,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="auto")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both)")
+                   help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both; "
+                        "a mixture of experts' experts, the library's, lean, lean with the gate compiled)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     runs = {}

@@ -76,7 +76,7 @@ def options_text(options: dict | None) -> str:
 def kernels(result: dict) -> str | None:
     """MegaTrain's layer kernels as the run resolved them (engine.norm_kernel, engine.mlp_kernel;
     eager before the settings existed): "eager", "compiled", or the one compiled; ", loss compiled"
-    after it where engine.loss_kernel was. Their default
+    after it where engine.loss_kernel was, ", experts lean" where engine.experts_kernel was. Their default
     changes with the machine (`auto`), so the asked options alone would not tell a figure that two
     points ran different kernels. None for other systems and for runs that did not start."""
     engine = (result.get("info") or {}).get("engine")
@@ -84,7 +84,8 @@ def kernels(result: dict) -> str | None:
         return None
     compiled = [k for k in ("norm", "mlp") if engine.get(f"{k}_kernel") == "compiled"]
     label = "compiled" if len(compiled) == 2 else f"{compiled[0]} compiled" if compiled else "eager"
-    return label + (", loss compiled" if engine.get("loss_kernel") == "compiled" else "")
+    return (label + (", loss compiled" if engine.get("loss_kernel") == "compiled" else "")
+            + (", experts lean" if engine.get("experts_kernel") == "lean" else ""))
 
 
 def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:

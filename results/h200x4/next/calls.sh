@@ -3,9 +3,8 @@
 #   C=<commit> bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
-# 2 (one call, no points, about 9 minutes): the pending MoE router loss over ranks on this copy only,
-#   its 2-GPU check alone (twice cut: the dense case ran first within the same 180-240 s); the split
-#   masters' update rate by thread count; the vector-ISA check, inductor's way and the engine's.
+# 2 (one call, no points, about 4 minutes): the split masters' update rate by thread count; the
+#   vector-ISA check, inductor's way and the engine's.
 # 4 (one call, no points, about 9 minutes): A/Bs of the pending set-up patch and of the optimizer's
 #   threads per rank at 4 GPUs.
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
@@ -18,10 +17,8 @@ case $1 in
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
-      2) # the two probes first (about 3.5 minutes), then the pending change, applied to this copy for its
-         # check and taken off again, with the rest of the call (at least 5.5 minutes). The two earlier
-         # calls ran the dense case first and cut the MoE one at 180 and 240 s in all, with no output
-         # from it: a hang or only slow is not known, so each step of it is timed (--durations).
+      2) # two probes, about 3.5 minutes (the router loss over the ranks, once part of this call, landed
+         # after its two-GPU check on the x2 host in session 25)
          # the split masters' update against the whole masters' at 16, 32 and 64 threads (about two minutes):
          # on this host the 120B shape's and the 88-layer model's split updates ran at 0.54-0.65 ns a
          # parameter, the whole masters' at 0.14-0.21 (a quarter; 0.41 on the 2-core CPU machine, 0.52 on
@@ -37,10 +34,6 @@ case $1 in
          for c in inductor engine inductor engine; do
            ISA_CHECK=$c CUDA=1 timeout 90 python3 -m experiments.probes.adamw_build | tee -a $OUT/adamw_build.jsonl
          done
-         git apply results/h200/next/moe_router_loss_over_ranks.patch
-         timeout $(( 585 - SECONDS )) python3 -u -m pytest -v -p no:cacheprovider --durations=0 -k "two_gpus_track and gpt" tests/test_gpu.py 2>&1 \
-           | tee $OUT/pytest_moe_two_gpus.txt | tail -6
-         git apply -R results/h200/next/moe_router_loss_over_ranks.patch
          exit 0 ;;
       4) # Two A/Bs at 7B on 4 GPUs, three runs, about 9 minutes, each with its last step's timeline.
          # (a) main, whose check of the CPU's vector instruction sets now runs every set's check at once

@@ -1,0 +1,183 @@
+"""A mixture of experts' experts without expert parallelism's work (engine.experts_kernel: lean).
+
+The library's grouped-GEMM experts (`grouped_mm_experts_forward` of transformers.integrations.moe)
+sort the step's (token, pick) rows by expert, gather the tokens' hidden states into that order, run
+the up projection, the gate and the down projection as grouped GEMMs over each expert's rows, weight
+the rows by the router and put them back in token order, summing each token's picks. Around that it
+does work this engine never needs, and autograd takes costly routes back:
+- three masked fills and a comparison for expert parallelism's sentinel rows (picks of experts on
+  another device), which a run without expert parallelism never has: the largest single kernel of a
+  Qwen3-30B-A3B layer on the H200 (16% of its time, results/h200x4/probes_2026-11-26);
+- the tokens' gather `x[perm // k]`, whose backward is a scatter with accumulation (autograd's
+  index backward: a sort and a serial add per duplicate);
+- the experts' biases gathered per row (GPT-OSS), `b[expert]`, whose backward scatters every row
+  into its expert's few rows with accumulation (10% of a GPT-OSS-20B layer's time with the gather's).
+Here the same arithmetic, the library's grouped GEMMs (`_grouped_linear`) and gate, with those three
+done as their adjoints are: the gather's backward gathers through the inverse permutation and sums
+each token's k rows (the forward's own way back to token order), the bias's backward is a segment
+sum over each expert's contiguous rows. The forward computes what the library's does, bit for bit;
+the gradients of the hidden states and biases are the same sums in another order.
+
+The gate between the two projections is a chain of elementwise passes over the routed rows' widest
+tensor (rows x 2 x the expert's width): GPT-OSS's clamps, sigmoid and products are seven kernels
+forward and more backward, and they run again in the recompute. With engine.mlp_kernel: compiled
+(the GPU's default) it is one kernel each way (torch.compile), keeping only the projection's output
+for the backward, as swiglu.py does for the dense MLP: GPT-OSS's clamped gate, (clamp(up) + 1) *
+g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE,
+silu(gate) * up over concatenated ones. Inside a kernel the arithmetic stays in float32 where the
+library rounds each step to the compute dtype: equal to rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.moe import _grouped_linear
+
+from megatrain.kernel_build import compiled
+
+
+class _ToExperts(torch.autograd.Function):
+    """x (tokens, h) -> its rows in expert order, x[perm // k]; back: each token's k rows summed,
+    read through the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[perm // k]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inv, = ctx.saved_tensors
+        return grad[inv].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _FromExperts(torch.autograd.Function):
+    """Rows in expert order -> token order, each token's k rows summed: y[inv].view(T, k, h).sum(1);
+    back: the gradient of each token to its k rows, grad[perm // k]."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(perm)
+        ctx.k = k
+        return y[inv].view(-1, k, y.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        perm, = ctx.saved_tensors
+        return grad[perm // ctx.k], None, None, None
+
+
+class _ExpertBias(torch.autograd.Function):
+    """b (experts, d) -> each row's expert's bias, b[ids] (ids sorted); back: each expert's rows
+    summed, a segment sum over the `counts` rows each expert has."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counts)
+        return bias[ids]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        counts, = ctx.saved_tensors
+        return torch.segment_reduce(grad, "sum", lengths=counts, axis=0), None, None
+
+
+def _silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _silu_gate_grad(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    gate, up = (t.to(torch.float32) for t in gate_up.chunk(2, dim=-1))
+    d = grad.to(torch.float32)
+    sig = torch.sigmoid(gate)
+    return torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], dim=-1).to(gate_up.dtype)
+
+
+def _clamped_gate(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _clamped_gate_grad(gate_up: torch.Tensor, grad: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate, up, d = gate_up[..., ::2].to(torch.float32), gate_up[..., 1::2].to(torch.float32), grad.to(torch.float32)
+    g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(g * alpha)
+    d_gate = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (gate <= limit)  # clamp passes where it did not clip
+    d_up = d * g * sig * ((up >= -limit) & (up <= limit))
+    return torch.stack([d_gate, d_up], dim=-1).view(gate_up.shape).to(gate_up.dtype)
+
+
+_GATES = {"silu": (compiled(_silu_gate), compiled(_silu_gate_grad)),
+          "clamped": (compiled(_clamped_gate), compiled(_clamped_gate_grad))}
+
+
+class _Gate(torch.autograd.Function):
+    """A gate's compiled forward, keeping only its input; its compiled backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, kind: str, *constants) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        ctx.kind, ctx.constants = kind, constants
+        return _GATES[kind][0](gate_up, *constants)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate_up, = ctx.saved_tensors
+        return (_GATES[ctx.kind][1](gate_up, grad, *ctx.constants), None, *(None for _ in ctx.constants))
+
+
+def gate_kind(family: str, hidden_act: str | None) -> str | None:
+    """The compiled gate for a family's experts: GPT-OSS's clamped one, Qwen3-MoE's SiLU one; None
+    where there is none (another activation)."""
+    return {"gpt_oss": "clamped"}.get(family) or ("silu" if family == "qwen3_moe" and hidden_act == "silu" else None)
+
+
+def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The library's grouped-GEMM experts forward without sentinels (see the module's docstring)."""
+    k = top_k_index.size(-1)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    # the library's offsets: histc, as it counts (float input on the CPU, int on a GPU)
+    counted = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int()
+    per_expert = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+    counts = per_expert.to(torch.int64)
+
+    def bias(b):
+        return _ExpertBias.apply(b, expert_ids, counts) if self.has_bias else None
+
+    rows = _ToExperts.apply(hidden_states, perm, inv, k)
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    out = _grouped_linear(rows, up, offsets, bias=bias(up_bias), is_transposed=self.is_transposed)
+    out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
+    out = _grouped_linear(out, self.down_proj, offsets, bias=bias(self.down_proj_bias) if self.has_bias else None,
+                          is_transposed=self.is_transposed)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    return _FromExperts.apply(out, perm, inv, k).to(hidden_states.dtype)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """The library's stacked experts of a mixture-of-experts layer (GptOssExperts, Qwen3MoeExperts)."""
+    return type(module).__name__.endswith("Experts") and hasattr(module, "down_proj")
+
+
+def make_lean(experts: nn.Module, gate: str | None = None) -> None:
+    """Make this experts module (of a template: its weights bound later) run the lean forward, with
+    the compiled `gate` (gate_kind) or the library's."""
+    experts.forward = types.MethodType(_forward, experts)
+    constants = (float(experts.limit), float(experts.alpha)) if gate == "clamped" else ()
+    experts.megatrain_gate = functools.partial(_compiled_gate, gate, constants) if gate else experts._apply_gate
+
+
+def _compiled_gate(kind: str, constants: tuple, gate_up: torch.Tensor) -> torch.Tensor:
+    return _Gate.apply(gate_up, kind, *constants)
