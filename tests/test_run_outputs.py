@@ -1,13 +1,15 @@
 """A fine-tuning run as a user sees it: chat data with a held-out split, packing equal to unpacked
 training, metrics.jsonl with this step's gradient norm, evaluation equal to a plain forward, a
 resumed run with its evaluation, `megatrain plan` and `train --help`, and a saved model that loads
-with its tokenizer and generates."""
+with its tokenizer and generates; a closed trainer, once dropped, is freed."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -72,6 +74,10 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
         norms = dict(trainer.engine.worker.grad_norms)
     finally:
         trainer.close()
+    store = weakref.ref(trainer.store)
+    del trainer
+    gc.collect()
+    assert store() is None, "a closed trainer, once dropped, keeps its host store alive"
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if m["kind"] == "train"]
     evals = [m for m in lines if m["kind"] == "eval"]
