@@ -41,7 +41,10 @@ case $1 in
          rm -f $R/moe/120b_L3_megatrain.json
          TORCHDYNAMO_VERBOSE=1 experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/moe/120b_L3_megatrain.json $R/long_context/ctx512k_L28.json \
            $S 2>&1 | tail -12 ;;
-      7) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
+      7) # ZeRO-Infinity's swap at 7B is 18 B/param, 127.7 GiB, and this disk had 127.8 GiB free in session
+         # 24: the earlier calls' compile caches and test folders, on the same disk, go first
+         rm -rf /tmp/ind /tmp/tri /tmp/pytest-of-* && df -h /tmp | tail -1
+         experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/largest/7b_zero_infinity.json $S 2>&1 | tail -12 ;;
       8) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/scale/7b_zero_infinity.json 2>&1 | tail -12 ;;
     esac ;;
   attach)
