@@ -8,6 +8,7 @@
 # 4 (one call, no points, about 9 minutes): A/Bs of the pending set-up patch and of the optimizer's
 #   threads per rank at 4 GPUs.
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
+# 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -58,6 +59,9 @@ case $1 in
          python3 -m suite table $OUT/ab; exit 0 ;;
       5) # the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
          G="" T="$R/shared/3b_L8_megatrain.json $R/shared/3b_L8_megatrain_K1.json $R/shared/3b_L8_native.json" ;;
+      6) # the whole Qwen3-30B-A3B and GPT-OSS-20B with the lean experts (predicted in the grid: about 296 and
+         # 286 model TFLOP/s against the library's 233.9 and 199.6), about 4 minutes each
+         T="$R/moe/q30b_lean_megatrain.json $R/moe/oss20b_lean_megatrain.json" ;;
     esac
     experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, the A/B included
   attach)
