@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 from baselines import hf
 from megatrain.distributed import Ranks, shard_batch
-from megatrain.memory import DoesNotFit, Shortage
 from megatrain.shapes import ModelShape
 from suite.system import System, Unsupported
 
@@ -281,11 +280,8 @@ class ZeROInfinity(ZeroSystem):
             raise Unsupported(f"{self.NAME}: DeepSpeed cannot build its async_io op: {problem} -- install libaio-dev, "
                               f"or without root: baselines/libaio.sh fetch .libaio (where apt works), then "
                               f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts")
-        need = hf.params(spec) * self.SWAP_BYTES_PER_PARAM  # partitioned over the ranks: the total stays
-        free = hf.agreed(self.ranks, shutil.disk_usage(_existing(self.swap)).free)
-        if need > free:
-            raise DoesNotFit(self.NAME, [Shortage("disk", int(need), free, f"its swap at {self.swap}, "
-                                                  f"{self.SWAP_BYTES_PER_PARAM} B/param")])
+        # partitioned over the ranks: the total stays
+        hf.require_disk(self.NAME, hf.params(spec), self.SWAP_BYTES_PER_PARAM, _existing(self.swap), self.ranks)
         os.makedirs(self.swap, exist_ok=True)
         # removed at close, or at exit when the construction fails after this point
         self._remove_swap = weakref.finalize(self, shutil.rmtree, self.swap, True) if self.owns_swap else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 from typing import Any
 
@@ -21,6 +22,10 @@ from megatrain.units import GiB
 # private pages, its staging buffers), for each rank beyond the first, whose share the measured
 # per-parameter rates include: an estimate until the two-GPU runs measure it.
 RANK_HOST_BYTES = 4 * GiB
+# Disk a swapping baseline's run needs beside its swap (DeepSpeed's built ops, the run's log and
+# result, the file system's own writes): ZeRO-Infinity at 7B on the x2 host, its swap's bound at
+# 127.7 GiB of the 127.8 free, filled the disk in its first step.
+DISK_RESERVE = 2 * GiB
 
 
 def build_model(spec, device: torch.device | str | None = None):
@@ -72,6 +77,17 @@ def require_host(spec, bytes_per_param: float, what: str, rank_bytes_per_param: 
     have = agreed(ranks, host_available_bytes())  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
     if need > have:
         raise DoesNotFit(what, [Shortage("host", need, have, how)])
+
+
+def require_disk(what: str, n_params: int, bytes_per_param: float, path: str, ranks: Ranks = Ranks()) -> None:
+    """Refuse before the swap is made when the disk under `path` cannot hold it (`bytes_per_param`:
+    each system's bound) and DISK_RESERVE; every rank decides on the first rank's reading."""
+    need = int(n_params * bytes_per_param + DISK_RESERVE)
+    free = agreed(ranks, shutil.disk_usage(path).free)
+    if need > free:
+        raise DoesNotFit(what, [Shortage("disk", need, free, f"its swap at {path}, {bytes_per_param} B/param x "
+                                         f"{n_params / 1e9:.2f} B params, + {DISK_RESERVE / GiB:.0f} GiB "
+                                         f"for the run's other files")])
 
 
 def require_device(spec, device: torch.device, bytes_per_param: float, what: str) -> None:

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
+from baselines import hf
 from baselines.ratel_compat import PATH as COMPAT
-from megatrain.memory import DoesNotFit, Shortage
 from megatrain.metrics import model_flops
 from suite.system import System, Unsupported
 
@@ -278,11 +278,7 @@ class Ratel(System):
 
     def _fits_on_disk(self, path) -> None:
         h, layers, vocab, seq = (self.shape[k] for k in ("hidden_dim", "num_layers", "vocab_size", "max_seq_len"))
-        need = self.ratel_params(h, layers, vocab, seq) * SWAP_BYTES_PER_PARAM
-        free = shutil.disk_usage(path).free
-        if need > free:
-            raise DoesNotFit("ratel", [Shortage("disk", int(need), free, f"its swap at {path}, "
-                                                f"{SWAP_BYTES_PER_PARAM} B/param")])
+        hf.require_disk("ratel", self.ratel_params(h, layers, vocab, seq), SWAP_BYTES_PER_PARAM, path)
 
     @staticmethod
     def ratel_params(h: int, layers: int, vocab: int, seq: int) -> int:

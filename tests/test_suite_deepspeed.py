@@ -145,6 +145,20 @@ def test_zero_infinity_refuses_a_model_the_swap_cannot_hold(fake_deepspeed, monk
     assert e.value.memory == "disk" and not swap.exists()
 
 
+def test_a_swap_keeps_room_for_the_run_s_other_files(monkeypatch, tmp_path):
+    """A disk that holds the swap's bound but not DISK_RESERVE beside it refuses (ZeRO-Infinity at 7B
+    filled such a disk); room for both admits."""
+    usage = shutil.disk_usage(tmp_path)
+    for spare, fits in ((0, False), (hf.DISK_RESERVE, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _, f=10**9 * 18 + spare: usage._replace(free=f))
+        if fits:
+            hf.require_disk("ZeRO-Infinity", 10**9, 18, str(tmp_path))
+        else:
+            with pytest.raises(DoesNotFit, match=r"disk space: needs 18.8 GiB, 16.8 GiB available .*\+ 2 GiB") as e:
+                hf.require_disk("ZeRO-Infinity", 10**9, 18, str(tmp_path))
+            assert e.value.memory == "disk"
+
+
 def _deb(path: Path, files: dict[str, bytes], links: dict[str, str]) -> None:
     """A minimal .deb: an ar archive of debian-binary, control.tar.gz and data.tar.gz."""
     def tar(entries) -> bytes:
