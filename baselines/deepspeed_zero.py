@@ -257,12 +257,6 @@ class ZeRO3Offload(ZeroSystem):
         return {**super().info(), "offload": "cpu"}
 
 
-def _existing(path: str) -> str:
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
 class ZeROInfinity(ZeroSystem):
     NAME = "ZeRO-Infinity"
     # an upper bound, not a measurement: bf16 parameters 2, fp32 master and moments 12, fp32 gradients 4
@@ -281,7 +275,7 @@ class ZeROInfinity(ZeroSystem):
                               f"or without root: baselines/libaio.sh fetch .libaio (where apt works), then "
                               f"eval \"$(baselines/libaio.sh env .libaio)\" before python starts")
         # partitioned over the ranks: the total stays
-        hf.require_disk(self.NAME, hf.params(spec), self.SWAP_BYTES_PER_PARAM, _existing(self.swap), self.ranks)
+        hf.require_disk(self.NAME, hf.params(spec), self.SWAP_BYTES_PER_PARAM, self.swap, self.ranks)
         os.makedirs(self.swap, exist_ok=True)
         # removed at close, or at exit when the construction fails after this point
         self._remove_swap = weakref.finalize(self, shutil.rmtree, self.swap, True) if self.owns_swap else None

@@ -80,10 +80,14 @@ def require_host(spec, bytes_per_param: float, what: str, rank_bytes_per_param: 
 
 
 def require_disk(what: str, n_params: int, bytes_per_param: float, path: str, ranks: Ranks = Ranks()) -> None:
-    """Refuse before the swap is made when the disk under `path` cannot hold it (`bytes_per_param`:
-    each system's bound) and DISK_RESERVE; every rank decides on the first rank's reading."""
+    """Refuse before the swap is made when the disk of `path` (or of its nearest existing folder)
+    cannot hold it (`bytes_per_param`: each system's bound) and DISK_RESERVE; every rank decides on
+    the first rank's reading."""
     need = int(n_params * bytes_per_param + DISK_RESERVE)
-    free = agreed(ranks, shutil.disk_usage(path).free)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = agreed(ranks, shutil.disk_usage(existing).free)
     if need > free:
         raise DoesNotFit(what, [Shortage("disk", need, free, f"its swap at {path}, {bytes_per_param} B/param x "
                                          f"{n_params / 1e9:.2f} B params, + {DISK_RESERVE / GiB:.0f} GiB "

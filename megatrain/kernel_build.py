@@ -18,6 +18,15 @@ could differ between a run and its resumption; the heuristic's does not. Measure
 7B step with both against the timed, pooled build: 466.2 against 464.0 model TFLOP/s
 (results/h100/speed/kernel_build_2026-11-23).
 
+Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
+whether a tensor requires gradients, a float's value), at most recompile_limit (8) times a process,
+and past that runs the function's library ops, silently: a process that trains several models (the
+GPU tests' did) then computes some calls by the kernel and others by the library ops, which agree
+to rounding only (on the H200 a test's two runs that match bit for bit stopped matching). So each
+kernel sees one form: its inputs detached here (every caller differentiates by hand) and, the
+norms' and the MLP's, as rows; a process then builds one per dtype and constant (eps, GPT-OSS's
+float32 scale).
+
 Two threads call these kernels: the main thread (the layers') and the optimizer worker (the AdamW).
 While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
 a compiled function called from the other thread meanwhile refuses to run ("Detected that you are
@@ -49,6 +58,9 @@ def compiled(fn: Callable, **options) -> Callable:
 
     @functools.wraps(fn)
     def run(*args):
+        # every caller differentiates by hand (an autograd.Function's forward and backward, the
+        # optimizer's update): detached, whether an input requires gradients is not one more form
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         inductor.compile_threads = 1
         while True:
             while _tracing():  # another thread is building a kernel

@@ -77,9 +77,9 @@ class _LeanRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # the engine's hooks turn the weight into a reference
         ctx.eps, ctx.float32_scale, ctx.compiled = eps, float32_scale, compiled
         norm = _compiled_forward if compiled else _rms_norm
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])  # one rank whatever the caller's (a kernel is built per rank)
         if rows.shape[0] <= CHUNK:
-            return norm(x, weight, eps, float32_scale)
+            return norm(rows, weight, eps, float32_scale).view(x.shape)
         out = torch.empty_like(rows)
         for lo in range(0, rows.shape[0], CHUNK):
             out[lo: lo + CHUNK] = norm(rows[lo: lo + CHUNK], weight, eps, float32_scale)
@@ -91,8 +91,8 @@ class _LeanRMSNorm(torch.autograd.Function):
         grads = _compiled_backward if ctx.compiled else _grads
         rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         if rows.shape[0] <= CHUNK:
-            dx, dw = grads(x, weight, ctx.eps, ctx.float32_scale, dy)
-            return dx, dw.to(weight.dtype), None, None, None
+            dx, dw = grads(rows, weight, ctx.eps, ctx.float32_scale, drows)
+            return dx.view(x.shape), dw.to(weight.dtype), None, None, None
         dx = torch.empty_like(rows)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, rows.shape[0], CHUNK):

@@ -35,12 +35,17 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return _compiled_product(gate, up)
+        return _compiled_product(_rows(gate), _rows(up)).view(gate.shape)
 
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        return _compiled_grads(gate, up, dh)
+        return tuple(g.view(gate.shape) for g in _compiled_grads(_rows(gate), _rows(up), _rows(dh)))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as rows, so that one kernel serves every caller's rank (kernel_build: a build per form)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -251,6 +251,29 @@ def test_lean_experts_compute_the_library_experts_in_bf16(cuda_only, preset, gat
         assert (ours - truth).norm() <= 1.5 * (theirs - truth).norm() + 1e-6 * truth.norm()
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss"])
+def test_a_closed_trainer_is_freed_once_dropped(tmp_path, cuda_only, preset):
+    """After steps with the GPU's compiled kernels (the norms, the MLP or the lean experts' gate, the
+    loss, the host AdamW), a closed trainer, once dropped, leaves its host store to be freed, as on
+    the CPU (tests/test_run_outputs.py). The layer probe, one trainer per variant in one process,
+    found the earlier trainers' host memory not all given back on a GPU host
+    (results/h200/probes_2026-11-26/exits.txt); the referrers are named if the store outlives it."""
+    import gc
+    import weakref
+    tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])
+    _, trainer = gpu_trainer(tmp_path)
+    try:
+        for mbs in random_batches(2, 2, BATCH, SEQ, 256, pad=True):
+            trainer.train_step(mbs)
+    finally:
+        trainer.close()
+    store, engine = weakref.ref(trainer.store), weakref.ref(trainer.engine)
+    del trainer
+    gc.collect()
+    held = [o for o in (store(), engine()) if o is not None]
+    assert not held, [[type(r).__name__ + ":" + str(r)[:80] for r in gc.get_referrers(o)] for o in held]
+
+
 def two_gpus() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

@@ -501,6 +501,27 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scal
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
+    """Dynamo builds a function at most 8 times a process and then runs its library ops instead
+    (kernel_build): the norm's and the MLP's kernels see inputs of every rank, with gradients or
+    without, in one form, so these twelve calls add one build each (before: six a forward, three a
+    backward)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    import megatrain.lean_norm as lean_norm
+    from megatrain import swiglu
+    kernels = (lean_norm._rms_norm, lean_norm._backward, swiglu._product, swiglu._grads)
+    before = [len(entries(k.__code__)) for k in kernels]
+    weight = torch.ones(16, requires_grad=True)
+    for shape in ((2, 3, 16), (2, 3, 4, 16), (5, 16)):
+        for grad in (False, True):
+            x, up = torch.randn(shape, requires_grad=grad), torch.randn(shape, requires_grad=grad)
+            y = lean_norm._LeanRMSNorm.apply(x, weight, 0.123, False, True) + swiglu.swiglu(x, up)  # a new eps
+            if grad:
+                y.sum().backward()
+    built = [len(entries(k.__code__)) - b for k, b in zip(kernels, before)]
+    assert max(built) <= 1, built
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
     """engine.mlp_kernel: compiled, silu(gate) * up and its written-out backward built by

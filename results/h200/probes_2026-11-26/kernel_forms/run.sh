@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kernel_forms.patch on one H200, carrying [".whl"]: C=<commit> bash results/h200/next/kernel_forms.sh
+# Ran in session 26 at 5ecd2d6 on `nvidia-h200` (281 s; its outputs beside it, the test log trimmed to the
+# results and dynamo's recompile lines; the patch is on main since). kernel_forms.patch on one H200:
 # The patch gives each compiled kernel one form of input (detached; the norms' and the MLP's as
 # rows): in session 26 the full GPU test file reached dynamo's recompile limit on the norm's forward
 # (a build per rank and per requires_grad) and one case then ran 1.3e-6 apart from its twin.

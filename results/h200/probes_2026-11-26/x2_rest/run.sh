@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What session 26's first two calls on `nvidia-h200-x2` left, carrying [".whl", ".libaio"]:
-#   C=<commit> bash results/h200/next/x2_rest.sh
+# Ran in session 26 at 92b6cae on `nvidia-h200-x2` (236 s; its outputs beside it, the logs trimmed to the
+# results and dynamo's recompile lines), after session 26's first two calls there:
 # 1. largest/7b_zero_infinity against the disk admission's reserve (hf.DISK_RESERVE): the detached run
 #    of the point filled this disk in its first step and the machine stopped answering.
 # 2. The GPU tests x2_call1.sh did not reach in its 585 s (from test_compiled_kernels_track_eager_kernels
