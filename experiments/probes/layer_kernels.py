@@ -3,7 +3,8 @@ single-layer ceiling (Engine.layer_ceiling: forward, recompute and backward of o
 weights resident, the step's saved-tensor hooks).
 
 For each SDPA backend that runs at the shape (torch.nn.attention.sdpa_kernel; `default` is torch's
-own choice) the ceiling's seconds and model TFLOP/s; then, under the default, one profiled ceiling
+own choice; `--backends` names which, under the first variant) the ceiling's seconds and model
+TFLOP/s; then, under the default, one profiled ceiling
 whose device kernels are summed by kind: matrix products, attention, and the rest (norms, rotary,
 SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chain can give. The
 default ceiling and the breakdown again with the compiled kernels (`--variants`: the norms',
@@ -14,6 +15,8 @@ the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel).
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
 On the CPU (a check of the probe itself): --preset tiny-qwen2 --seq 64 --batch 2 --device cpu.
+At long context, the attention kernels alone (the math backend's square does not fit), e.g. the
+7B layer at 512K tokens: --seq 524288 --batch 1 --reps 1 --variants both --backends flash,cudnn.
 Each variant builds its own trainer in this process. On a GPU host the earlier trainers' host memory
 is not all given back (GPT-OSS-20B's layer: 69 GiB at the peak alone, 119 GiB for two variants in one
 process, results/h200/probes_2026-11-26/exits.txt; the CPU gives it back), and past the host's memory
@@ -79,9 +82,9 @@ VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
             "experts_lean_gate": {"norm_kernel": "compiled", "mlp_kernel": "compiled", "experts_kernel": "lean"}}
 
 
-def measure(args, kernels: dict, backends: bool) -> dict:
-    """The ceilings (each SDPA backend's too, with `backends`) and the kernel breakdown of one
-    layer built with `kernels` (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
+def measure(args, kernels: dict, backends: list[str]) -> dict:
+    """The ceilings (each SDPA backend's of `backends` too) and the kernel breakdown of one layer
+    built with `kernels` (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
     cfg = load_config(base={
         "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
         # the eager host AdamW: the ceiling runs no optimizer step, and the compiled one's build costs
@@ -93,16 +96,20 @@ def measure(args, kernels: dict, backends: bool) -> dict:
     rows = {}
     try:
         rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
-        for name, backend in BACKENDS.items() if backends else ():
+        for name in backends:
             try:
-                with sdpa_kernel([backend]):
+                with sdpa_kernel([BACKENDS[name]]):
                     rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
             except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
                 rows[name] = {"error": str(e).splitlines()[0][:200]}
         breakdown = kernel_breakdown(trainer, args.batch, args.seq)
     finally:
         trainer.close()
-    return {"device": str(trainer.device.torch), "ceilings": rows, **breakdown}
+    # what torch's pinned allocator keeps once the trainer is closed (the slabs, the checkpoints' host
+    # copies: it caches freed blocks, each rounded up to a power of two), for the host memory that
+    # earlier variants' trainers seemed to keep on a GPU host
+    pinned = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.endswith("bytes.current")}
+    return {"device": str(trainer.device.torch), "ceilings": rows, "pinned_cache_after_close": pinned, **breakdown}
 
 
 def main() -> None:
@@ -115,14 +122,21 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both; "
                         "a mixture of experts' experts, the library's, lean, lean with the gate compiled)")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help=f"comma-separated, of {list(BACKENDS)}, each timed alone under the first variant; "
+                        "none: '' (at long context the math backend's square does not fit)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS)) + sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown backends or variants: {unknown}")
     runs = {}
     result = {"preset": args.preset, "seq": args.seq, "batch": args.batch,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
-    for v in args.variants.split(","):  # the result written after each: a run cut short keeps what it measured
-        runs[v] = measure(args, VARIANTS[v], backends=v == "eager")
+    for i, v in enumerate(args.variants.split(",")):  # written after each: a run cut short keeps what it measured
+        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else [])
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for kernel, run in runs.items():
