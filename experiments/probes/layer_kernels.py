@@ -16,7 +16,8 @@ the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel).
 
 On the CPU (a check of the probe itself): --preset tiny-qwen2 --seq 64 --batch 2 --device cpu.
 At long context, the attention kernels alone (the math backend's square does not fit), e.g. the
-7B layer at 512K tokens: --seq 524288 --batch 1 --reps 1 --variants both --backends flash,cudnn.
+7B layer at 512K tokens: --seq 524288 --batch 1 --reps 1 --variants both --backends flash,cudnn
+--overrides '{"max_position_embeddings": 524288}'.
 Each variant builds its own trainer in this process. On a GPU host the earlier trainers' host memory
 is not all given back (GPT-OSS-20B's layer: 69 GiB at the peak alone, 119 GiB for two variants in one
 process, results/h200/probes_2026-11-26/exits.txt; the CPU gives it back), and past the host's memory
@@ -86,7 +87,7 @@ def measure(args, kernels: dict, backends: list[str]) -> dict:
     """The ceilings (each SDPA backend's of `backends` too) and the kernel breakdown of one layer
     built with `kernels` (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
     cfg = load_config(base={
-        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1}},
+        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1, **args.overrides}},
         # the eager host AdamW: the ceiling runs no optimizer step, and the compiled one's build costs
         # tens of seconds a process on the GPU hosts' torch
         "engine": {"device": args.device, "checkpoint_every": 1, "optimizer_kernel": "eager", **kernels},
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"comma-separated, of {list(BACKENDS)}, each timed alone under the first variant; "
                         "none: '' (at long context the math backend's square does not fit)")
+    p.add_argument("--overrides", type=json.loads, default={},
+                   help='the model config\'s overrides beside one layer, as JSON, e.g. \'{"max_position_embeddings": 524288}\'')
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = [b for b in args.backends.split(",") if b]

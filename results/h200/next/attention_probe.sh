@@ -17,5 +17,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site
 mkdir -p $OUT/probes
 timeout $((580 - SECONDS)) python3 -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 1 --seq 524288 --reps 1 \
-  --variants both --backends flash,cudnn --out $OUT/probes/layer_7b_512k_attention.json 2>&1 | grep -v "Warning\|warn"
+  --variants both --backends flash,cudnn --overrides '{"max_position_embeddings": 524288}' --out $OUT/probes/layer_7b_512k_attention.json 2>&1 | grep -v "Warning\|warn"
 echo "done at $SECONDS s"
