@@ -114,3 +114,13 @@ def train_save_reload(trainer, batches, out) -> dict[str, torch.Tensor]:
 def cuda_only():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compiled_kernels_never_fall_back():
+    """A compiled kernel built more than dynamo's recompile_limit times in one process runs its
+    library ops from then on, silently (megatrain/kernel_build.py); the test process, which trains
+    many models, raises instead, so that a test of a kernel cannot pass on the library's ops."""
+    import torch._dynamo.config as dynamo
+    with dynamo.patch(fail_on_recompile_limit_hit=True):
+        yield
