@@ -325,9 +325,12 @@ def test_ablation_bars_are_relative_to_their_own_full_configuration(tmp_path):
 
 def test_bars_take_their_systems_colour_and_print_their_value(tmp_path):
     """The MoE experiment's bars: one colour and one legend entry per system, the value beside each
-    bar, a point that did not run named by its status in every panel."""
+    bar, a point that did not run named by its status in every panel (a refusal for the swap's disk
+    space as the disk's)."""
+    swap = _result("zero3", status="oom_host") | {"reason": "ZeRO-Infinity does not fit: disk space: needs 9 GiB"}
     points = {"q_megatrain": _result("megatrain", tflops=142.4), "q_native": _result("native", tflops=79.6),
-              "q_zero3": _result("zero3", tflops=72.0), "big_megatrain": _result("megatrain", status="error")}
+              "q_zero3": _result("zero3", tflops=72.0), "big_megatrain": _result("megatrain", status="error"),
+              "big_zero3": _result("zero3", status="oom_host"), "big_swap": swap}
     fig = plot.figure(_table(tmp_path, "moe", points), "moe", "h200")
     assert len(fig.axes) == 3  # throughput, host and device memory
     ax = fig.axes[0]
@@ -336,7 +339,7 @@ def test_bars_take_their_systems_colour_and_print_their_value(tmp_path):
     assert colour["measured: q_megatrain"] != colour["measured: q_native"] != colour["measured: q_zero3"]
     assert colour["measured: q_megatrain"] == pytest.approx(plot.matplotlib.colors.to_rgba(plot.SYSTEM_COLORS["megatrain"]))
     texts = [t.get_text() for t in ax.texts]
-    assert {"142", "79.6", "72"} <= set(texts) and "error" in texts
+    assert {"142", "79.6", "72", "error", "oom_host", "oom_host (disk)"} <= set(texts)
     assert ax.get_xlim()[1] > 142.4  # the largest value's label inside the axes
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == [f"measured (h200): {s}" for s in ("megatrain", "native", "zero3")]

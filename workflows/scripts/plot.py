@@ -90,6 +90,12 @@ def _split(df: pd.DataFrame):
     return df[df["source"] == "measured"], df[df["source"] == "paper"]
 
 
+def status_note(status: str, reason) -> str:
+    """A point's status as a bar chart notes it: a refusal for the swap's disk space says so (the
+    harness records it as oom_host, the host's disk)."""
+    return f"{status} (disk)" if status == "oom_host" and "disk space" in str(reason) else status
+
+
 def no_value_style(status: str) -> tuple[str, str, str]:
     """(marker, colour, legend label) of a point with `status` and no value."""
     if status in NO_VALUE:
@@ -457,10 +463,11 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             at = np.flatnonzero((ours["system"] == system).to_numpy())
             ax.barh(at, shown.iloc[at].fillna(0), color=SYSTEM_COLORS.get(system, "C7"),
                     label=f"measured ({hardware}): {system}")
-        for i, (status, v, raw) in enumerate(zip(ours["status"], shown, vals)):
+        reasons = ours["reason"] if "reason" in ours else pd.Series("", index=ours.index)
+        for i, (status, reason, v, raw) in enumerate(zip(ours["status"], reasons, shown, vals)):
             if status != "ok":
-                ax.annotate(status, (0, i), xytext=(3, 0), textcoords="offset points", va="center",
-                            fontsize=7, color="red")
+                ax.annotate(status_note(status, reason), (0, i), xytext=(3, 0), textcoords="offset points",
+                            va="center", fontsize=7, color="red")
             elif relative and pd.notna(v):
                 ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, i), xytext=(3 if v >= 0 else -3, 0),
                             textcoords="offset points", va="center", ha="left" if v >= 0 else "right", fontsize=6)
