@@ -7,8 +7,8 @@
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
 # memory bandwidth are part of what it measures). A batch's targets come from one grid (the
 # h200-scale ones with $S). Batch 1 (the refusals, short_step, moe) ran in session 24, in about 25
-# device minutes. Estimated walls of the rest (the README's table): batch 2 about 27, 3 about 20, 4
-# about 37, 5 about 27; 6 (the 120B MoE point, then one step of 7B at 512K: about 12 minutes) detached;
+# device minutes. Estimated walls of the rest (the README's table, at 5 measured steps after 2; the
+# grids now measure 3 after 1, so less): batch 2 about 27, 3 about 20, 4 about 37, 5 about 27; 6 (the 120B MoE point, then one step of 7B at 512K: about 12 minutes) detached;
 # 7 ran in session 26: ZeRO-Infinity at 7B filled this disk in its first step, and with the disk's
 # reserve its admission refuses it in 21 s; 8 (the h200 grid's) is refused alike; 9 the lean experts'
 # MoE point.
