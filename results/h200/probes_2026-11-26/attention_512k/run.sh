@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 (the one-GPU `nvidia-h200` counts half its time), carrying [".whl"], about 8 minutes:
-#   C=<commit> bash results/h200/next/h200_call.sh
+#   C=<commit> bash results/h200/probes_2026-11-26/attention_512k/run.sh
 # 1. pinned_cache.patch on this copy: a new run gives back the pinned host blocks torch's allocator
 #    keeps cached after an earlier run in the process closed (its gradient slabs, its checkpoints'
 #    host copies; the layer probe's trainers seemed to keep host memory, results/h200/README.md
@@ -21,7 +21,7 @@ export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITO
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 mkdir -p $OUT/probes
-git apply results/h200/next/pinned_cache.patch
+git apply results/h200/probes_2026-11-26/attention_512k/pinned_cache.patch
 timeout 240 python3 -u -m pytest -v -rfE -p no:cacheprovider tests/test_gpu.py -k "not two_gpus" 2>&1 \
   | grep -v "^DEBUG" > $OUT/pytest_gpu_pinned_cache.txt
 grep -E "gives_back|passed|failed" $OUT/pytest_gpu_pinned_cache.txt | tail -4
