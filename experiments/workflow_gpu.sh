@@ -22,13 +22,16 @@
 # options after the targets passed to every one), cheapest first as the caller lists them: one
 # snakemake with them all would choose its own order.
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
-# Keep every pack: each call first copies this working tree to the machine, which removes the files
-# a detached run wrote before that this tree lacks.
+# A detached run works in its own copy of the tree (/tmp/workflow_gpu/tree, carried folders included,
+# RATEL_HOME moved with it): each call first copies the caller's tree to the machine, replacing its
+# carried folders and removing the files this tree lacks, and a run in that tree lost a finished
+# point whose pack never came back and had its checkout replaced under it. So every pack holds all
+# the run has written, whichever call packs it.
 set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
-state=/tmp/workflow_gpu  # a detached run's log, exit status and hardware
+state=/tmp/workflow_gpu  # a detached run's log, exit status, hardware and tree
 # The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
 hw=$(python3 - "profiles/$profile/workflow.yaml" "$@" <<'PY'
 import sys, yaml
@@ -37,6 +40,11 @@ grids = grids or [yaml.safe_load(open(sys.argv[1]))["grid"]]
 print(yaml.safe_load(open(grids[-1]))["hardware"])
 PY
 )
+if [ "$mode" = detach ]; then
+  rm -rf "$state" && mkdir -p "$state" && echo "$hw" > "$state/hw" && cp -a . "$state/tree" || exit 1
+  [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
+  cd "$state/tree"
+fi
 if [ "$mode" != attach ]; then
   WHEELS=${WHEELS:-.whl}
   if [ "$WHEELS" != none ]; then
@@ -51,23 +59,22 @@ case $mode in
     timeout --signal=INT --kill-after=30 "$limit" python3 -m snakemake --profile "$profile" "$@"
     echo "snakemake exit $?" ;;
   detach)
-    rm -rf "$state" && mkdir -p "$state" && echo "$hw" > "$state/hw"
     targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
+    echo "${targets[*]}" > "$state/targets"
     setsid bash -c 'p=$1 n=$2; shift 2; rc=0
       for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" "$t" "${@:n+1}" || rc=$?; done
       echo $rc > '"$state"'/rc' _ "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
     echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac
 if [ "$mode" != run ]; then
-  [ -d "$state" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }
-  hw=$(cat "$state/hw" 2>/dev/null || echo "$hw")
+  [ -d "$state/tree" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }
+  hw=$(cat "$state/hw") && cd "$state/tree" && set -- $(cat "$state/targets")
   end=$((SECONDS + limit))
   while [ ! -f "$state/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
   tail -n 20 "$state/log"
   if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"; else echo "still running: --attach again within 30 s"; fi
 fi
-if [ "$mode" = run ]; then  # the harness's table of the point folders named (an experiment's target prints its own)
-  dirs=$(for t in "$@"; do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
-  [ -z "$dirs" ] || python3 -m suite table $dirs
-fi
+# the harness's table of the point folders named (an experiment's target prints its own)
+dirs=$(for t in "$@"; do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
+[ -z "$dirs" ] || python3 -m suite table $dirs
 tar czf "${OUT:-out}/workflow.tgz" $(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in sessions 21-23 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
-#   bash results/h200x4/next/calls.sh attach                (extract each reply's workflow.tgz first)
+#   bash results/h200x4/next/calls.sh attach [SECONDS]      (extract each reply's workflow.tgz first; default 540)
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
 # 2 (one call, no points, about 4 minutes): the split masters' update rate by thread count; the
 #   vector-ISA check, inductor's way and the engine's.
@@ -66,8 +66,7 @@ case $1 in
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
     esac
-    experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -12 ;;  # the call's 600 s, the A/B included
+    experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # the call's 600 s; the run's table last
   attach)
-    experiments/workflow_gpu.sh --attach 540 h200x4 2>&1 | tail -8 ;;
+    experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;
 esac
-python3 -m suite table $R/gpus $R/moe $R/largest 2>&1 | tail -24
