@@ -22,10 +22,13 @@ Each variant builds its own trainer in this process. On a GPU host the earlier t
 is not all given back (GPT-OSS-20B's layer: 69 GiB at the peak alone, 119 GiB for two variants in one
 process, results/h200/probes_2026-11-26/exits.txt; the CPU gives it back), and past the host's memory
 the kernel kills the process without a word: give a large model's variants a process each there.
+Each trainer is closed, dropped and collected before the next, and `pinned_after_drop` records the
+pinned host memory left then.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from collections import defaultdict
 
@@ -33,6 +36,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatrain.config import load_config
+from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.trainer import Trainer
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -83,17 +87,22 @@ VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
             "experts_lean_gate": {"norm_kernel": "compiled", "mlp_kernel": "compiled", "experts_kernel": "lean"}}
 
 
-def measure(args, kernels: dict, backends: list[str]) -> dict:
-    """The ceilings (each SDPA backend's of `backends` too) and the kernel breakdown of one layer
-    built with `kernels` (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
-    cfg = load_config(base={
+def config(args, kernels: dict):
+    """One layer of the model, built with `kernels` (engine.norm_kernel, engine.mlp_kernel,
+    engine.experts_kernel)."""
+    return load_config(base={
         "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1, **args.overrides}},
         # the eager host AdamW: the ceiling runs no optimizer step, and the compiled one's build costs
         # tens of seconds a process on the GPU hosts' torch
         "engine": {"device": args.device, "checkpoint_every": 1, "optimizer_kernel": "eager", **kernels},
         "optim": {"lr": 1e-5},
         "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
-    trainer = Trainer(cfg, progress=False)
+
+
+def measure(args, kernels: dict, backends: list[str]) -> dict:
+    """The ceilings (each SDPA backend's of `backends` too) and the kernel breakdown of one layer
+    built with `kernels`."""
+    trainer = Trainer(config(args, kernels), progress=False)
     rows = {}
     try:
         rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
@@ -106,11 +115,14 @@ def measure(args, kernels: dict, backends: list[str]) -> dict:
         breakdown = kernel_breakdown(trainer, args.batch, args.seq)
     finally:
         trainer.close()
-    # what torch's pinned allocator keeps once the trainer is closed (the slabs, the checkpoints' host
-    # copies: it caches freed blocks, each rounded up to a power of two), for the host memory that
-    # earlier variants' trainers seemed to keep on a GPU host
+    device = str(trainer.device.torch)
+    # the pinned host memory left once the trainer is closed and dropped, before the next variant's
+    # trainer: none of the engine's (read while the closed trainer was still held, it was its live
+    # buffers, 12 GiB at 512K tokens)
+    del trainer
+    gc.collect()
     pinned = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.endswith("bytes.current")}
-    return {"device": str(trainer.device.torch), "ceilings": rows, "pinned_cache_after_close": pinned, **breakdown}
+    return {"device": device, "ceilings": rows, "pinned_after_drop": pinned, **breakdown}
 
 
 def main() -> None:
@@ -120,9 +132,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="auto")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default="auto",
                    help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both; "
-                        "a mixture of experts' experts, the library's, lean, lean with the gate compiled)")
+                        "a mixture of experts' experts, the library's, lean, lean with the gate compiled); "
+                        "auto: the experts' three for a mixture of experts, the other four for a dense model")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"comma-separated, of {list(BACKENDS)}, each timed alone under the first variant; "
                         "none: '' (at long context the math backend's square does not fit)")
@@ -131,14 +144,23 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(backends) - set(BACKENDS)) + sorted(set(args.variants.split(",")) - set(VARIANTS))
+    try:
+        experts = ModelShape(load_hf_config(config(args, {}).model)).experts
+    except (KeyError, ValueError) as e:  # an unknown preset, a bad override
+        p.error(str(e))
+    moe = [v for v in VARIANTS if v.startswith("experts_")]
+    variants = (moe if experts else [v for v in VARIANTS if v not in moe]) if args.variants == "auto" \
+        else args.variants.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS)) + sorted(set(variants) - set(VARIANTS))
     if unknown:
         p.error(f"unknown backends or variants: {unknown}")
+    if not experts and set(variants) & set(moe):
+        p.error(f"{args.preset} has no experts: the variants {moe} are for a mixture of experts")
     runs = {}
     result = {"preset": args.preset, "seq": args.seq, "batch": args.batch,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
-    for i, v in enumerate(args.variants.split(",")):  # written after each: a run cut short keeps what it measured
+    for i, v in enumerate(variants):  # written after each: a run cut short keeps what it measured
         runs[v] = measure(args, VARIANTS[v], backends if i == 0 else [])
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
