@@ -22,16 +22,17 @@
 # options after the targets passed to every one), cheapest first as the caller lists them: one
 # snakemake with them all would choose its own order.
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
-# A detached run works in its own copy of the tree (/tmp/workflow_gpu/tree, carried folders included,
-# RATEL_HOME moved with it): each call first copies the caller's tree to the machine, replacing its
-# carried folders and removing the files this tree lacks, and a run in that tree lost a finished
-# point whose pack never came back and had its checkout replaced under it. So every pack holds all
-# the run has written, whichever call packs it.
+# A detached run works in its own copy of the tree ($WORKFLOW_GPU_STATE/tree, default under
+# /tmp/workflow_gpu; the carried folders with it, RATEL_HOME moved along, a .venv left out). Each call
+# first copies the caller's tree to the machine, replacing its carried folders and removing the files
+# that tree lacks; a run in that tree once lost a finished point whose pack never came back, and had
+# its Ratel checkout replaced under it. In its own copy every pack holds all the run has written,
+# whichever call packs it.
 set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
-state=/tmp/workflow_gpu  # a detached run's log, exit status, hardware and tree
+state=${WORKFLOW_GPU_STATE:-/tmp/workflow_gpu}  # a detached run's log, exit status, hardware and tree
 # The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
 hw=$(python3 - "profiles/$profile/workflow.yaml" "$@" <<'PY'
 import sys, yaml
@@ -41,7 +42,9 @@ print(yaml.safe_load(open(grids[-1]))["hardware"])
 PY
 )
 if [ "$mode" = detach ]; then
-  rm -rf "$state" && mkdir -p "$state" && echo "$hw" > "$state/hw" && cp -a . "$state/tree" || exit 1
+  rm -rf "$state" && mkdir -p "$state/tree" && echo "$hw" > "$state/hw" || exit 1
+  export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
+  tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays
   [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
   cd "$state/tree"
 fi

@@ -1,0 +1,48 @@
+"""A detached workflow run (experiments/workflow_gpu.sh, the GPU machines' route for work longer than
+one call) keeps what it writes in its own tree (CPU, a real Snakemake)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("snakemake")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path):
+    """Each call on a GPU machine first copies the caller's tree there, which removes the files the
+    caller lacks: the detached run's results live in its own copy, the caller's tree gets none, and
+    an attach packs them all."""
+    hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
+                    "experiments:\n  quick:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n")
+    target = f"results/{hw}/points/quick/p.json"
+    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    script = ["bash", "experiments/workflow_gpu.sh"]
+
+    def call(*args: str) -> str:
+        done = subprocess.run(script + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    try:
+        call("--detach", "180", "cpu", target, "--config", f"grid={grid}")
+        assert not (ROOT / target).exists()  # written in the run's tree only
+        assert (tmp_path / "state" / "tree" / target).is_file()
+        (tmp_path / "workflow.tgz").unlink()
+        out = call("--attach", "5", "cpu")
+        assert "p " in out and " ok " in out  # the run's table, from its tree
+        with tarfile.open(tmp_path / "workflow.tgz") as pack:
+            result = json.load(pack.extractfile(target))
+        assert result["status"] == "ok" and result["system"] == "native"
+    finally:
+        for kind in ("results", "logs", "plots"):
+            subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
