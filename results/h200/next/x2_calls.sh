@@ -2,14 +2,16 @@
 # Prepared in session 21: the calls after `x2_call1.sh` on `nvidia-h200-x2`, in the order of
 # results/h200/README.md ("what is left": issue targets first, then the grid by group, cheapest
 # first, the long detached runs last), carrying [".whl", ".libaio"]:
-#   C=<commit> bash results/h200/next/x2_calls.sh start N     then within 30 s of each reply:
+#   C=<commit> bash results/h200/next/x2_calls.sh start N [M ...]   then within 30 s of each reply:
 #   bash results/h200/next/x2_calls.sh attach [SECONDS]       (extract each reply's workflow.tgz first;
 #                                                             SECONDS, default 550: less where device time is short)
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
-# memory bandwidth are part of what it measures). A batch's targets come from one grid (the
-# h200-scale ones with $S). A `start` is alone in its call: its wait is 550 s from its own start, so
-# anything before it in the call takes the call past its 10-minute limit, and that call's pack never
-# comes back (session 27; the detached run, in its own tree since then, keeps what it wrote).
+# memory bandwidth are part of what it measures). Batches 2-5 are the h200 grid's, and `start 2 3 4`
+# runs them in that order in one detached run: the session's device time, not a batch's end, sets
+# how far it goes. Batch 9 is h200-scale's ($S) and runs alone. A `start` is alone in its call: its
+# wait is 550 s from its own start, so anything before it in the call takes the call past its
+# 10-minute limit, and that call's pack never comes back (session 27; the detached run, in its own
+# tree since then, keeps what it wrote).
 # Estimated walls (results/h200/README.md's table at 5 measured steps after 2; the grids now measure
 # 3 after 1, so less): batch 2 about 20 minutes (Ratel's two 1B points, width w2.5 and w3.0, the
 # ablations), 3 about 20, 4 about 37, 5 about 27; 9 the lean experts' MoE point (about 2). Batches 1,
@@ -23,24 +25,22 @@ export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITO
   MEGATRAIN_HOST_MEMORY_GB=250
 S="--config grid=workflows/grids/h200-scale.yaml"
 R=results/h200/points
+B2="$R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json $R/width/w2.5_megatrain.json $R/width/w3.0_megatrain.json
+    $R/ablations/full.json $R/ablations/K1.json $R/ablations/K1_b96.json $R/ablations/one_buffer.json $R/ablations/sync_grads.json"
+B3="$R/context/ctx1k.json $R/context/ctx8k.json $R/context/ctx32k.json $R/context/ctx128k.json $R/context/ctx256k.json"
+B4="$R/depth/L28_megatrain.json $R/depth/L42_megatrain.json $R/depth/L56_megatrain.json $R/scale/14b_megatrain.json
+    $R/scale/7b_native.json $R/scale/7b_zero3.json $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json"
+B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json
+    $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 case $1 in
-  start)
-    case $2 in
-      2) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json \
-           $R/width/w2.5_megatrain.json $R/width/w3.0_megatrain.json $R/ablations/full.json \
-           $R/ablations/K1.json $R/ablations/K1_b96.json $R/ablations/one_buffer.json $R/ablations/sync_grads.json \
-           2>&1 | tail -40 ;;
-      3) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/context/ctx1k.json $R/context/ctx8k.json \
-           $R/context/ctx32k.json $R/context/ctx128k.json $R/context/ctx256k.json 2>&1 | tail -40 ;;
-      4) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/depth/L28_megatrain.json $R/depth/L42_megatrain.json \
-           $R/depth/L56_megatrain.json $R/scale/14b_megatrain.json $R/scale/7b_native.json $R/scale/7b_zero3.json \
-           $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json 2>&1 | tail -40 ;;
-      5) experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json \
-           $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json \
-           2>&1 | tail -40 ;;
-      9) # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
-         experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $R/moe/q30b_L24_lean_megatrain.json $S 2>&1 | tail -40 ;;
-    esac ;;
+  start)  # start N [M ...]: batches 2-5 (the h200 grid's) one after another in one detached run; 9 alone
+    if [ "$2" = 9 ]; then
+      # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
+      T="$R/moe/q30b_L24_lean_megatrain.json $S"
+    else
+      T=$(shift; for n in "$@"; do v=B$n; echo "${!v}"; done)
+    fi
+    experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
     experiments/workflow_gpu.sh --attach $((${2:-550} - SECONDS)) h200 2>&1 | tail -40 ;;
 esac
