@@ -100,12 +100,14 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         # built and timed with the thread count just set (the optimizer worker's), before the store
         self.optimizer_rates = None
+        self.setup_s = {}
         clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
             say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
                 "its cache) and timing it against the eager update", self.progress)
             asked = cfg.engine.optimizer_kernel == "compiled"
             check_vector_isas()
+            self.setup_s["vector_isas"] = time.perf_counter() - clock
             if why := fused_adamw.probe(cfg.optim):
                 if asked:
                     raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
@@ -115,9 +117,9 @@ class Trainer:
             if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
                 self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
         # seconds spent building and timing the compiled update (inductor's first build: tens of
-        # seconds on a fresh machine, its cache's reuse after), allocating the store, filling it and
-        # building the engine (its buffers)
-        self.setup_s = {"optimizer_kernel": time.perf_counter() - clock}
+        # seconds on a fresh machine, its cache's reuse after; of them, its check of the CPU's vector
+        # instruction sets), allocating the store, filling it and building the engine (its buffers)
+        self.setup_s["optimizer_kernel"] = time.perf_counter() - clock
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
                                  lean_moe=s.experts_kernel == "lean")
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)

@@ -3,7 +3,9 @@
     python -m suite.worker SPEC.json RESULT.json
 
 The result file is rewritten (atomically) after every step, so a point killed by its timeout or
-by the host's OOM killer still leaves the steps it measured. The parent (suite.runner) adds the
+by the host's OOM killer still leaves the steps it measured. Beside the steps it records where the
+rest of the point's wall time went: `start_s` (the process's start, imports included), `setup_s`
+(the system's build) and `close_s` (its teardown). The parent (suite.runner) adds the
 process tree's host-memory and NVML peaks and the final status.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 import traceback
 
+import psutil
 import torch
 
 from megatrain.shapes import ModelShape
@@ -61,7 +64,9 @@ def run(spec: RunSpec, out: str | None) -> dict:
     shape = ModelShape(spec.hf_config())
     flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * (spec.batch_size * spec.grad_accum))
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
-              "params": shape.total_params(), "model_flops_per_step": flops, "steps": []}
+              "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
+              # from this process's start to here: the interpreter, the imports, the environment's probe
+              "start_s": time.time() - psutil.Process().create_time()}
     _write(out, result)
     system = None
     try:
@@ -120,7 +125,9 @@ def run(spec: RunSpec, out: str | None) -> dict:
         result.update(status="oom_host", reason=f"MemoryError: {e}")
     finally:
         if system is not None:
+            start = time.perf_counter()
             system.close()
+            result["close_s"] = time.perf_counter() - start
     return result
 
 

@@ -98,6 +98,10 @@ def test_point_runs_in_its_own_process(tmp_path, system):
             assert row["hardware_tflops"] == pytest.approx(row["hardware_flops"] / row["step_time_s"] / 1e12)
             assert row["hardware_flops"] > r["model_flops_per_step"]  # the recomputed forward
             assert 0 < row["engine_step_time_s"] <= row["step_time_s"]
+    # where the wall time went: the worker's start (its imports), the set-up, the steps, the close
+    steps = sum(row["step_time_s"] for row in r["steps"])
+    assert r["start_s"] > 0.5 and r["close_s"] >= 0  # torch's import alone takes longer
+    assert r["start_s"] + r["setup_s"] + steps + r["close_s"] < r["wall_s"]
     # the sampler watched the worker's tree, not this process
     assert r["peak"]["host_rss_bytes"] > 100 * 2**20
     assert r["env"]["cpu_cores"] and r["env"]["torch"] and "git_commit" in r["env"]
