@@ -322,13 +322,18 @@ class Ratel(System):
 
     # ---- running ----
     def _run(self) -> list[dict]:
-        log = self.workdir / "ratel.log"
         # no timeout here: the runner kills the worker's whole process tree, Ratel's included. The working
-        # directory is the run's own: SB_Init writes model_info.txt into it
-        with open(log, "w") as f:
-            code = subprocess.run(self.command, cwd=self.workdir, stdout=f, stderr=subprocess.STDOUT,
-                                  env=self.env).returncode
-        text = log.read_text(errors="replace")
+        # directory is the run's own: SB_Init writes model_info.txt into it. Each line of Ratel's output
+        # also goes to this worker's stderr, the point's log, so that a run the runner kills (its
+        # timeout) still shows how far Ratel got in the result's log tail
+        lines = []
+        with subprocess.Popen(self.command, cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=self.env, text=True, errors="replace") as proc:
+            for line in proc.stdout:
+                lines.append(line)
+                sys.stderr.write(f"ratel| {line}")
+        code = proc.returncode
+        text = "".join(lines)
         self.compat_lines = [line.strip() for line in text.splitlines() if line.startswith("[ratel_compat]")]
         self.output_tail = text[-4000:]
         tail = _without_info(text)[-2000:]

@@ -17,7 +17,7 @@ PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 # Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), its loop count not a
 # literal like the artifact's; records its argv, working directory, path and the config it was given
 # beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code; RATEL_STUB_SEGV ends it
-# by a segmentation fault after a screenful of the artifact's [INFO] logging.
+# by a segmentation fault after a screenful of the artifact's [INFO] logging; RATEL_STUB_HANG stops it in a backward.
 STUB_MAIN = """
 import json, os, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -37,6 +37,10 @@ if os.environ.get("RATEL_STUB_SEGV"):
         print("[2026-11-23 20:19:33,780] [INFO] [see_mem.py:18:see_memory_usage] MA 0.03 GB", flush=True)
     import signal
     os.kill(os.getpid(), signal.SIGSEGV)
+if os.environ.get("RATEL_STUB_HANG"):
+    print("---begin backward---", flush=True)
+    import time
+    time.sleep(600)
 if os.environ.get("RATEL_STUB_EXIT"):
     print("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     sys.exit(int(os.environ["RATEL_STUB_EXIT"]))
@@ -253,6 +257,16 @@ def test_the_harness_takes_ratels_own_times_and_flops(checkout, tmp_path):
     # the FLOPs of the GPT Ratel runs at tiny-llama's width: 12 h² per layer, no LM head, and attention
     # over batch_size (2) positions in each of seq_len (32) rows, main.py's layout
     assert r["model_flops_per_step"] == 32 * 2 * (6 * 12 * 64 * 64 * 3 + 12 * 3 * 64 * 2)
+
+
+def test_a_ratel_run_past_the_timeout_shows_its_own_last_output(checkout, monkeypatch, tmp_path):
+    """The runner kills a late point's whole tree: Ratel's own lines reach the result's log tail."""
+    from suite.runner import run_point
+    monkeypatch.setenv("RATEL_STUB_ITERS", "2")
+    monkeypatch.setenv("RATEL_STUB_HANG", "1")
+    r = run_point(spec(checkout, timeout_s=20.0), tmp_path / "ratel.json")
+    assert r["status"] == "timeout"
+    assert "ratel| back_and_opt time 0.4\nratel| ---begin backward---" in r["log_tail"]
 
 
 def test_the_harness_records_unsupported_without_a_checkout(monkeypatch, tmp_path):
