@@ -20,7 +20,8 @@
 #   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait up to SECONDS more, pack
 # A detached run makes its targets one after another in the order given (one snakemake each, the
 # options after the targets passed to every one), cheapest first as the caller lists them: one
-# snakemake with them all would choose its own order.
+# snakemake with them all would choose its own order. A target may be several joined by commas,
+# made by one snakemake in its own order (a group's one start instead of one a point).
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
 # A detached run works in its own copy of the tree ($WORKFLOW_GPU_STATE/tree, default under
 # /tmp/workflow_gpu; the carried folders with it, RATEL_HOME moved along, a .venv left out). Each call
@@ -65,7 +66,7 @@ case $mode in
     targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
     echo "${targets[*]}" > "$state/targets"
     setsid bash -c 'p=$1 n=$2; shift 2; rc=0
-      for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" "$t" "${@:n+1}" || rc=$?; done
+      for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" ${t//,/ } "${@:n+1}" || rc=$?; done
       echo $rc > '"$state"'/rc' _ "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
     echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac
@@ -78,6 +79,6 @@ if [ "$mode" != run ]; then
   if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"; else echo "still running: --attach again within 30 s"; fi
 fi
 # the harness's table of the point folders named (an experiment's target prints its own)
-dirs=$(for t in "$@"; do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
+dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
 [ -z "$dirs" ] || python3 -m suite table $dirs
 tar czf "${OUT:-out}/workflow.tgz" $(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)

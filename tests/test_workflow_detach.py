@@ -22,8 +22,9 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
     hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
-                    "experiments:\n  quick:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n")
-    target = f"results/{hw}/points/quick/p.json"
+                    "experiments:\n  quick:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n"
+                    "      - {id: q, system: native, preset: tiny-llama, seq: 16}\n")
+    target, other = (f"results/{hw}/points/quick/{i}.json" for i in "pq")
     env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     script = ["bash", "experiments/workflow_gpu.sh"]
@@ -34,15 +35,15 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
         return done.stdout
 
     try:
-        call("--detach", "180", "cpu", target, "--config", f"grid={grid}")
+        call("--detach", "180", "cpu", f"{target},{other}", "--config", f"grid={grid}")  # a group: one snakemake
         assert not (ROOT / target).exists()  # written in the run's tree only
-        assert (tmp_path / "state" / "tree" / target).is_file()
+        assert (tmp_path / "state" / "tree" / target).is_file() and (tmp_path / "state" / "tree" / other).is_file()
         (tmp_path / "workflow.tgz").unlink()
         out = call("--attach", "5", "cpu")
-        assert "p " in out and " ok " in out  # the run's table, from its tree
+        assert [line.split()[2] for line in out.splitlines() if line.split()[:1] in (["p"], ["q"])] == ["ok", "ok"]
         with tarfile.open(tmp_path / "workflow.tgz") as pack:
-            result = json.load(pack.extractfile(target))
-        assert result["status"] == "ok" and result["system"] == "native"
+            results = [json.load(pack.extractfile(t)) for t in (target, other)]
+        assert [(r["status"], r["spec"]["seq_len"]) for r in results] == [("ok", 32), ("ok", 16)]
     finally:
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])

@@ -10,6 +10,14 @@
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers.
+# grid (detached, attached until the session's device time ends; each later session starts it again
+#   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
+#   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
+#   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
+#   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
+#   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
+#   bitsandbytes wheel there is repacked with only its CUDA 13.0 and CPU libraries (3.9 MB, not 43),
+#   so that the tree and its carried folders stay within a call's 64 MiB.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
@@ -65,6 +73,9 @@ case $1 in
          T="$R/moe/q30b_lean_megatrain.json $R/moe/oss20b_lean_megatrain.json" ;;
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
+      grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
+         T=$(for e in shared ablations context devices scale depth width; do
+               echo "$points" | grep "^$e/" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done) ;;
     esac
     experiments/workflow_gpu.sh --detach $((560 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # the call's 600 s; the run's table last
   attach)
