@@ -38,7 +38,9 @@ case $1 in
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
       T="$R/moe/q30b_L24_lean_megatrain.json $S"
     else
-      T=$(shift; for n in "$@"; do v=B$n; echo "${!v}"; done)
+      # each batch one snakemake (a comma-joined group), but Ratel's points first, alone
+      T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | grep -v /ratel/ | paste -sd, -; done)
+      case " ${*:2} " in *" 2 "*) T="$R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json $T" ;; esac
     fi
     experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
