@@ -9,7 +9,7 @@
 # memory bandwidth are part of what it measures). Batches 2-5 are the h200 grid's, and `start 2 3 4`
 # runs them in that order in one detached run: the session's device time, not a batch's end, sets
 # how far it goes. Batch 9 is h200-scale's ($S) and runs alone. A `start` is alone in its call: its
-# wait is 550 s from its own start, so anything before it in the call takes the call past its
+# wait is 540 s from its own start (with the wheels' install and the tree's copy, about 570), so anything before it in the call takes the call past its
 # 10-minute limit, and that call's pack never comes back (session 27; the detached run, in its own
 # tree since then, keeps what it wrote).
 # Estimated walls (results/h200/README.md's table at 5 measured steps after 2; the grids now measure
@@ -42,7 +42,7 @@ case $1 in
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | grep -v /ratel/ | paste -sd, -; done)
       case " ${*:2} " in *" 2 "*) T="$R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json $T" ;; esac
     fi
-    experiments/workflow_gpu.sh --detach $((550 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
+    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
     experiments/workflow_gpu.sh --attach $((${2:-550} - SECONDS)) h200 2>&1 | tail -40 ;;
 esac
