@@ -9,9 +9,9 @@
 # memory bandwidth are part of what it measures). Batches 2-5 are the h200 grid's, and `start 2 3 4`
 # runs them in that order in one detached run: the session's device time, not a batch's end, sets
 # how far it goes. Batch 9 is h200-scale's ($S) and runs alone. A `start` is alone in its call: its
-# wait is 540 s from its own start (with the wheels' install and the tree's copy, about 570), so anything before it in the call takes the call past its
-# 10-minute limit, and that call's pack never comes back (session 27; the detached run, in its own
-# tree since then, keeps what it wrote).
+# wait is 540 s from its own start (about 570 with the wheels' install and the tree's copy), so
+# anything before it in the call takes the call past its 10-minute limit, and that call's pack never
+# comes back (session 27; the detached run, in its own tree since then, keeps what it wrote).
 # Estimated walls (results/h200/README.md's table at 5 measured steps after 2; the grids now measure
 # 3 after 1, so less): batch 2 about 20 minutes (Ratel's two 1B points, width w2.5 and w3.0, the
 # ablations), 3 about 20, 4 about 37, 5 about 27; 9 the lean experts' MoE point (about 2). Batches 1,
