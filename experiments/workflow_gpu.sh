@@ -43,6 +43,9 @@ print(yaml.safe_load(open(grids[-1]))["hardware"])
 PY
 )
 if [ "$mode" = detach ]; then
+  if [ -d "$state/tree" ] && [ ! -f "$state/rc" ] && pgrep -f "snakemake --profile" > /dev/null; then
+    echo "a detached run is still going on this machine: --attach to it (or end it and remove $state)"; exit 1
+  fi
   rm -rf "$state" && mkdir -p "$state/tree" && echo "$hw" > "$state/hw" || exit 1
   export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
   tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays

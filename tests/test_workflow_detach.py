@@ -47,3 +47,20 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
     finally:
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
+
+
+def test_a_second_detach_leaves_a_running_one_alone(tmp_path):
+    """A detached run still going (no exit status yet, its snakemake alive) is not wiped by a new
+    --detach: the new one is refused with what to do."""
+    state = tmp_path / "state"
+    (state / "tree").mkdir(parents=True)
+    (state / "log").write_text("the running one's log\n")
+    running = subprocess.Popen(["bash", "-c", 'exec -a "python3 -m snakemake --profile cpu" sleep 60'])
+    try:
+        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "5", "cpu", "results/x.json"], cwd=ROOT,
+                              env={**os.environ, "WORKFLOW_GPU_STATE": str(state), "WHEELS": "none", "OUT": str(tmp_path)},
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        running.kill()
+    assert done.returncode == 1 and "--attach to it" in done.stdout
+    assert (state / "log").read_text() == "the running one's log\n"
