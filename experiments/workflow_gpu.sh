@@ -4,7 +4,7 @@
 #   e.g. 480 h100 results/h100/points/scale/3b_native.json; 540 h100 targets --config grid=workflows/grids/h100-speed.yaml
 # Installs a carried wheel folder (WHEELS, default .whl; WHEELS=none: the machine has everything) into
 # /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
-# `snakemake --profile PROFILE ...` for at most SECONDS (a point cut there is rerun next time:
+# `snakemake --profile PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
 # Snakemake removes its incomplete output), prints the harness's table of the point folders named,
 # then packs results/, plots/ and logs/ of the grid's hardware into $OUT/workflow.tgz.
 # The wheel folder holds, for the machine's Python, what its image lacks: `pip download` (or
@@ -16,12 +16,16 @@
 # Work longer than one call (a call lasts at most 10 minutes) runs detached, in its own session, and
 # outlives the call while the machine stays held, i.e. while the next call comes within the machine's
 # idle release (30 s here):
-#   experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET ...   start it, wait up to SECONDS, pack
-#   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait up to SECONDS more, pack
+#   experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET ...   start it, wait until SECONDS after this script's start, pack
+#   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait until SECONDS after this script's start, pack
+# (the set-up, the wheels' install and the tree's copy, counts within SECONDS: the caller's call limit is
+# SECONDS plus the table and the pack, a few seconds)
 # A detached run makes its targets one after another in the order given (one snakemake each, the
 # options after the targets passed to every one), cheapest first as the caller lists them: one
 # snakemake with them all would choose its own order. A target may be several joined by commas,
 # made by one snakemake in its own order (a group's one start instead of one a point).
+# A new --detach is refused while the last one's run still goes; a finished one's results and logs
+# join the new tree (a pack of them may not have come back).
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.
 # A detached run works in its own copy of the tree ($WORKFLOW_GPU_STATE/tree, default under
 # /tmp/workflow_gpu; the carried folders with it, RATEL_HOME moved along, a .venv left out). Each call
@@ -33,7 +37,9 @@ set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
-state=${WORKFLOW_GPU_STATE:-/tmp/workflow_gpu}  # a detached run's log, exit status, hardware and tree
+state=${WORKFLOW_GPU_STATE:-/tmp/workflow_gpu}  # a detached run's log, exit status, pid, hardware and tree
+[ -n "${OUT:-}" ] && OUT=$(cd "$OUT" && pwd)  # the pack's folder, wherever the run's tree is
+running() { [ -f "$state/pid" ] && [ ! -f "$state/rc" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null; }
 # The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
 hw=$(python3 - "profiles/$profile/workflow.yaml" "$@" <<'PY'
 import sys, yaml
@@ -43,14 +49,20 @@ print(yaml.safe_load(open(grids[-1]))["hardware"])
 PY
 )
 if [ "$mode" = detach ]; then
-  if [ -d "$state/tree" ] && [ ! -f "$state/rc" ] && pgrep -f "snakemake --profile" > /dev/null; then
-    echo "a detached run is still going on this machine: --attach to it (or end it and remove $state)"; exit 1
+  if running; then
+    echo "a detached run is still going on this machine: --attach to it (or end process $(cat "$state/pid") and remove $state)"
+    exit 1
   fi
-  rm -rf "$state" && mkdir -p "$state/tree" && echo "$hw" > "$state/hw" || exit 1
+  rm -rf "$state.last" && { [ ! -d "$state" ] || mv "$state" "$state.last"; } && mkdir -p "$state/tree" \
+    && echo "$hw" > "$state/hw" || exit 1
   export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
   tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays
+  for kind in results logs; do  # the last run's, without replacing what the caller's tree has
+    [ -d "$state.last/tree/$kind" ] && cp -rn "$state.last/tree/$kind" "$state/tree/"
+  done
+  rm -rf "$state.last"
   [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
-  cd "$state/tree"
+  cd "$state/tree" || exit 1
 fi
 if [ "$mode" != attach ]; then
   WHEELS=${WHEELS:-.whl}
@@ -63,23 +75,25 @@ fi
 export PYTHONUNBUFFERED=1
 case $mode in
   run)
-    timeout --signal=INT --kill-after=30 "$limit" python3 -m snakemake --profile "$profile" "$@"
+    timeout --signal=INT --kill-after=30 $((limit - SECONDS)) python3 -m snakemake --profile "$profile" "$@"
     echo "snakemake exit $?" ;;
   detach)
     targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
     echo "${targets[*]}" > "$state/targets"
-    setsid bash -c 'p=$1 n=$2; shift 2; rc=0
+    setsid bash -c 's=$1 p=$2 n=$3; shift 3; rc=0
       for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" ${t//,/ } "${@:n+1}" || rc=$?; done
-      echo $rc > '"$state"'/rc' _ "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
+      echo $rc > "$s/rc"' _ "$state" "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
+    echo $! > "$state/pid"
     echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac
 if [ "$mode" != run ]; then
   [ -d "$state/tree" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }
-  hw=$(cat "$state/hw") && cd "$state/tree" && set -- $(cat "$state/targets")
-  end=$((SECONDS + limit))
-  while [ ! -f "$state/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-  tail -n 20 "$state/log"
-  if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"; else echo "still running: --attach again within 30 s"; fi
+  hw=$(cat "$state/hw") && cd "$state/tree" && set -- $(cat "$state/targets" 2>/dev/null) || exit 1
+  while running && [ $SECONDS -lt "$limit" ]; do sleep 5; done
+  tail -n 20 "$state/log" 2>/dev/null
+  if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"
+  elif running; then echo "still running: --attach again within 30 s"
+  else echo "the detached run ended without an exit status (its log above)"; fi
 fi
 # the harness's table of the point folders named (an experiment's target prints its own)
 dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)

@@ -17,14 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path):
     """Each call on a GPU machine first copies the caller's tree there, which removes the files the
-    caller lacks: the detached run's results live in its own copy, the caller's tree gets none, and
-    an attach packs them all."""
+    caller lacks: the detached run's results live in its own copy, the caller's tree gets none, an
+    attach packs them all, and so does the next detached run's first pack."""
     hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
                     "experiments:\n  quick:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n"
-                    "      - {id: q, system: native, preset: tiny-llama, seq: 16}\n")
-    target, other = (f"results/{hw}/points/quick/{i}.json" for i in "pq")
+                    "      - {id: q, system: native, preset: tiny-llama, seq: 16}\n"
+                    "      - {id: r, system: native, preset: tiny-llama, seq: 8}\n")
+    target, other, third = (f"results/{hw}/points/quick/{i}.json" for i in "pqr")
     env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     script = ["bash", "experiments/workflow_gpu.sh"]
@@ -44,18 +45,27 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
         with tarfile.open(tmp_path / "workflow.tgz") as pack:
             results = [json.load(pack.extractfile(t)) for t in (target, other)]
         assert [(r["status"], r["spec"]["seq_len"]) for r in results] == [("ok", 32), ("ok", 16)]
+        # a new detached run (the caller still lacks the first's results, as if its packs were lost):
+        # the finished run's results join the new tree, and its pack holds all three
+        call("--detach", "180", "cpu", third, "--config", f"grid={grid}")
+        with tarfile.open(tmp_path / "workflow.tgz") as pack:
+            assert {target, other, third} <= set(pack.getnames())
     finally:
+        pid = tmp_path / "state" / "pid"
+        if pid.exists():  # a run past its wait (a slow machine) does not outlive the test
+            subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
 
 
 def test_a_second_detach_leaves_a_running_one_alone(tmp_path):
-    """A detached run still going (no exit status yet, its snakemake alive) is not wiped by a new
+    """A detached run still going (no exit status yet, its process alive) is not wiped by a new
     --detach: the new one is refused with what to do."""
     state = tmp_path / "state"
     (state / "tree").mkdir(parents=True)
     (state / "log").write_text("the running one's log\n")
-    running = subprocess.Popen(["bash", "-c", 'exec -a "python3 -m snakemake --profile cpu" sleep 60'])
+    running = subprocess.Popen(["sleep", "60"])
+    (state / "pid").write_text(f"{running.pid}\n")
     try:
         done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "5", "cpu", "results/x.json"], cwd=ROOT,
                               env={**os.environ, "WORKFLOW_GPU_STATE": str(state), "WHEELS": "none", "OUT": str(tmp_path)},

@@ -8,10 +8,10 @@
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
 # memory bandwidth are part of what it measures). Batches 2-5 are the h200 grid's, and `start 2 3 4`
 # runs them in that order in one detached run: the session's device time, not a batch's end, sets
-# how far it goes. Batch 9 is h200-scale's ($S) and runs alone. A `start` is alone in its call: its
-# wait is 540 s from its own start (about 570 with the wheels' install and the tree's copy), so
-# anything before it in the call takes the call past its 10-minute limit, and that call's pack never
-# comes back (session 27; the detached run, in its own tree since then, keeps what it wrote).
+# how far it goes. Batch 9 is h200-scale's ($S) and runs alone. A `start` is alone in its call: it
+# returns 540 s after its own start, the wheels' install and the tree's copy included, and packs;
+# anything before it in the call would take the call past its 10-minute limit, and that call's pack
+# would never come back (session 27; the detached run, in its own tree since then, keeps what it wrote).
 # Estimated walls (results/h200/README.md's table at 5 measured steps after 2; the grids now measure
 # 3 after 1, so less): batch 2 about 20 minutes (Ratel's two 1B points, width w2.5 and w3.0, the
 # ablations), 3 about 20, 4 about 37, 5 about 27; 9 the lean experts' MoE point (about 2). Batches 1,
@@ -38,6 +38,7 @@ case $1 in
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
       T="$R/moe/q30b_L24_lean_megatrain.json $S"
     else
+      for n in "${@:2}"; do case $n in 2|3|4|5) ;; *) echo "batches 2-5 chain; 9 runs alone"; exit 1 ;; esac; done
       # each batch one snakemake (a comma-joined group), but Ratel's points first, alone
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | grep -v /ratel/ | paste -sd, -; done)
       case " ${*:2} " in *" 2 "*) T="$R/ratel/1b_ratel_cpu.json $R/ratel/1b_ratel_disk.json $T" ;; esac

@@ -77,7 +77,7 @@ case $1 in
          T=$(for e in shared ablations context devices scale depth width; do
                echo "$points" | grep "^$e/" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done) ;;
     esac
-    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # within the call's 600 s: the wheels install, the tree is copied, then this wait
+    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
   attach)
     experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;
 esac
