@@ -37,7 +37,7 @@ set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac
 limit=$1 profile=$2; shift 2
-state=${WORKFLOW_GPU_STATE:-/tmp/workflow_gpu}  # a detached run's log, exit status, pid, hardware and tree
+state=$(realpath -m "${WORKFLOW_GPU_STATE:-/tmp/workflow_gpu}")  # a detached run's log, exit status, pid, hardware and tree
 [ -n "${OUT:-}" ] && OUT=$(cd "$OUT" && pwd)  # the pack's folder, wherever the run's tree is
 running() { [ -f "$state/pid" ] && [ ! -f "$state/rc" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null; }
 # The grid's hardware (what is packed): `grid=` among the arguments, else the profile's grid.
