@@ -30,9 +30,9 @@
 # A detached run works in its own copy of the tree ($WORKFLOW_GPU_STATE/tree, default under
 # /tmp/workflow_gpu; the carried folders with it, RATEL_HOME moved along, a .venv left out). Each call
 # first copies the caller's tree to the machine, replacing its carried folders and removing the files
-# that tree lacks; a run in that tree once lost a finished point whose pack never came back, and had
-# its Ratel checkout replaced under it. In its own copy every pack holds all the run has written,
-# whichever call packs it.
+# that tree lacks: a run working there would lose a finished point whose pack did not come back, and
+# could have its Ratel checkout replaced under it. In its own copy every pack holds all the run has
+# written, whichever call packs it.
 set -uo pipefail
 mode=run
 case "${1:-}" in --detach | --attach) mode=${1#--}; shift ;; esac

@@ -15,6 +15,14 @@ pytest.importorskip("snakemake")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def workflow_gpu(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """experiments/workflow_gpu.sh in this checkout, its state and pack under `tmp_path`, no wheels."""
+    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", "experiments/workflow_gpu.sh", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
 def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path):
     """Each call on a GPU machine first copies the caller's tree there, which removes the files the
     caller lacks: the detached run's results live in its own copy, the caller's tree gets none, an
@@ -26,12 +34,9 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
                     "      - {id: q, system: native, preset: tiny-llama, seq: 16}\n"
                     "      - {id: r, system: native, preset: tiny-llama, seq: 8}\n")
     target, other, third = (f"results/{hw}/points/quick/{i}.json" for i in "pqr")
-    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    script = ["bash", "experiments/workflow_gpu.sh"]
 
     def call(*args: str) -> str:
-        done = subprocess.run(script + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        done = workflow_gpu(tmp_path, *args)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return done.stdout
 
@@ -67,9 +72,7 @@ def test_a_second_detach_leaves_a_running_one_alone(tmp_path):
     running = subprocess.Popen(["sleep", "60"])
     (state / "pid").write_text(f"{running.pid}\n")
     try:
-        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "5", "cpu", "results/x.json"], cwd=ROOT,
-                              env={**os.environ, "WORKFLOW_GPU_STATE": str(state), "WHEELS": "none", "OUT": str(tmp_path)},
-                              capture_output=True, text=True, timeout=60)
+        done = workflow_gpu(tmp_path, "--detach", "5", "cpu", "results/x.json")
     finally:
         running.kill()
     assert done.returncode == 1 and "--attach to it" in done.stdout

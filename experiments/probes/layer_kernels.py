@@ -117,8 +117,7 @@ def measure(args, kernels: dict, backends: list[str]) -> dict:
         trainer.close()
     device = str(trainer.device.torch)
     # the pinned host memory left once the trainer is closed and dropped, before the next variant's
-    # trainer: none of the engine's (read while the closed trainer was still held, it was its live
-    # buffers, 12 GiB at 512K tokens)
+    # trainer (read while the trainer is still held, it would count the closed trainer's live buffers)
     del trainer
     gc.collect()
     pinned = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.endswith("bytes.current")}
