@@ -24,6 +24,8 @@ G="--config grid=workflows/grids/h200x4-scale.yaml"
 R=results/h200x4/points
 case $1 in
   start)
+    # this grid is sized for H200s; a call that comes on H100s stops here
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { nvidia-smi -L; echo "not an H200 host: nothing run"; exit 3; }
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
