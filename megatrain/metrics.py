@@ -112,6 +112,7 @@ def device_peak_allocated(device: torch.device) -> int | None:
 def environment(device: torch.device | None = None) -> dict:
     """Where a result was measured: GPU, link, CPU, host memory, library versions, git commit."""
     import transformers
+    changed = _git("status", "--porcelain", "--untracked-files=no")  # tracked files that differ from the commit
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -123,7 +124,8 @@ def environment(device: torch.device | None = None) -> dict:
         "host_memory_stated_gb": float(os.environ["MEGATRAIN_HOST_MEMORY_GB"]) if os.environ.get("MEGATRAIN_HOST_MEMORY_GB") else None,
         # a copy of the tree without .git (a remote machine) passes the commit in the environment
         "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_dirty": bool(changed),
+        "git_dirty_paths": [line.split(maxsplit=1)[-1] for line in changed.splitlines()][:20] if changed else [],  # which ones
     }
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

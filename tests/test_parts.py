@@ -752,3 +752,16 @@ def test_the_layer_ceiling_runs_before_and_after_steps():
         trainer.close()
     for row in (before, after):
         assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["tokens"] == 32
+
+
+def test_the_environment_names_the_tracked_files_that_differ_from_the_commit(monkeypatch):
+    """A GPU point's copy of the tree can differ from its commit; the result says in which files."""
+    import megatrain.metrics as metrics
+    answers = {"status": " M megatrain/store.py\nM  README.md\n", "rev-parse": "ab" * 20}
+    monkeypatch.setattr(metrics, "_git", lambda *args: answers[args[0]].strip())  # as _git gives them
+    monkeypatch.delenv("MEGATRAIN_GIT_COMMIT", raising=False)
+    env = metrics.environment()
+    assert env["git_dirty"] and env["git_dirty_paths"] == ["megatrain/store.py", "README.md"]
+    answers["status"] = ""
+    env = metrics.environment()
+    assert not env["git_dirty"] and env["git_dirty_paths"] == []
