@@ -37,9 +37,14 @@ The refusal comes before anything runs, so a call here waits while the flag is s
 from __future__ import annotations
 
 import functools
+import json
+import os
 import platform
+import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -81,17 +86,58 @@ def check_vector_isas() -> None:
     candidate's check runs at once, a thread each (the checks are subprocesses and builds under
     per-set file locks); inductor keeps each set's answer for the process, so its list, and every
     build after, reuses them. On the 2-core CPU machine with torch 2.11 (four sets, their builds in
-    the cache): 7.9-8.0 s against 13.0-13.4 one after another. Where a torch has no such check,
+    the cache): 7.9-8.0 s against 13.0-13.4 one after another; on the four-GPU host 14-22 s.
+
+    Inductor keeps the answer for one process only, so each run on a machine paid it again. Once
+    every candidate has passed, that is written beside inductor's cache, keyed by what the answer
+    rests on (torch, the Python that loads the test, the C++ compiler, the candidates the CPU's
+    flags admit); a later process with the same key takes it (inductor's `cpp.vec_isa_ok`: every
+    candidate usable) and checks nothing. The process that checked sets it too: the setting is part
+    of the key of inductor's cache of built kernels, which would otherwise miss once. A set that
+    failed is never written: such a machine checks every time. Where a torch has no such check,
     nothing runs."""
     try:
         from torch._inductor import cpu_vec_isa
-        candidates = []
-        if platform.machine() in ("x86_64", "AMD64"):  # inductor's own filter: the CPU's flags
-            flags = cpu_vec_isa.x86_isa_checker()
-            candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
-        if len(candidates) > 1:
-            with ThreadPoolExecutor(len(candidates)) as pool:
-                list(pool.map(bool, candidates))
+        if platform.machine() not in ("x86_64", "AMD64") or inductor.cpp.vec_isa_ok is not None:
+            cpu_vec_isa.valid_vec_isa_list()
+            return
+        flags = cpu_vec_isa.x86_isa_checker()  # inductor's own filter: the CPU's flags
+        candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+        record, key = _isa_record(candidates)
+        if key in _kept(record):
+            inductor.cpp.vec_isa_ok = True
+            return
+        with ThreadPoolExecutor(max(1, len(candidates))) as pool:
+            passed = list(pool.map(bool, candidates))
         cpu_vec_isa.valid_vec_isa_list()
+        if candidates and all(passed):
+            inductor.cpp.vec_isa_ok = True  # as a later process sets it: one key for inductor's cache
+            if record is not None:
+                temporary = record.with_name(f"{record.name}.{os.getpid()}")
+                temporary.write_text(json.dumps({"passed": sorted(set(_kept(record)) | {key})}))
+                os.replace(temporary, record)  # whole or absent, with ranks writing side by side
     except Exception:  # another torch, or the check failing: the build makes the check itself
         pass
+
+
+def _isa_record(candidates: list) -> tuple[Path | None, str | None]:
+    """Where the passed checks are kept, and this process's key among them (none where this torch
+    names its cache or its compiler otherwise: then the check is made every time)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        compiler = Path(shutil.which(get_cpp_compiler()) or get_cpp_compiler()).resolve()
+        stat = compiler.stat()
+    except (ImportError, OSError):
+        return None, None
+    key = " | ".join([torch.__version__, sys.executable, f"{compiler} {stat.st_size} {stat.st_mtime_ns}",
+                      " ".join(str(i) for i in candidates)])
+    return Path(cache_dir()) / "megatrain_vector_isas.json", key
+
+
+def _kept(record: Path | None) -> list[str]:
+    """The keys whose every candidate set passed (none where the file is absent or unreadable)."""
+    try:
+        return json.loads(record.read_text())["passed"] if record is not None else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -3,6 +3,7 @@ setting's refusals. Compiles a small C++ kernel (torch.compile, seconds, cached 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 
@@ -184,7 +185,7 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
         trainer.close()
 
 
-def test_the_vector_isa_checks_run_side_by_side(monkeypatch):
+def test_the_vector_isa_checks_run_side_by_side(monkeypatch, tmp_path):
     """kernel_build.check_vector_isas: each candidate instruction set the CPU's flags allow is
     checked on a thread of its own, all at once, before inductor's list (which then reuses the
     answers); a set the flags lack is not checked."""
@@ -204,6 +205,8 @@ def test_the_vector_isa_checks_run_side_by_side(monkeypatch):
             time.sleep(0.4)
             return True
     fakes = [Fake("avx512 amx_tile"), Fake("avx512"), Fake("avx2"), Fake("neon")]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no answer kept from before
+    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512", "amx_tile"])
     monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
@@ -213,6 +216,48 @@ def test_the_vector_isa_checks_run_side_by_side(monkeypatch):
     assert time.perf_counter() - start < 1.0  # three checks of 0.4 s, side by side
     assert listed == [["avx2", "avx512", "avx512 amx_tile"]]  # all checked before the list, not "neon"
     assert len(set(checked.values())) == 3
+
+
+def test_a_passed_vector_isa_check_is_kept_for_later_processes(monkeypatch, tmp_path):
+    """kernel_build.check_vector_isas: once every candidate set has passed, the answer is kept
+    beside inductor's cache and a later process with the same torch, Python, compiler and
+    candidates takes it (inductor's cpp.vec_isa_ok) without checking; the checking process sets
+    the same; a failed set is never kept, and another key checks again."""
+    import torch._inductor.cpu_vec_isa as vec_isa
+    from megatrain import kernel_build
+    checked, answer = [], {"avx2": True}
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+
+        def __bool__(self):
+            checked.append(self.name)
+            return answer.get(self.name, True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", [Fake("avx512"), Fake("avx2")])
+    monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: None)
+
+    def process():  # a fresh process: inductor's setting unset, nothing checked yet
+        monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
+        checked.clear()
+        kernel_build.check_vector_isas()
+        return sorted(checked), kernel_build.inductor.cpp.vec_isa_ok
+    answer["avx2"] = False  # a set that fails: checked every time, nothing kept or set
+    assert process() == (["avx2", "avx512"], None) and process() == (["avx2", "avx512"], None)
+    assert not (tmp_path / "megatrain_vector_isas.json").exists()
+    answer["avx2"] = True
+    assert process() == (["avx2", "avx512"], True)  # checked, kept, and set as a later process will
+    assert process() == ([], True)  # the kept answer, no check
+    monkeypatch.setattr(kernel_build.torch, "__version__", "0.0.0")
+    assert process() == (["avx2", "avx512"], True)  # another torch: checked again
+    assert process() == ([], True)
+    assert len(json.loads((tmp_path / "megatrain_vector_isas.json").read_text())["passed"]) == 2
 
 
 def test_the_rates_time_both_updates():
