@@ -5,7 +5,7 @@
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
 # 2 (one call, no points, about 4 minutes): the split masters' update rate by thread count; the
 #   vector-ISA check, inductor's way and the engine's.
-# 4 (one call, no points, about 9 minutes): A/Bs of the pending set-up patch and of the optimizer's
+# 4 (one call, no points, about 9 minutes): A/Bs of the pending fill patch and of the optimizer's
 #   threads per rank at 4 GPUs.
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
@@ -48,25 +48,24 @@ case $1 in
          done
          exit 0 ;;
       4) # Two A/Bs at 7B on 4 GPUs, three runs, about 9 minutes, each with its last step's timeline.
-         # (a) main, whose check of the CPU's vector instruction sets now runs every set's check at once
-         # (session 23; prediction against session 21's 7b_g4: setup_s.optimizer_kernel 55 -> about 30 s,
-         # four ranks' checks side by side); (b) with setup_overlap.patch on this copy: the filling rank
-         # takes the waiting ranks' cores, and the check runs beside the data and the store, the AdamW
-         # built after the fill. Prediction (b against a): setup_s.fill 24 -> about 10 s (one rank's fill
-         # at 7B), setup_s.optimizer_kernel about 30 -> 5 s or less (the check hidden by data, store
-         # and fill), the step unchanged. (c) the patch and 14 optimizer threads
+         # (a) main: the first run on this machine makes the check of the CPU's vector instruction sets
+         # (every set's at once, 14-22 s a point in session 28) and keeps its answer beside inductor's
+         # cache; (b) with fill_cores.patch on this copy: the rank that fills the shared store takes the
+         # waiting ranks' cores. Predictions: setup_s.vector_isas about 15 s in (a), under 0.5 s in (b)
+         # and (c) (the kept answer); setup_s.fill 24 -> about 10 s in (b) (one rank's fill at 7B with
+         # 64 cores instead of 16); the step unchanged. (c) the patch and 14 optimizer threads
          # a rank instead of 16: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with
          # one), reduce_s now timed apart; prediction: with 2 of each rank's cores left to its main and
          # NCCL threads the idle beside reduce_s falls below 0.1 s and 4 GPUs reach about 3.95x one
          # (3.885 measured), the AdamW (1.25 s busy of a 6.8 s step) still hidden.
          mkdir -p $OUT/ab && for run in a:16 b:16 c:14; do
            v=${run%:*} t=${run#*:}
-           [ $v = b ] && git apply results/h200x4/next/setup_overlap.patch
+           [ $v = b ] && git apply results/h200x4/next/fill_cores.patch
            timeout $(( 585 - SECONDS )) python3 -m suite run --system megatrain --preset qwen2.5-7b --seq 4096 --batch 32 --accum 2 --steps 5 \
              --warmup 2 --timeout 900 --gpus 4 engine.checkpoint_every=1 engine.optimizer_threads=$t trace=$OUT/ab/7b_g4_$v.trace.json \
              --out $OUT/ab/7b_g4_$v.json > $OUT/ab/7b_g4_$v.log 2>&1
          done
-         git apply -R results/h200x4/next/setup_overlap.patch
+         git apply -R results/h200x4/next/fill_cores.patch
          python3 -m suite table $OUT/ab; exit 0 ;;
       5) # the points every machine's grid shares (issue 25: compared with the other machines), about 4 minutes
          G="" T="$R/shared/3b_L8_megatrain.json $R/shared/3b_L8_megatrain_K1.json $R/shared/3b_L8_native.json" ;;
