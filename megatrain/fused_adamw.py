@@ -22,9 +22,9 @@ Building the kernel needs a C++ compiler, as torch.compile on the CPU always doe
 it once, before the run starts, so a machine without one is told at once (or, under `auto`, runs the
 eager update); before it the trainer makes inductor's check of the CPU's vector instruction sets,
 every set's at once, and once a machine (kernel_build.check_vector_isas: on torch 2.11 about 28 s
-of a point's set-up on the four-GPU host when made one set after another). `optim.rates` then times both updates on
-arrays larger than the caches, in the thread count the optimizer worker uses, and `auto` keeps the
-compiled one only where it is faster.
+of a point's set-up on the four-GPU host when made one set after another). `optim.rates` then
+times both updates on arrays larger than the caches, in the thread count the optimizer worker uses,
+and `auto` keeps the compiled one only where it is faster.
 Inductor chooses a kernel's OpenMP parallelism at build time, from the sizes it first sees: built
 by the probe's few elements it came out as one serial loop (seen on the CPU machine), and a 14B run
 with that build on the two-H200 host stepped at half the rate (results/h200/speed/ab_2026-11-23).
