@@ -185,6 +185,19 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
         trainer.close()
 
 
+class FakeISA:
+    """A candidate vector instruction set of inductor's, its check `check(name)`."""
+
+    def __init__(self, name, check):
+        self.name, self.check = name, check
+
+    def __str__(self):
+        return self.name
+
+    def __bool__(self):
+        return self.check(self.name)
+
+
 def test_the_vector_isa_checks_run_side_by_side(monkeypatch, tmp_path):
     """kernel_build.check_vector_isas: each candidate instruction set the CPU's flags allow is
     checked on a thread of its own, all at once, before inductor's list (which then reuses the
@@ -193,18 +206,11 @@ def test_the_vector_isa_checks_run_side_by_side(monkeypatch, tmp_path):
     from megatrain import kernel_build
     checked, listed = {}, []
 
-    class Fake:
-        def __init__(self, name):
-            self.name = name
-
-        def __str__(self):
-            return self.name
-
-        def __bool__(self):
-            checked[self.name] = threading.current_thread().name
-            time.sleep(0.4)
-            return True
-    fakes = [Fake("avx512 amx_tile"), Fake("avx512"), Fake("avx2"), Fake("neon")]
+    def check(name):
+        checked[name] = threading.current_thread().name
+        time.sleep(0.4)
+        return True
+    fakes = [FakeISA(n, check) for n in ("avx512 amx_tile", "avx512", "avx2", "neon")]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no answer kept from before
     monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
@@ -227,20 +233,13 @@ def test_a_passed_vector_isa_check_is_kept_for_later_processes(monkeypatch, tmp_
     from megatrain import kernel_build
     checked, answer = [], {"avx2": True}
 
-    class Fake:
-        def __init__(self, name):
-            self.name = name
-
-        def __str__(self):
-            return self.name
-
-        def __bool__(self):
-            checked.append(self.name)
-            return answer.get(self.name, True)
+    def check(name):
+        checked.append(name)
+        return answer.get(name, True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
-    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", [Fake("avx512"), Fake("avx2")])
+    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", [FakeISA("avx512", check), FakeISA("avx2", check)])
     monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: None)
 
     def process():  # a fresh process: inductor's setting unset, nothing checked yet
