@@ -21,9 +21,9 @@
 # (the set-up, the wheels' install and the tree's copy, counts within SECONDS: the caller's call limit is
 # SECONDS plus the table and the pack, a few seconds)
 # A detached run makes its targets one after another in the order given (one snakemake each, the
-# options after the targets passed to every one), cheapest first as the caller lists them: one
-# snakemake with them all would choose its own order. A target may be several joined by commas,
-# made by one snakemake in its own order (a group's one start instead of one a point).
+# options after the targets passed to every one), cheapest first as the caller lists them. A target
+# may be several joined by commas, made by one snakemake (a group's one start instead of one a
+# point), which runs them in the grid's order (the point rule's priority).
 # A new --detach is refused while the last one's run still goes; a finished one's results and logs
 # join the new tree (a pack of them may not have come back).
 # Each packs what is written so far (results are written whole or not at all) and the run's log tail.

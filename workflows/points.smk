@@ -12,6 +12,7 @@ rule point:
         "envs/megatrain.yaml"
     log:
         f"logs/{HW}/points/{{experiment}}/{{id}}.log",
+    priority: point_priority
     resources:
         gpu=point_gpus,  # a data-parallel point's ranks, one GPU each
         host=1,
