@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import subprocess
+import sys
 import threading
 import time
 
@@ -257,6 +261,23 @@ def test_a_passed_vector_isa_check_is_kept_for_later_processes(monkeypatch, tmp_
     assert process() == (["avx2", "avx512"], True)  # another torch: checked again
     assert process() == ([], True)
     assert len(json.loads((tmp_path / "megatrain_vector_isas.json").read_text())["passed"]) == 2
+
+
+def test_the_kept_vector_isa_answer_reaches_a_real_later_process(tmp_path):
+    """The same with this torch's own inductor, in two fresh processes sharing a cache: the first
+    checks and keeps the answer, the second takes it without a check; inductor's list is the same."""
+    probe = ("import json, time, torch; from torch._inductor import cpu_vec_isa; "
+             "from megatrain import kernel_build; start = time.perf_counter(); kernel_build.check_vector_isas(); "
+             "print(json.dumps([time.perf_counter() - start, [str(i) for i in cpu_vec_isa.valid_vec_isa_list()], "
+             "kernel_build.inductor.cpp.vec_isa_ok]))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                      check=True, timeout=300).stdout.splitlines()[-1]) for _ in range(2)]
+    (_, first, set_first), (seconds, second, set_second) = runs
+    if not first or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no candidate sets to keep: not an x86 CPU, or none passed inductor's check")
+    assert (tmp_path / "megatrain_vector_isas.json").is_file()
+    assert first == second and set_first is True and set_second is True and seconds < 0.5
 
 
 def test_the_rates_time_both_updates():
