@@ -4,8 +4,9 @@
 
 The result file is rewritten (atomically) after every step, so a point killed by its timeout or
 by the host's OOM killer still leaves the steps it measured. Beside the steps it records where the
-rest of the point's wall time went: `start_s` (the process's start, imports included), `setup_s`
-(the system's build) and `close_s` (its teardown). The parent (suite.runner) adds the
+rest of the point's wall time went: `start_s` (the process's start, imports included; of it
+`env_s`, the probe of the machine and the code the result names), `setup_s` (the system's build)
+and `close_s` (its teardown). The parent (suite.runner) adds the
 process tree's host-memory and NVML peaks and the final status.
 """
 from __future__ import annotations
@@ -62,9 +63,11 @@ def run(spec: RunSpec, out: str | None) -> dict:
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     shape = ModelShape(spec.hf_config())
     flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * (spec.batch_size * spec.grad_accum))
-    result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": environment(device),
+    clock = time.perf_counter()
+    env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
+    result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
-              "start_s": _since_start()}
+              "start_s": _since_start(), "env_s": time.perf_counter() - clock}
     _write(out, result)
     system = None
     try:
