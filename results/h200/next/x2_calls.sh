@@ -34,6 +34,11 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 case $1 in
   start)  # start N [M ...]: batches 2-5 (the h200 grid's) one after another in one detached run; 9 alone
+    # where a point's 12-15 s of start (start_s) go, before the run (its seconds come off the run's wait):
+    # the worker's imports, module by module (4.0 s on the 2-core CPU machine: torch 1.1, transformers
+    # through megatrain.shapes 2.7). Prediction: imports 8-11 s here, the rest of start_s the interpreter
+    # and env_s (the GPU's first touch, NVML, git), now timed apart in every point.
+    python3 -X importtime -c "import suite.worker" 2> "${OUT:-/tmp}/importtime.txt"; tail -1 "${OUT:-/tmp}/importtime.txt"
     if [ "$2" = 9 ]; then
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
       T="$R/moe/q30b_L24_lean_megatrain.json $S"
