@@ -6,8 +6,8 @@ The result file is rewritten (atomically) after every step, so a point killed by
 by the host's OOM killer still leaves the steps it measured. Beside the steps it records where the
 rest of the point's wall time went: `start_s` (the process's start, imports included; of it
 `env_s`, the probe of the machine and the code the result names), `setup_s` (the system's build)
-and `close_s` (its teardown). The parent (suite.runner) adds the
-process tree's host-memory and NVML peaks and the final status.
+and `close_s` (its teardown). The parent (suite.runner) adds the process tree's host-memory and
+NVML peaks and the final status.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_points_run_in_the_grids_order_whatever_the_targets_order(tmp_path):
     """One at a time (a GPU host's points are), the point first in the grid runs first: the grids
     list each experiment's cheapest first, so a session cut short has made the most points.
-    Snakemake's own choice among ready jobs ran a 256K context before 1K (results/h200x4, session 28)."""
+    Left to itself, Snakemake chooses among ready jobs in an order of its own."""
     hw = f"order{tmp_path.name[-6:]}".replace("_", "")
     ids = ["a", "b", "c", "d"]
     grid = tmp_path / "grid.yaml"

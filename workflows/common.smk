@@ -32,7 +32,7 @@ ORDER = {key: n for n, key in enumerate(POINTS)}
 def point_priority(wildcards):
     """Of the points ready at once (one at a time on a GPU host), the one first in the grid runs
     first: the grids list each experiment's cheapest first, so a session's run cut short by its
-    time has made the most points (Snakemake's own choice ran a 256K context before 1K)."""
+    time has made the most points (left to itself, Snakemake chooses in an order of its own)."""
     return len(ORDER) - ORDER[(wildcards.experiment, wildcards.id)]
 
 
