@@ -8,7 +8,9 @@ atomically to `out`, with the worker's steps so far: an interrupted runner (SIGT
 the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
 with it (the kernel signals a worker whose parent dies), though no result can then be written.
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
-faulthandler) and then killed: the result says where it was (`stacks`), a hang as well as a slow step.
+faulthandler) and then killed: the result says where it was (`stacks`, with each thread's wait in the
+kernel), a hang as well as a slow step. The host's disk traffic over the point is recorded (`disk_io`):
+a system that swaps to the disk shows there how much it moved.
 An interrupt while a worker is being killed (its exit can take tens of seconds where it pinned much
 host memory) waits until the result is written, and is raised then.
 """
@@ -85,7 +87,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
         spec_file, partial = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps(spec.to_dict()))
-        start = time.perf_counter()
+        start, disk_before = time.perf_counter(), _disk_io()
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
             torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
@@ -119,7 +121,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             finally:
                 if sampler is not None:
                     sampler.close()
-        wall = time.perf_counter() - start
+        wall, disk_after = time.perf_counter() - start, _disk_io()
         result = json.loads(partial.read_text()) if partial.exists() else {
             "system": spec.system, "spec": spec.to_dict(), "env": environment(), "steps": []}
     tail = _tail(log)
@@ -143,11 +145,19 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         "device_nvml_before_bytes": nvml_before or None,
         "host_rss_bytes": peak_host,
     }
+    if disk_before and disk_after:  # every process's, the point's own among them (it runs alone)
+        result["disk_io"] = {"read_bytes": disk_after[0] - disk_before[0], "written_bytes": disk_after[1] - disk_before[1]}
     result["wall_s"] = wall
     write_json(out, result)
     if interrupted is not None:
         raise interrupted
     return result
+
+
+def _disk_io() -> tuple[int, int] | None:
+    """Bytes read from and written to the host's disks so far (psutil; None where the OS says not)."""
+    counters = psutil.disk_io_counters()
+    return (counters.read_bytes, counters.write_bytes) if counters else None
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
@@ -195,28 +205,29 @@ def _reap(proc: subprocess.Popen, log: Path | None = None) -> tuple[str | None, 
 
 
 def _stacks(proc: subprocess.Popen, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
-    """The Python stacks of the worker tree's processes, as faulthandler writes them to the log on
-    SIGUSR1 (suite.worker registers it; a helper process without it just ends early); where none
-    came, the kernel's view of the tree's threads instead."""
+    """Where the worker tree's processes were: the Python stacks faulthandler writes to the log on
+    SIGUSR1 (suite.worker registers it, and Ratel's run-time layer for Ratel's processes; a helper
+    without it just ends early), then each thread as the kernel saw it just before the signal (a
+    thread blocked inside the kernel, on a disk or a lock, runs no handler until it returns, and
+    its wait channel says where it is)."""
     start = log.stat().st_size
     states = _thread_states(proc.pid)  # before the signal ends the helpers that do not take it
     os.killpg(proc.pid, signal.SIGUSR1)
     time.sleep(wait_s)
     with open(log, errors="replace") as f:
         f.seek(start)
-        return f.read()[-limit:] or states
+        stacks = f.read()[-limit:] or "no Python stacks came back within the wait"
+    return f"{stacks}\n\n{states[:limit]}".strip()
 
 
 def _thread_states(pid: int, limit: int = 64) -> str:
-    """Each thread of the process tree at `pid`: its state and the kernel function it waits in
-    (/proc). A thread blocked inside the kernel (state D) runs no signal handler until it returns,
-    so this says where a late worker was when its Python stacks do not come."""
+    """Each thread of the process tree at `pid`: its state and the kernel function it waits in (/proc)."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return ""
-    lines = ["no Python stacks came back within the wait; each thread as the kernel saw it before the signal:"]
+    lines = ["each thread of the worker's tree as the kernel saw it before the signal:"]
     for p in procs:
         try:
             name, threads = p.name(), p.threads()

@@ -255,6 +255,21 @@ def test_a_queue_item_that_cannot_be_sent_ends_the_run(tmp_path, compat):
         assert r.returncode == 0 and "joined None" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
+def test_ratels_processes_answer_the_runners_request_for_their_stacks(tmp_path):
+    # the runner sends a late point's process group SIGUSR1 (suite/runner.py): Ratel's processes
+    # write where they are and run on, as the worker does, rather than end without a word
+    code = ("import os, signal, time\n"
+            "def waiting_in_ratel():\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    time.sleep(0.2)\n"
+            "    print('still running', flush=True)\n"
+            "waiting_in_ratel()\n")
+    r = run_in_ratel_env(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "still running" in r.stdout
+    assert "most recent call first" in r.stderr and "waiting_in_ratel" in r.stderr
+
+
 def test_the_compat_directory_holds_no_copy_of_ratel():
     names = {p.relative_to(COMPAT).as_posix() for p in COMPAT.rglob("*.py")}
     assert names == {"__init__.py", "sitecustomize.py", "ratel_patches.py", "ratel_probe.py",

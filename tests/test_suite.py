@@ -159,8 +159,11 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     assert r["partial_samples"] == len(r["steps"]) - 1 > 0
     assert f"{len(r['steps'])} of 100001 steps done" in r["reason"]
     assert r["median"]["step_time_s"] > 0
-    # where it was when the limit came: the worker's Python stacks, its step loop among them
+    # where it was when the limit came: the worker's Python stacks, its step loop among them, and
+    # each of its threads as the kernel saw it
     assert "most recent call first" in r["stacks"] and "suite/worker.py" in r["stacks"]
+    assert "as the kernel saw it" in r["stacks"] and "state " in r["stacks"]
+    assert set(r["disk_io"]) == {"read_bytes", "written_bytes"} and min(r["disk_io"].values()) >= 0
 
 
 def _running(process) -> bool:
