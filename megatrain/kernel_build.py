@@ -37,6 +37,7 @@ The refusal comes before anything runs, so a call here waits while the flag is s
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -80,22 +81,25 @@ def compiled(fn: Callable, **options) -> Callable:
 
 def check_vector_isas() -> None:
     """Inductor's check of which vector instruction sets this CPU's compiled code may use, made
-    before a first CPU build would make it. On torch 2.11 it builds a test program per candidate set
-    and loads each in a fresh Python that imports torch, one set after another: 27.5-28.8 s of each
-    point's set-up on the four-GPU host's 64 cores (results/h200x4/probes_2026-11-26). Here every
-    candidate's check runs at once, a thread each (the checks are subprocesses and builds under
-    per-set file locks); inductor keeps each set's answer for the process, so its list, and every
-    build after, reuses them. On the 2-core CPU machine with torch 2.11 (four sets, their builds in
-    the cache): 7.9-8.0 s against 13.0-13.4 one after another; on the four-GPU host 14-22 s.
+    before a first CPU build would make it. On torch 2.11 each check builds a test program and
+    loads it in a fresh Python that imports torch: a set's own check, and for some sets more
+    (AVX-512's bf16, VNNI, AMX: each adds its compiler flags when it passes), one after another:
+    27.5-28.8 s of each point's set-up on the four-GPU host's 64 cores
+    (results/h200x4/probes_2026-11-26). Here every candidate's checks run at once, a thread each
+    (the checks are subprocesses and builds under per-check file locks); inductor keeps each set's
+    answer, and its flags, for the process, so its list, and every build after, reuses them. On the
+    2-core CPU machine with torch 2.11 (four sets, their builds in the cache): 7.9-8.0 s against
+    13.0-13.4 one after another; on the four-GPU host 14-22 s.
 
-    Inductor keeps the answer for one process only, so each run on a machine paid it again. Once
-    every candidate has passed, that is written beside inductor's cache, keyed by what the answer
-    rests on (torch, the Python that loads the test, the C++ compiler, the candidates the CPU's
-    flags admit); a later process with the same key takes it (inductor's `cpp.vec_isa_ok`: every
-    candidate usable) and checks nothing. The process that checked sets it too: the setting is part
-    of the key of inductor's cache of built kernels, which would otherwise miss once. A set that
-    failed is never written: such a machine checks every time. Where a torch has no such check,
-    nothing runs."""
+    Inductor keeps the answers for one process only, so each run on a machine paid them again.
+    Once every check has passed, their answers are written beside inductor's cache, keyed by what
+    they rest on (torch, the Python that loads the test, the C++ compiler, the candidates the CPU's
+    flags admit); a later process with the same key replays them (each candidate's `check_build`
+    answered from the record while its answer is taken) and builds nothing. Every check is
+    replayed, not only a set's own: a set whose further checks were left to inductor made them at
+    the first kernel's load instead, one after another (seen on the two-H200 host: 15-44 s of the
+    host AdamW's build after a kept answer). A failed check is never written: such a machine
+    checks every time. Where a torch has no such check, nothing runs."""
     try:
         from torch._inductor import cpu_vec_isa
         if platform.machine() not in ("x86_64", "AMD64") or inductor.cpp.vec_isa_ok is not None:
@@ -104,20 +108,33 @@ def check_vector_isas() -> None:
         flags = cpu_vec_isa.x86_isa_checker()  # inductor's own filter: the CPU's flags
         candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
         record, key = _isa_record(candidates)
-        if key in _kept(record):
-            inductor.cpp.vec_isa_ok = True
-            return
-        with ThreadPoolExecutor(max(1, len(candidates))) as pool:
-            passed = list(pool.map(bool, candidates))
-        cpu_vec_isa.valid_vec_isa_list()
-        if candidates and all(passed):
-            inductor.cpp.vec_isa_ok = True  # as a later process sets it: one key for inductor's cache
-            if record is not None:
-                temporary = record.with_name(f"{record.name}.{os.getpid()}")
-                temporary.write_text(json.dumps({"passed": sorted(set(_kept(record)) | {key})}))
-                os.replace(temporary, record)  # whole or absent, with ranks writing side by side
+        kept = _kept(record)
+        replayed, made = kept.get(key, {}), {}
+        for isa in candidates:  # each candidate's checks: the kept answer, else inductor's own
+            vars(isa)["check_build"] = functools.partial(_check_build, isa, replayed, made)
+        try:
+            with ThreadPoolExecutor(max(1, len(candidates))) as pool:
+                passed = list(pool.map(bool, candidates))
+            cpu_vec_isa.valid_vec_isa_list()
+        finally:
+            for isa in candidates:
+                vars(isa).pop("check_build", None)
+        if record is not None and made and all(passed) and all(made.values()):
+            temporary = record.with_name(f"{record.name}.{os.getpid()}")
+            temporary.write_text(json.dumps({"checks": {**kept, key: {**replayed, **made}}}))
+            os.replace(temporary, record)  # whole or absent, with ranks writing side by side
     except Exception:  # another torch, or the check failing: the build makes the check itself
         pass
+
+
+def _check_build(isa, replayed: dict[str, bool], made: dict[str, bool], code: str) -> bool:
+    """One of `isa`'s checks (a test program, its flags): its kept answer, else inductor's check,
+    whose answer goes into `made`."""
+    name = f"{isa.build_arch_flags()} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+    if name in replayed:
+        return replayed[name]
+    made[name] = ok = type(isa).check_build(isa, code)
+    return ok
 
 
 def _isa_record(candidates: list) -> tuple[Path | None, str | None]:
@@ -135,9 +152,11 @@ def _isa_record(candidates: list) -> tuple[Path | None, str | None]:
     return Path(cache_dir()) / "megatrain_vector_isas.json", key
 
 
-def _kept(record: Path | None) -> list[str]:
-    """The keys whose every candidate set passed (none where the file is absent or unreadable)."""
+def _kept(record: Path | None) -> dict[str, dict[str, bool]]:
+    """Each key's checks and their answers (none where the file is absent, unreadable or of
+    another form)."""
     try:
-        return json.loads(record.read_text())["passed"] if record is not None else []
+        checks = json.loads(record.read_text())["checks"] if record is not None else {}
+        return checks if isinstance(checks, dict) else {}
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return {}

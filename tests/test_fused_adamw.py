@@ -190,94 +190,121 @@ def test_auto_keeps_the_compiled_update_only_where_it_is_faster(tmp_path, monkey
 
 
 class FakeISA:
-    """A candidate vector instruction set of inductor's, its check `check(name)`."""
+    """A candidate vector instruction set of inductor's: its own check, and where `extra` names a
+    further one's test program, that check, which adds a flag when it passes (as AVX-512's bf16);
+    `check(name, code)` answers. Its answer is kept for the process, as inductor's is."""
 
-    def __init__(self, name, check):
-        self.name, self.check = name, check
+    def __init__(self, name, check, extra=None):
+        self.name, self.check, self.extra, self.flags = name, check, extra, f"-m{name.replace(' ', ' -m')}"
+        self.answer = None
 
     def __str__(self):
         return self.name
 
+    def build_arch_flags(self):
+        return self.flags
+
+    def check_build(self, code):
+        return self.check(self.name, code)
+
     def __bool__(self):
-        return self.check(self.name)
+        if self.answer is None:
+            self.answer = self.check_build("own")
+            if self.answer and self.extra and self.check_build(self.extra):
+                self.flags += " -mextra"
+        return self.answer
+
+
+def fake_isas(monkeypatch, tmp_path, names, check, extra=None):
+    """A fresh process's candidates (`names`; the CPU's flags admit each but "neon"), their checks
+    by `check`, the answers kept under `tmp_path`; returns them and the calls of inductor's list."""
+    import torch._inductor.cpu_vec_isa as vec_isa
+    from megatrain import kernel_build
+    fakes, listed, flags = [FakeISA(n, check, (extra or {}).get(n)) for n in names], [], ["avx2", "avx512", "amx_tile"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: flags)
+    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
+    monkeypatch.setattr(vec_isa, "valid_vec_isa_list",  # inductor's: the sets the flags admit that pass
+                        lambda: listed.append([str(f) for f in fakes if set(str(f).split()) <= set(flags) and f]))
+    return fakes, listed
 
 
 def test_the_vector_isa_checks_run_side_by_side(monkeypatch, tmp_path):
     """kernel_build.check_vector_isas: each candidate instruction set the CPU's flags allow is
     checked on a thread of its own, all at once, before inductor's list (which then reuses the
     answers); a set the flags lack is not checked."""
-    import torch._inductor.cpu_vec_isa as vec_isa
     from megatrain import kernel_build
-    checked, listed = {}, []
+    checked = {}
 
-    def check(name):
+    def check(name, code):
         checked[name] = threading.current_thread().name
         time.sleep(0.4)
         return True
-    fakes = [FakeISA(n, check) for n in ("avx512 amx_tile", "avx512", "avx2", "neon")]
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no answer kept from before
-    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
-    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512", "amx_tile"])
-    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
-    monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: listed.append(sorted(checked)))
+    _, listed = fake_isas(monkeypatch, tmp_path, ("avx512 amx_tile", "avx512", "avx2", "neon"), check)
     start = time.perf_counter()
     kernel_build.check_vector_isas()
     assert time.perf_counter() - start < 1.0  # three checks of 0.4 s, side by side
-    assert listed == [["avx2", "avx512", "avx512 amx_tile"]]  # all checked before the list, not "neon"
-    assert len(set(checked.values())) == 3
+    assert sorted(checked) == ["avx2", "avx512", "avx512 amx_tile"]  # not "neon"
+    assert len(set(checked.values())) == 3 and len(listed) == 1
 
 
-def test_a_passed_vector_isa_check_is_kept_for_later_processes(monkeypatch, tmp_path):
-    """kernel_build.check_vector_isas: once every candidate set has passed, the answer is kept
-    beside inductor's cache and a later process with the same torch, Python, compiler and
-    candidates takes it (inductor's cpp.vec_isa_ok) without checking; the checking process sets
-    the same; a failed set is never kept, and another key checks again."""
-    import torch._inductor.cpu_vec_isa as vec_isa
+def test_passed_vector_isa_checks_are_replayed_in_later_processes(monkeypatch, tmp_path):
+    """kernel_build.check_vector_isas: once every check has passed, each check's answer is kept
+    beside inductor's cache, and a later process with the same torch, Python, compiler and
+    candidates replays them: a set's further checks too, with the flags they add, so inductor's
+    list and its first build check nothing; a failed check is never kept; another key, or a
+    check the record lacks, is checked again."""
     from megatrain import kernel_build
-    checked, answer = [], {"avx2": True}
+    checked, answer = [], {}
 
-    def check(name):
-        checked.append(name)
-        return answer.get(name, True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
-    monkeypatch.setattr(vec_isa, "supported_vec_isa_list", [FakeISA("avx512", check), FakeISA("avx2", check)])
-    monkeypatch.setattr(vec_isa, "valid_vec_isa_list", lambda: None)
+    def check(name, code):
+        checked.append(f"{name}:{code}")
+        return answer.get(f"{name}:{code}", True)
 
-    def process():  # a fresh process: inductor's setting unset, nothing checked yet
-        monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
+    def process(extra_code="extra"):  # a fresh process: new candidates, nothing checked yet
+        fakes, listed = fake_isas(monkeypatch, tmp_path, ("avx512", "avx2"), check, extra={"avx512": extra_code})
         checked.clear()
         kernel_build.check_vector_isas()
-        return sorted(checked), kernel_build.inductor.cpp.vec_isa_ok
-    answer["avx2"] = False  # a set that fails: checked every time, nothing kept or set
-    assert process() == (["avx2", "avx512"], None) and process() == (["avx2", "avx512"], None)
+        listed.clear()
+        flags = [f.build_arch_flags() for f in fakes if f]  # inductor's list, as its first build reads it
+        return sorted(checked), flags, listed
+    all_checks = ["avx2:own", "avx512:extra", "avx512:own"]
+    answer["avx2:own"] = False  # a check that fails: checked every time, nothing kept
+    assert process()[0] == all_checks and process()[0] == all_checks
     assert not (tmp_path / "megatrain_vector_isas.json").exists()
-    answer["avx2"] = True
-    assert process() == (["avx2", "avx512"], True)  # checked, kept, and set as a later process will
-    assert process() == ([], True)  # the kept answer, no check
+    answer.clear()
+    assert process()[:2] == (all_checks, ["-mavx512 -mextra", "-mavx2"])  # checked and kept
+    assert process()[:2] == ([], ["-mavx512 -mextra", "-mavx2"])  # replayed, the extra flag too
+    assert process("extra2")[0] == ["avx512:extra2"]  # a check the record lacks: made, then kept
+    assert process("extra2")[0] == [] and process()[0] == []
     monkeypatch.setattr(kernel_build.torch, "__version__", "0.0.0")
-    assert process() == (["avx2", "avx512"], True)  # another torch: checked again
-    assert process() == ([], True)
-    assert len(json.loads((tmp_path / "megatrain_vector_isas.json").read_text())["passed"]) == 2
+    assert process()[0] == all_checks  # another torch: checked again
+    assert process()[0] == []
+    assert len(json.loads((tmp_path / "megatrain_vector_isas.json").read_text())["checks"]) == 2
 
 
-def test_the_kept_vector_isa_answer_reaches_a_real_later_process(tmp_path):
+def test_the_kept_vector_isa_answers_reach_a_real_later_process(tmp_path):
     """The same with this torch's own inductor, in two fresh processes sharing a cache: the first
-    checks and keeps the answer, the second takes it without a check; inductor's list is the same."""
-    probe = ("import json, time, torch; from torch._inductor import cpu_vec_isa; "
-             "from megatrain import kernel_build; start = time.perf_counter(); kernel_build.check_vector_isas(); "
-             "print(json.dumps([time.perf_counter() - start, [str(i) for i in cpu_vec_isa.valid_vec_isa_list()], "
-             "kernel_build.inductor.cpp.vec_isa_ok]))")
+    checks and keeps the answers; in the second neither the check nor inductor's list and its
+    choice of a set for a build (which made each set's further checks, one after another: seconds
+    on torch 2.11) checks anything, and the choice and its flags are the same."""
+    probe = ("import json, torch; from torch._inductor import cpu_vec_isa; calls = []; "
+             "real = cpu_vec_isa.VecISA.check_build; "
+             "cpu_vec_isa.VecISA.check_build = lambda self, code: calls.append(str(self)) or real(self, code); "
+             "from megatrain import kernel_build; kernel_build.check_vector_isas(); "
+             "isas = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]; "
+             "print(json.dumps([len(calls), isas, cpu_vec_isa.pick_vec_isa().build_arch_flags()]))")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     runs = [json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                                       check=True, timeout=300).stdout.splitlines()[-1]) for _ in range(2)]
-    (_, first, set_first), (seconds, second, set_second) = runs
+    (checks_first, first, flags_first), (checks_second, second, flags_second) = runs
     if not first or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("no candidate sets to keep: not an x86 CPU, or none passed inductor's check")
     assert (tmp_path / "megatrain_vector_isas.json").is_file()
-    assert first == second and set_first is True and set_second is True and seconds < 0.5
+    assert checks_first > 0 and checks_second == 0
+    assert first == second and flags_first == flags_second
 
 
 def test_the_rates_time_both_updates():
