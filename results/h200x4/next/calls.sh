@@ -52,7 +52,7 @@ case $1 in
          # (every set's at once, 14-22 s a point in session 28) and keeps its answer beside inductor's
          # cache; (b) with fill_cores.patch on this copy: the rank that fills the shared store takes the
          # waiting ranks' cores. Predictions: setup_s.vector_isas about 15 s in (a), under 0.5 s in (b)
-         # and (c) (the kept answer); setup_s.fill 24 -> about 10 s in (b) (one rank's fill at 7B with
+         # and (c) (the kept answers, every check's replayed), and setup_s.optimizer_kernel under 5 s there; setup_s.fill 24 -> about 10 s in (b) (one rank's fill at 7B with
          # 64 cores instead of 16); the step unchanged. (c) the patch and 14 optimizer threads
          # a rank instead of 16: the GPU idled 0.25-0.51 s a step while 4 ranks issued work (0.03 with
          # one), reduce_s now timed apart; prediction: with 2 of each rank's cores left to its main and
