@@ -81,6 +81,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
               f"({spec.warmup} warm-up)", file=sys.stderr, flush=True)
         if system.model_flops_per_step is not None:  # it runs another model (Ratel's own GPT): count that one
             flops = result["model_flops_per_step"] = system.model_flops_per_step
+        _write(out, result)  # a first step past the timeout still leaves the set-up's time and the FLOPs counted
         data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
         for index in range(spec.total_steps):
             microbatches = [data.next() for _ in range(spec.grad_accum)]

@@ -152,6 +152,35 @@ def test_a_late_worker_that_writes_no_stacks_is_described_by_its_threads(tmp_pat
     assert "no Python stacks came back" in text and f"pid {proc.pid} " in text and "state S" in text
 
 
+def test_the_partial_result_has_the_set_up_before_the_first_step(tmp_path, monkeypatch):
+    # a first step that never ends (Ratel's disk route on the x2 host) must still leave what the
+    # set-up measured, and the FLOPs of the model the system really runs, in the partial result
+    from suite import worker
+    from suite.system import System
+    seen = []
+
+    class OwnModel(System):
+        model_flops_per_step = 123.0
+
+        def __init__(self, spec, device):
+            pass
+
+        def step(self, microbatches):
+            seen.append(json.loads((tmp_path / "r.json").read_text()))
+            return {"loss": 1.0}
+
+        def info(self):
+            return {}
+
+        def save(self, path):
+            pass
+    monkeypatch.setattr(worker, "load", lambda name: OwnModel)
+    worker.run(tiny(steps=1, warmup=0), str(tmp_path / "r.json"))
+    first = seen[0]
+    assert first["status"] == "running" and first["steps"] == []
+    assert first["model_flops_per_step"] == 123.0 and first["setup_s"] >= 0
+
+
 def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     # a tiny run whose steps are many: it measures a few, then the limit kills it
     r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")
