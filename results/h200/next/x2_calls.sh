@@ -12,7 +12,7 @@
 # install and the tree's copy included, and packs; anything before it in the call would take the
 # call past its 10-minute limit, and that call's pack would never come back (session 27).
 # Estimated walls (results/h200/README.md's table): what is left of batch 2 about 6 minutes (three
-# ablations, Ratel's three refusals run again), 3 about 20, 4 about 37, 5 about 27; 9 about 2.
+# ablations, Ratel's 14B and 32B refusals run again), 3 about 20, 4 about 37, 5 about 27; 9 about 2.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -22,8 +22,7 @@ export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITO
   MEGATRAIN_HOST_MEMORY_GB=250
 S="--config grid=workflows/grids/h200-scale.yaml"
 R=results/h200/points
-B2="$R/ablations/sync_grads.json $R/ablations/K1.json $R/ablations/K1_b96.json
-    $R/ratel/7b_ratel.json $R/ratel/14b_ratel.json $R/ratel/32b_ratel.json"
+B2="$R/ablations/sync_grads.json $R/ablations/K1.json $R/ablations/K1_b96.json $R/ratel/14b_ratel.json $R/ratel/32b_ratel.json"
 B3="$R/context/ctx1k.json $R/context/ctx8k.json $R/context/ctx32k.json $R/context/ctx128k.json $R/context/ctx256k.json"
 B4="$R/depth/L28_megatrain.json $R/depth/L42_megatrain.json $R/depth/L56_megatrain.json $R/scale/14b_megatrain.json
     $R/scale/7b_native.json $R/scale/7b_zero3.json $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json"
@@ -54,8 +53,10 @@ case $1 in
         python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['status'], r.get('disk_io')); print(r.get('stacks', '')[-3000:])" \
           "${OUT:-/tmp}/ratel_disk_probe.json" | tail -40
         rm -rf /tmp/ratel-*  # the killed run's swap files (its own clean-up did not run)
-        # the three refusals ran before this host had a Ratel checkout: their reasons say so; again with it
-        rm -f $R/ratel/7b_ratel.json $R/ratel/14b_ratel.json $R/ratel/32b_ratel.json ;;
+        # 14B and 32B ran before this host had a Ratel checkout, and their reason says so; with it, the
+        # disk admission refuses them in seconds (266.6 and 351.0 GiB of swap at 18 B/param, 127.8 free).
+        # Not 7B: with the checkout it is admitted (81.8 GiB) and would run up to its 3600 s timeout
+        rm -f $R/ratel/14b_ratel.json $R/ratel/32b_ratel.json ;;
       esac
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
