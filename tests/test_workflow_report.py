@@ -134,6 +134,21 @@ def test_points_on_fewer_layers_get_lines_of_their_own(tmp_path):
     assert list(plot._series(depth, aggregate.experiment("context"))) == ["megatrain", "megatrain"]
 
 
+def test_ratels_offload_routes_are_lines_of_their_own(tmp_path):
+    """Ratel's host-memory and disk routes are two systems in effect: each its own line and legend
+    entry, and a route without a value is named as such in the figure's note."""
+    points = {"cpu": _result("ratel", options={"approximate_model": True, "offload": "cpu"}),
+              "disk": _result("ratel", status="timeout", options={"approximate_model": True, "offload": "disk"})}
+    paths = []
+    for pid, r in points.items():
+        (tmp_path / f"{pid}.json").write_text(json.dumps(r))
+        paths.append(tmp_path / f"{pid}.json")
+    spec = aggregate.experiment("ratel")
+    df = aggregate.table(paths, "ratel", paper=[])
+    assert list(plot._series(df, spec)) == ["ratel offload=cpu", "ratel offload=disk"]
+    assert "ratel offload=disk timeout at" in plot._failed_note(df, spec)
+
+
 def test_the_paper_gets_a_line_per_system(tmp_path):
     """Figure 6's text gives throughput and host memory per system: one dashed line each (OOM and
     ratio rows not drawn); Table 6's device memory, which names no system, one line."""

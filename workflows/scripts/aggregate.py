@@ -115,6 +115,9 @@ class Experiment:
     # columns that change along a line by design (Table 7's batch per context): a change of any other
     # setting between two points of a line is marked on the figure
     varies: tuple[str, ...] = ()
+    # system options whose value gives a system's points a line of their own, named by it (Ratel's
+    # offload: its host-memory and disk routes are two systems in effect)
+    series_by: tuple[str, ...] = ()
     # bars: the ids of our full configuration and a text of the paper's; each bar is then drawn
     # relative to its own side's full configuration
     reference: tuple[str, ...] = ()
@@ -155,7 +158,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
     "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
                         panels=("model_tflops",), paper_x=lambda r: r["model"].map(model_params_b),
-                        paper_y={"model_tflops": "tflops"}),
+                        paper_y={"model_tflops": "tflops"}, series_by=("offload",)),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
     "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
                           paper_x=lambda r: _label(r, ["gpu", "model", "method"]),

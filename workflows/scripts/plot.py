@@ -142,12 +142,19 @@ def paper_points(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.DataFrame 
 
 def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
     """One line per system; where points of one experiment run at different depths (Table 7's
-    longest contexts on fewer layers) and depth is not the x axis, one line per system and depth."""
+    longest contexts on fewer layers) and depth is not the x axis, one line per system and depth;
+    and one per value of the options the experiment splits by (`series_by`: Ratel's offload)."""
+    names = rows["system"].astype(str)
+    for key in spec.series_by:
+        value = rows["options"].map(lambda v: dict(w.split("=", 1) for w in v.split()).get(key)
+                                    if isinstance(v, str) else None) if "options" in rows else None
+        if value is not None and value.notna().any():
+            names = names + value.map(lambda v: f" {key}={v}" if isinstance(v, str) else "")
     layers = rows["layers"].dropna() if "layers" in rows else pd.Series(dtype=object)
     if spec.x == "layers" or layers.nunique() + rows["layers"].isna().any() <= 1:
-        return rows["system"]
+        return names
     depth = rows["layers"].map(lambda n: "all layers" if pd.isna(n) else f"{int(n)} layer{'s' * (n != 1)}")
-    return rows["system"] + " (" + depth + ")"
+    return names + " (" + depth + ")"
 
 
 SETTING_COLUMNS = ("seq", "batch", "accum", "options", "kernels")
@@ -185,10 +192,11 @@ def runs(g: pd.DataFrame, spec: Experiment) -> list[pd.DataFrame]:
 
 
 def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
-    """Series name ("megatrain" or "megatrain (7 layers)") -> (marker, colour), no two alike."""
+    """Series name ("megatrain", "megatrain (7 layers)", "ratel offload=disk") -> (marker, colour),
+    no two alike; a system's first series takes the system's colour."""
     style, used, spare = {}, {}, iter(SPARE_COLORS * 4)
     for name in names:
-        system = name.split(" (")[0]
+        system = name.split(" ")[0]
         k = used.get(system, 0)
         used[system] = k + 1
         color = SYSTEM_COLORS.get(system) if k == 0 else None
@@ -200,13 +208,13 @@ def _fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, (float, np.floating)) else str(x)
 
 
-def _failed_note(rows: pd.DataFrame, label: str) -> str:
-    """One line per system and status of the points without a value, with their x values."""
+def _failed_note(rows: pd.DataFrame, spec: Experiment) -> str:
+    """One line per series (system) and status of the points without a value, with their x values."""
     bad = rows[rows["status"] != "ok"]
     parts = []
-    for (system, status), g in bad.groupby(["system", "status"], sort=True):
+    for (system, status), g in bad.groupby([_series(bad, spec).rename("series"), "status"], sort=True):
         parts.append(f"{system} {status} at {', '.join(_fmt(x) for x in sorted(g['x'].dropna()))}")
-    return f"no value (x: {label}): " + "; ".join(parts) if parts else ""
+    return f"no value (x: {spec.label}): " + "; ".join(parts) if parts else ""
 
 
 def _axis_top(values) -> float:
@@ -538,7 +546,7 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
                               "measured here" if paper_drawn else ""), int(13 * width))
     fig.suptitle(title, fontsize=10)
     if spec.kind == "line":
-        notes = [(_failed_note(df[df["source"] == "measured"], spec.label), "red"), *notes]
+        notes = [(_failed_note(df[df["source"] == "measured"], spec), "red"), *notes]
     note_lines = [(w, color) for n, color in notes if n for w in textwrap.wrap(n, int(19 * width))]
     note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
     columns = _legend_columns(list(entries), width)
