@@ -5,7 +5,8 @@ This directory is put first on the PYTHONPATH of Ratel's processes (main.py and 
 it spawns), so its top-level modules are seen there as:
 
   flash_attn.flash_attention  FlashAttention, flash-attn 1.0.4's module, on torch's SDPA
-  sitecustomize               run by `site` at start-up: ratel_patches.install()
+  sitecustomize               run by `site` at start-up: ratel_patches.install(), and faulthandler on
+                              SIGUSR1 (the suite runner asks a late point's processes for their stacks)
   ratel_patches               import hooks that adapt the checkout's modules as they load
   ratel_probe                 the environment check run before main.py (baselines/ratel.py)
 
