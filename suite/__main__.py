@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import os
 import signal
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from megatrain.cli import parse_with_settings
 from megatrain.config import parse_overrides
+from megatrain.io import write_json
 from megatrain.units import GiB
 from suite.accuracy.experiment import Settings
 from suite.check import check
@@ -57,6 +59,8 @@ def _run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.same_as:
+        return _same_as(spec, Path(args.same_as), Path(args.out))
     log = Path(args.out).with_suffix(".log")
     if _writes_to(log):
         print(f"error: the worker's log is written to {log}, and so is this command's output: the two would "
@@ -67,6 +71,24 @@ def _run(args) -> int:
     print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
           f"host {r['peak']['host_rss_bytes'] / GiB:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)
     return 0 if r["status"] == "ok" or args.workflow_job else 1
+
+
+def _same_as(spec: RunSpec, source: Path, out: Path) -> int:
+    """`spec` measured once already, as the point whose result is `source` (a grid's `same_as`):
+    that result written as this point's, with this point's spec and the source named."""
+    try:
+        result = json.loads(source.read_text())
+        other = RunSpec.from_dict(RunSpec.stored(result["spec"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --same-as {source}: not a point's result ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    if not spec.runs_as(other):
+        print(f"error: --same-as {source}: that point runs something else ({other.to_dict()}), not this one "
+              f"({spec.to_dict()})", file=sys.stderr)
+        return 2
+    write_json(out, {**result, "spec": spec.to_dict(), "same_as": str(source)})
+    print(f"{out}: the result of {source} (the same run)", file=sys.stderr)
+    return 0
 
 
 def _writes_to(path: Path) -> bool:
@@ -155,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--workflow-job", action="store_true",
                    help="as the workflow's point rule runs it (exec'd by its job): end as if interrupted when "
                         "the process that started this one dies, and exit 0 whenever a result is written")
+    r.add_argument("--same-as", metavar="RESULT",
+                   help="a result of this same run (a grid's `same_as`): written as this point's, nothing run")
     r.add_argument("--out", required=True, help="result JSON (the worker's log goes beside it, .log)")
     r.add_argument("option", nargs="*", help="system options as key.sub=value (e.g. engine.checkpoint_every=1)")
     c = sub.add_parser("check", help="each system's loss on a tiny model tracks native's")

@@ -94,6 +94,12 @@ class RunSpec:
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         return json.loads(json.dumps({**defaults, **values}))
 
+    def runs_as(self, other: "RunSpec") -> bool:
+        """Whether `other` runs what this spec runs: the same model once resolved (`layers: 28` of a
+        28-layer preset is the preset) and every other field the same, but the timeout."""
+        return (dataclasses.replace(self, model=other.model, timeout_s=other.timeout_s) == other
+                and self.hf_config(cuda=False).to_dict() == other.hf_config(cuda=False).to_dict())
+
     def model_config(self) -> ModelConfig:
         try:
             return ModelConfig(**self.model)

@@ -22,8 +22,15 @@ wildcard_constraints:
     id=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
 
 
+def point_source(wildcards):
+    """A `same_as` point's source result (made first, and once); none for a point that runs."""
+    same_as = POINTS[(wildcards.experiment, wildcards.id)].get("same_as")
+    return [f"results/{HW}/points/{same_as}.json"] if same_as else []
+
+
 def point_args(wildcards):
-    return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]))
+    source = point_source(wildcards)
+    return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]) + [f"--same-as {s}" for s in source])
 
 
 ORDER = {key: n for n, key in enumerate(POINTS)}

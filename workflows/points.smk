@@ -5,7 +5,11 @@ rule point:
     interrupted when Snakemake dies, however it dies: no point trains on after the workflow.
     The worker's own log lands beside the JSON. `host_memory_gb` (the profile's config or
     `--config host_memory_gb=N`) states the host's size to every system's admission
-    (MEGATRAIN_HOST_MEMORY_GB): a host whose MemTotal grows as memory is used reads too small at first."""
+    (MEGATRAIN_HOST_MEMORY_GB): a host whose MemTotal grows as memory is used reads too small at first.
+    A point with `same_as` (the same run as another point of its grid: depth's L28 is scale's 7B) is
+    not run again: its source is made first, and its result written as this point's (--same-as)."""
+    input:
+        point_source,  # a `same_as` point's: its source's result, copied (suite run --same-as)
     output:
         f"results/{HW}/points/{{experiment}}/{{id}}.json",
     conda:

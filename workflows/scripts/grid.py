@@ -52,7 +52,8 @@ def _merge(grid: dict, other: dict) -> None:
 
 def check(grid: dict) -> dict:
     """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
-    a point of its experiment); return the grid."""
+    a point of its experiment), or a `same_as` that names no point of the grid, a point that is
+    itself a `same_as`, or a point of another identity; return the grid."""
     for name, exp in grid["experiments"].items():
         seen: set[str] = set()
         ids = [p["id"] for p in exp["points"]] + [n["id"] for n in grid.get("not_runnable", []) if n["experiment"] == name]
@@ -63,6 +64,18 @@ def check(grid: dict) -> dict:
     for n in grid.get("not_runnable", []):
         if n["experiment"] not in grid["experiments"]:
             raise ValueError(f"not_runnable {n['id']!r}: unknown experiment {n['experiment']!r}")
+    pts = points(grid)
+    for (name, point_id), p in pts.items():
+        if "same_as" not in p:
+            continue
+        source = pts.get(tuple(p["same_as"].split("/", 1)))
+        where = f"grid point {name}/{point_id}: same_as {p['same_as']!r}"
+        if source is None:
+            raise ValueError(f"{where} is not a point of this grid")
+        if "same_as" in source:
+            raise ValueError(f"{where} is itself a same_as: name the point that runs")
+        if identity(source) != identity(p):
+            raise ValueError(f"{where} runs something else:\n  {identity(source)}\n  {identity(p)}")
     return grid
 
 
@@ -91,6 +104,16 @@ def _value(v: Any) -> str:
 HOST_BYTES_PER_PARAM = 12
 
 
+def _layers(point: dict[str, Any]) -> int | None:
+    """The point's decoder layers where they differ from its preset's (None: the preset's own)."""
+    layers = point.get("layers")
+    if layers:
+        from megatrain.presets import PRESETS
+        if layers == (PRESETS.get(point["preset"]) or {}).get("num_hidden_layers"):
+            return None
+    return layers
+
+
 def model(point: dict[str, Any]) -> dict[str, Any]:
     """The RunSpec `model` of a point: its preset with `layers` and `overrides` laid on top."""
     overrides = {**point.get("overrides", {}), **({"num_hidden_layers": point["layers"]} if point.get("layers") else {})}
@@ -117,12 +140,13 @@ DIAGNOSTIC_OPTIONS = frozenset({"ceiling", "trace"})
 
 def identity(point: dict[str, Any]) -> str:
     """What a point runs: system, model, shape and options but the diagnostic ones. Two points of
-    one identity are one point defined twice; steps, warm-up and timeout do not count, as in
-    suite.compare's pairing of results."""
+    one identity are one point defined twice (unless one is the other's `same_as`); steps, warm-up
+    and timeout do not count, as in suite.compare's pairing of results, and the preset's own layer
+    count stated as `layers` is the preset."""
     options = {k: v for k, v in point.get("options", {}).items() if k not in DIAGNOSTIC_OPTIONS}
     ranks = [point["gpus"]] if point.get("gpus", 1) > 1 else []  # one GPU: as the points before the field
-    return json.dumps([point["system"], model(point), point["seq"], point["batch"], point["accum"], options, *ranks],
-                      sort_keys=True)
+    return json.dumps([point["system"], model({**point, "layers": _layers(point)}), point["seq"], point["batch"],
+                       point["accum"], options, *ranks], sort_keys=True)
 
 
 def not_run(point: dict[str, Any]) -> dict[str, Any]:
