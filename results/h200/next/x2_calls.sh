@@ -38,17 +38,18 @@ case $1 in
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       case " ${*:2} " in *" 2 "*)
         # Ratel's disk route, why it reached no step in 560 s here (session 29; the H100 host's run
-        # stepped in 17.5 s): the same spec for 200 s, past Ratel's op builds and forward into its
+        # stepped in 17.5 s): the same spec for 300 s, past Ratel's op builds (about 100 s on a fresh
+        # machine) and its set-up (70 s) and forward, about 110 s into its
         # first backward, then the runner's stacks (now Ratel's processes' too, with each thread's
         # wait in the kernel) and the host's disk traffic over the run. Prediction: disk-bound, its
         # threads waiting on the disk (io_getevents or state D) and disk_io at about this disk's
         # 1.4 GB/s write and 2.4 read over the backward; a hang instead shows futex waits and little
-        # disk traffic. About 230 s with the wheels' install, off this call's detached wait.
+        # disk traffic. About 330 s with the wheels' install, off this call's detached wait.
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
           && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
         ( eval "$(baselines/libaio.sh env .libaio)"
-          timeout 260 python3 -m suite run --system ratel --preset qwen2.5-7b --layers 4 --seq 1024 --batch 4 \
-            --accum 1 --warmup 1 --steps 3 --timeout 200 --out "${OUT:-/tmp}/ratel_disk_probe.json" \
+          timeout 360 python3 -m suite run --system ratel --preset qwen2.5-7b --layers 4 --seq 1024 --batch 4 \
+            --accum 1 --warmup 1 --steps 3 --timeout 300 --out "${OUT:-/tmp}/ratel_disk_probe.json" \
             approximate_model=true offload=disk > "${OUT:-/tmp}/ratel_disk_probe.txt" 2>&1 )
         python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['status'], r.get('disk_io')); print(r.get('stacks', '')[-3000:])" \
           "${OUT:-/tmp}/ratel_disk_probe.json" | tail -40
