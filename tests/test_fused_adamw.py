@@ -222,7 +222,7 @@ def fake_isas(monkeypatch, tmp_path, names, check, extra=None):
     from megatrain import kernel_build
     fakes, listed, flags = [FakeISA(n, check, (extra or {}).get(n)) for n in names], [], ["avx2", "avx512", "amx_tile"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(kernel_build.inductor().cpp, "vec_isa_ok", None)
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: flags)
     monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
@@ -305,6 +305,19 @@ def test_the_kept_vector_isa_answers_reach_a_real_later_process(tmp_path):
     assert (tmp_path / "megatrain_vector_isas.json").is_file()
     assert checks_first > 0 and checks_second == 0
     assert first == second and flags_first == flags_second
+
+
+def test_a_kernel_is_built_at_its_first_call(monkeypatch):
+    """kernel_build.compiled defers torch.compile to the kernel's first call: a process that
+    imports the engine and never calls a kernel (a baseline's worker) does not pay the build's
+    imports; the kernel is built once."""
+    from megatrain import kernel_build
+    built = []
+    monkeypatch.setattr(kernel_build.torch, "compile", lambda fn, **kw: built.append(fn) or fn)
+    kernel = kernel_build.compiled(lambda x: x + 1)
+    assert built == []
+    assert kernel(torch.ones(2)).tolist() == [2.0, 2.0] and kernel(torch.zeros(1)).tolist() == [1.0]
+    assert len(built) == 1
 
 
 def test_the_rates_time_both_updates():
