@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._inductor.config as inductor
 import torch.fx._symbolic_trace as fx_trace
 
 
@@ -57,19 +58,11 @@ import torch.fx._symbolic_trace as fx_trace
 _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 
-@functools.cache
-def inductor():
-    """Inductor's settings module, imported on first use: with dynamo, which a first torch.compile
-    brings, about 1.9 of `import suite.worker`'s 4.4 s on the 2-core CPU machine, and seconds more
-    on the GPU hosts, in every process that imports the engine, one that never compiles (a
-    baseline's) included."""
-    import torch._inductor.config
-    return torch._inductor.config
-
-
 def compiled(fn: Callable, **options) -> Callable:
     """`fn` built by torch.compile (dynamic shapes, inductor's deterministic mode and `options`)
-    in this process, at its first call."""
+    in this process, at its first call: the engine's modules make their kernels as they are
+    imported, and a process that never calls one (a baseline's worker) would pay the builds'
+    set-up, 0.8 of `import suite.worker`'s 4.9 s on the 2-core CPU machine (the best of five)."""
     kernel, lock = None, threading.Lock()
 
     @functools.wraps(fn)
@@ -81,7 +74,7 @@ def compiled(fn: Callable, **options) -> Callable:
         # every caller differentiates by hand (an autograd.Function's forward and backward, the
         # optimizer's update): detached, whether an input requires gradients is not one more form
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        inductor().compile_threads = 1
+        inductor.compile_threads = 1
         while True:
             while _tracing():  # another thread is building a kernel
                 time.sleep(0.001)
@@ -116,7 +109,7 @@ def check_vector_isas() -> None:
     checks every time. Where a torch has no such check, nothing runs."""
     try:
         from torch._inductor import cpu_vec_isa
-        if platform.machine() not in ("x86_64", "AMD64") or inductor().cpp.vec_isa_ok is not None:
+        if platform.machine() not in ("x86_64", "AMD64") or inductor.cpp.vec_isa_ok is not None:
             cpu_vec_isa.valid_vec_isa_list()
             return
         flags = cpu_vec_isa.x86_isa_checker()  # inductor's own filter: the CPU's flags

@@ -222,7 +222,7 @@ def fake_isas(monkeypatch, tmp_path, names, check, extra=None):
     from megatrain import kernel_build
     fakes, listed, flags = [FakeISA(n, check, (extra or {}).get(n)) for n in names], [], ["avx2", "avx512", "amx_tile"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_build.inductor().cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: flags)
     monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
