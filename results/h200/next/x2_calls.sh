@@ -30,9 +30,9 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 case $1 in
   start)  # start N [M ...]: batches 2-5 (the h200 grid's) one after another in one detached run; 9 alone
-    # the worker's imports, module by module: 17.5 s here in session 29 (the machine's first import),
-    # 4.9 s on the 2-core CPU machine (the best of five). The engine's kernels are now built at their first call, not at
-    # import (4.1 s there). Prediction: about 15 s here, the same share off.
+    # the worker's imports, module by module: 17.5 s here in session 29 (the machine's first
+    # import), 4.9 s on the 2-core CPU machine (the best of five). The engine's kernels are now
+    # built at their first call, not at import (4.1 s there). Prediction: about 15 s here.
     python3 -X importtime -c "import suite.worker" 2> "${OUT:-/tmp}/importtime.txt"; tail -1 "${OUT:-/tmp}/importtime.txt"
     if [ "$2" = 9 ]; then
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
@@ -42,9 +42,9 @@ case $1 in
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       case " ${*:2} " in *" 2 "*)
         # Ratel's disk route, why it reached no step in 560 s here (session 29; the H100 host's run
-        # stepped in 17.5 s): the same spec for 300 s, past Ratel's op builds (about 100 s on a fresh
-        # machine) and its set-up (70 s) and forward, about 110 s into its
-        # first backward, then the runner's stacks (now Ratel's processes' too, with each thread's
+        # stepped in 17.5 s): the same spec for 300 s, past Ratel's op builds (about 100 s on a
+        # fresh machine), its set-up (70 s) and forward, about 110 s into its first backward; then
+        # the runner's stacks (now Ratel's processes' too, with each thread's
         # wait in the kernel) and the host's disk traffic over the run. Prediction: disk-bound, its
         # threads waiting on the disk (io_getevents or state D) and disk_io at about this disk's
         # 1.4 GB/s write and 2.4 read over the backward; a hang instead shows futex waits and little
