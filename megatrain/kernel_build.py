@@ -43,7 +43,6 @@ import os
 import platform
 import shutil
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,17 +59,11 @@ _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 def compiled(fn: Callable, **options) -> Callable:
     """`fn` built by torch.compile (dynamic shapes, inductor's deterministic mode and `options`)
-    in this process, at its first call: the engine's modules make their kernels as they are
-    imported, and a process that never calls one (a baseline's worker) would pay the builds'
-    set-up, 0.8 of `import suite.worker`'s 4.9 s on the 2-core CPU machine (the best of five)."""
-    kernel, lock = None, threading.Lock()
+    in this process."""
+    kernel = torch.compile(fn, dynamic=True, options={"deterministic": True, **options})
 
     @functools.wraps(fn)
     def run(*args):
-        nonlocal kernel
-        with lock:
-            if kernel is None:
-                kernel = torch.compile(fn, dynamic=True, options={"deterministic": True, **options})
         # every caller differentiates by hand (an autograd.Function's forward and backward, the
         # optimizer's update): detached, whether an input requires gradients is not one more form
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)

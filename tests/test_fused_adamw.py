@@ -307,19 +307,6 @@ def test_the_kept_vector_isa_answers_reach_a_real_later_process(tmp_path):
     assert first == second and flags_first == flags_second
 
 
-def test_a_kernel_is_built_at_its_first_call(monkeypatch):
-    """kernel_build.compiled defers torch.compile to the kernel's first call: a process that
-    imports the engine and never calls a kernel (a baseline's worker) does not pay the build's
-    imports; the kernel is built once."""
-    from megatrain import kernel_build
-    built = []
-    monkeypatch.setattr(kernel_build.torch, "compile", lambda fn, **kw: built.append(fn) or fn)
-    kernel = kernel_build.compiled(lambda x: x + 1)
-    assert built == []
-    assert kernel(torch.ones(2)).tolist() == [2.0, 2.0] and kernel(torch.zeros(1)).tolist() == [1.0]
-    assert len(built) == 1
-
-
 def test_the_rates_time_both_updates():
     """optim.rates runs both updates (compiling the one-pass kernel) and gives positive rates."""
     got = optim.rates(OptimConfig(), n=1 << 16, reps=2)

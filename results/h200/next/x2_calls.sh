@@ -30,10 +30,6 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 case $1 in
   start)  # start N [M ...]: batches 2-5 (the h200 grid's) one after another in one detached run; 9 alone
-    # the worker's imports, module by module: 17.5 s here in session 29 (the machine's first
-    # import), 4.9 s on the 2-core CPU machine (the best of five). The engine's kernels are now
-    # built at their first call, not at import (4.1 s there). Prediction: about 15 s here.
-    python3 -X importtime -c "import suite.worker" 2> "${OUT:-/tmp}/importtime.txt"; tail -1 "${OUT:-/tmp}/importtime.txt"
     if [ "$2" = 9 ]; then
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
       T="$R/moe/q30b_L24_lean_megatrain.json $S"
