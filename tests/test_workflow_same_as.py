@@ -34,6 +34,7 @@ def test_a_preset_stated_layer_count_is_the_preset():
     ("{id: b, system: native, preset: tiny-llama, same_as: scale/nope}", "not a point of this grid"),
     (f"{{id: b, system: native, preset: tiny-llama, layers: {TINY_LAYERS + 1}, same_as: scale/a}}", "runs something else"),
     ("{id: b, system: zero3, preset: tiny-llama, same_as: scale/a}", "runs something else"),
+    ("{id: b, system: native, preset: tiny-llama, steps: 2, same_as: scale/a}", "runs something else"),
 ])
 def test_a_same_as_must_name_a_point_of_the_same_run(point, message):
     with pytest.raises(ValueError, match=message):

@@ -53,7 +53,7 @@ def _merge(grid: dict, other: dict) -> None:
 def check(grid: dict) -> dict:
     """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
     a point of its experiment), or a `same_as` that names no point of the grid, a point that is
-    itself a `same_as`, or a point of another identity; return the grid."""
+    itself a `same_as`, or a point of another identity or other steps; return the grid."""
     for name, exp in grid["experiments"].items():
         seen: set[str] = set()
         ids = [p["id"] for p in exp["points"]] + [n["id"] for n in grid.get("not_runnable", []) if n["experiment"] == name]
@@ -74,8 +74,10 @@ def check(grid: dict) -> dict:
             raise ValueError(f"{where} is not a point of this grid")
         if "same_as" in source:
             raise ValueError(f"{where} is itself a same_as: name the point that runs")
-        if identity(source) != identity(p):
-            raise ValueError(f"{where} runs something else:\n  {identity(source)}\n  {identity(p)}")
+        if identity(source) != identity(p) or (source["steps"], source["warmup"]) != (p["steps"], p["warmup"]):
+            raise ValueError(f"{where} runs something else (suite run --same-as would refuse it):\n"
+                             f"  {identity(source)}, steps {source['steps']} after {source['warmup']}\n"
+                             f"  {identity(p)}, steps {p['steps']} after {p['warmup']}")
     return grid
 
 
