@@ -233,13 +233,23 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
 
 def measured(paths: list[str | Path], experiment: str, grid: str | Path | None = None) -> pd.DataFrame:
     """One row per result file; with `grid`, also a `not_run` row for each of the experiment's
-    points that has no file among `paths` (a table made before the whole grid has run)."""
-    rows = [flatten(json.loads(Path(p).read_text()), Path(p).stem, experiment) for p in paths]
+    points that has no file among `paths` (a table made before the whole grid has run), and the
+    status `stale` for a result that ran something other than its grid point runs now."""
+    results = {Path(p): json.loads(Path(p).read_text()) for p in paths}
     if grid is not None:
         from workflows.scripts import grid as gridlib
-        have = {Path(p).stem for p in paths}
-        for (name, point_id), point in gridlib.points(gridlib.load(grid)).items():
-            if name == experiment and point_id not in have:
+        points = {point_id: point for (name, point_id), point in gridlib.points(gridlib.load(grid)).items()
+                  if name == experiment}
+        for path, result in results.items():
+            why = gridlib.stale(points[path.stem], result) if path.stem in points else None
+            if why:
+                results[path] = {**result, "status": "stale", "reason": (
+                    f"{why}: not the grid's point ({result['status']} then); run it again with --forcerun {path}")}
+    rows = [flatten(result, path.stem, experiment) for path, result in results.items()]
+    if grid is not None:
+        have = {path.stem for path in results}
+        for point_id, point in points.items():
+            if point_id not in have:
                 rows.append(flatten(gridlib.not_run(point), point_id, experiment))
     df = pd.DataFrame(rows, columns=MEASURED_COLUMNS)
     return df.astype({c: "Int64" for c in INTEGER_COLUMNS})

@@ -140,15 +140,50 @@ def host_need_gib(point: dict[str, Any]) -> float:
 DIAGNOSTIC_OPTIONS = frozenset({"ceiling", "trace"})
 
 
+def _run(point: dict[str, Any]) -> dict[str, Any]:
+    """The fields of what a point runs (`identity`'s)."""
+    return {"system": point["system"], "model": model({**point, "layers": _layers(point)}), "seq": point["seq"],
+            "batch": point["batch"], "accum": point["accum"],
+            "options": {k: v for k, v in point.get("options", {}).items() if k not in DIAGNOSTIC_OPTIONS},
+            "gpus": point.get("gpus", 1)}
+
+
 def identity(point: dict[str, Any]) -> str:
     """What a point runs: system, model, shape and options but the diagnostic ones. Two points of
     one identity are one point defined twice (unless one is the other's `same_as`); steps, warm-up
     and timeout do not count, as in suite.compare's pairing of results, and the preset's own layer
     count stated as `layers` is the preset."""
-    options = {k: v for k, v in point.get("options", {}).items() if k not in DIAGNOSTIC_OPTIONS}
-    ranks = [point["gpus"]] if point.get("gpus", 1) > 1 else []  # one GPU: as the points before the field
-    return json.dumps([point["system"], model({**point, "layers": _layers(point)}), point["seq"], point["batch"],
-                       point["accum"], options, *ranks], sort_keys=True)
+    run = _run(point)
+    ranks = [run["gpus"]] if run["gpus"] > 1 else []  # one GPU: as the points before the field
+    return json.dumps([run["system"], run["model"], run["seq"], run["batch"], run["accum"], run["options"], *ranks],
+                      sort_keys=True)
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A result's nested options as a grid writes them: {"engine": {"k": 1}} -> {"engine.k": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def ran(result: dict[str, Any]) -> dict[str, Any]:
+    """What a harness result ran, as a grid point's fields (its spec's; steps and timeout left out)."""
+    spec = result["spec"]
+    overrides = dict(spec["model"].get("overrides") or {})
+    layers = overrides.pop("num_hidden_layers", None)
+    return {"system": result["system"], "preset": spec["model"].get("preset") or spec["model"].get("config"),
+            "layers": layers, "overrides": overrides, "seq": spec["seq_len"], "batch": spec["batch_size"],
+            "accum": spec["grad_accum"], "options": _dotted(spec.get("options") or {}), "gpus": spec.get("gpus") or 1}
+
+
+def stale(point: dict[str, Any], result: dict[str, Any]) -> str | None:
+    """How `result` differs from what `point` runs now (None: it is that point's run, perhaps over other
+    steps): a result made before its grid point changed, which stands for the point no more."""
+    now, then = _run(point), _run(ran(result))
+    changed = [f"{k} {json.dumps(then[k], sort_keys=True)} (now {json.dumps(now[k], sort_keys=True)})"
+               for k in now if now[k] != then[k]]
+    return f"ran with {', '.join(changed)}" if changed else None
 
 
 def not_run(point: dict[str, Any]) -> dict[str, Any]:

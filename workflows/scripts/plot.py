@@ -57,6 +57,7 @@ NO_VALUE = {  # status -> (marker, colour, legend label)
     "timeout": ("X", "darkorange", "timed out (timeout)"),
     "unsupported": ("1", "darkorange", "unsupported"),
     "not_run": ("$?$", "grey", "not attempted (no result file)"),
+    "stale": ("3", "grey", "stale (run before its grid point changed)"),
 }
 OTHER_NO_VALUE = ("X", "purple", "failed ({})")
 SETTINGS_CHANGE = "settings-change"  # gid of the dotted segment between points of differing settings
