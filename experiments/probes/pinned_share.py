@@ -3,8 +3,10 @@ buffer on its disk offload (baselines/ratel.md, "Read from its code"). Ratel's m
 `fp32_param.grad`, a slice of one pinned buffer, on a queue to its optimizer process each step, then
 copies the next step's gradients into `grad.narrow(...).pin_memory()`.
 
-The probe does the same with one tensor: it pins it, sends it to a child process, pins a slice of
-it again, writes into that slice from the GPU, and asks where the write landed.
+The probe does the same with one tensor of 1 GiB: it pins it, sends it to a child process, pins a
+slice of it again, writes into that slice from the GPU, and asks where the write landed. It also
+reads each process's resident memory by kind (anonymous, file, shared memory) at each stage: where
+pinned and shared pages show, for the harness's count of a process tree's host memory.
 Prediction, read from torch's code: the send moves the tensor's storage into shared memory, which
 is not pinned. The slice's `pin_memory()` is then a copy, so the write reaches neither the parent's
 tensor nor the child's. A GPU is needed, since pinning needs CUDA.
@@ -19,13 +21,20 @@ import json
 import torch
 import torch.multiprocessing as mp
 
-N = 1 << 20
+N = 1 << 28  # float32: 1 GiB
 SLICE = 16
+
+
+def rss_by_kind() -> dict[str, float]:
+    """This process's resident MiB by kind (/proc/self/status: RssAnon, RssFile, RssShmem)."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f) if k.startswith("Rss")}
 
 
 def _child(inbox, outbox) -> None:
     t = inbox.get()
-    outbox.put("got")
+    t.sum()  # touches every page, as the optimizer's step does
+    outbox.put(rss_by_kind())
     inbox.get()  # the parent has written
     outbox.put(float(t[:SLICE].sum()))
 
@@ -35,19 +44,22 @@ def probe() -> dict:
     inbox, outbox = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_child, args=(inbox, outbox))
     child.start()
+    rss = {"parent_start": rss_by_kind()}
     grad = torch.zeros(N).pin_memory()
+    rss["parent_pinned"] = rss_by_kind()
     out = {"pinned_before": grad.is_pinned(), "shared_before": grad.is_shared()}
     inbox.put(grad)
-    assert outbox.get(timeout=60) == "got"
+    rss["child_after_send"] = outbox.get(timeout=120)
+    rss["parent_after_send"] = rss_by_kind()
     out.update(pinned_after_send=grad.is_pinned(), shared_after_send=grad.is_shared())
     view = grad.narrow(0, 0, SLICE).pin_memory()  # ratel_optimizer.py's gradient copy target
     out["pin_memory_is_a_copy"] = view.data_ptr() != grad.data_ptr()
     view.copy_(torch.ones(SLICE, device="cuda"), non_blocking=True)
     torch.cuda.synchronize()
     inbox.put("written")
-    out.update(reached_parent=float(grad[:SLICE].sum()) == SLICE, reached_child=outbox.get(timeout=60) == SLICE)
+    out.update(reached_parent=float(grad[:SLICE].sum()) == SLICE, reached_child=outbox.get(timeout=120) == SLICE)
     child.join(timeout=60)
-    return {**out, "torch": torch.__version__, "sharing_strategy": mp.get_sharing_strategy()}
+    return {**out, "rss_MiB": rss, "torch": torch.__version__, "sharing_strategy": mp.get_sharing_strategy()}
 
 
 def main() -> None:
