@@ -231,8 +231,11 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),
              "cpu_optimizer": host_params * rate}
-    bound = max(terms, key=terms.get)
-    step = terms[bound] + tail
+    if s.grad_slabs == 0:  # the ablation: compute waits for each layer's gradient copy and update
+        bound, step = "serial", gpu + terms["d2h"] + terms["cpu_optimizer"]
+    else:
+        bound = max(terms, key=terms.get)
+        step = terms[bound] + tail
     return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
                       {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound,
                       _rounded_shadows(shape, s))

@@ -65,3 +65,20 @@ def test_moe_layers_run_at_their_probes_rate():
     # a run with the lean experts and their gate compiled at that variant's probe rate (302.0)
     lean = project(spec, m, {**EAGER, "experts_kernel": "lean", "mlp_kernel": "compiled"}).terms["gpu"]
     assert 1.2 < moe / lean < 1.35
+
+
+def test_without_gradient_slabs_the_step_is_the_sum_of_its_parts():
+    """engine.grad_slabs=0 (the ablation): compute waits for each layer's gradient copy and host
+    update, so the step is the GPU's time plus the copies' and the CPU's AdamW, not the largest of
+    them; the committed sync_grads points are then within the model's usual error."""
+    from suite.projection import EAGER, project
+    from suite.spec import RunSpec
+    spec = RunSpec(system="megatrain", model={"preset": "qwen2.5-7b"}, seq_len=1024, batch_size=96)
+    m = MACHINES["h200x4"]
+    slabs, serial = project(spec, m, {**EAGER, "grad_slabs": 4}), project(spec, m, {**EAGER, "grad_slabs": 0})
+    t = serial.terms
+    assert serial.bound == "serial" and serial.step_s == pytest.approx(t["gpu"] + t["d2h"] + t["cpu_optimizer"])
+    assert slabs.step_s < serial.step_s and slabs.bound != "serial"
+    rows = [r for r in check([ROOT / "results" / hw for hw in ("h100", "h200", "h200x4")])
+            if r["point"].endswith("ablations/sync_grads.json")]
+    assert len(rows) == 3 and all(abs(r["step_s"]["error"]) < 0.12 for r in rows)
