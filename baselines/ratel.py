@@ -29,6 +29,7 @@ Options:
                      removed at close
   args               more main.py flags, e.g. {"swap_ratio": 0.5}; over the offload's flags
   approximate_model  true: run Ratel's GPT model at the spec's shape although the spec's model differs
+  admission          false: run even where the host or the disk seems too small (baselines/ratel_memory.py)
 """
 from __future__ import annotations
 
@@ -44,15 +45,17 @@ from pathlib import Path
 
 import torch
 
-from baselines import hf
+from baselines import hf, ratel_memory
 from baselines.ratel_compat import PATH as COMPAT
+from megatrain.memory import DoesNotFit, Shortage
 from megatrain.metrics import model_flops
+from megatrain.resolve import host_available_bytes
 from suite.system import System, Unsupported
 
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
 CONFIG = "config.json"  # main.py's --sb_config: offload sections, NVMe paths, aio settings
-_OPTIONS = {"checkout", "python", "offload", "nvme_path", "args", "approximate_model"}
+_OPTIONS = {"checkout", "python", "offload", "nvme_path", "args", "approximate_model", "admission"}
 _SECTIONS = ("offload_optimizer", "offload_param", "offload_act")
 # run.sh's single-GPU invocation: the disk offload
 RUN_SH_FLAGS = {"is_swap_and_recompute": 0, "is_swap_prior": 1, "is_fully_swap": 0, "swap_ratio": 0.3,
@@ -162,6 +165,7 @@ class Ratel(System):
         self.python = self._python(spec.options)
         self.env = compat_env(self.checkout)
         self.swap, self.owns_swap = self._swap(spec.options.get("nvme_path"))
+        self._fits_in_host()
         self.probe = self._probe()
         self.workdir = Path(tempfile.mkdtemp(prefix="ratel-"))  # made last: a refusal leaves nothing behind
         if self.owns_swap:  # on the temp dir's disk, removed with the run's directory
@@ -276,7 +280,24 @@ class Ratel(System):
         self._fits_on_disk(nvme_path)
         return str(nvme_path), False
 
+    def _fits_in_host(self) -> None:
+        """Refuse before anything runs where the host cannot hold the run, by the reading of Ratel's
+        code in ratel_memory (its buffers at this shape and the checkout's config.json)."""
+        if not self.spec.options.get("admission", True):
+            return
+        config = self.checkout / CONFIG
+        try:
+            need, how = ratel_memory.host_bytes(self.shape, json.loads(config.read_text()), self.offload)
+        except (ValueError, KeyError, TypeError) as e:
+            raise Unsupported(f"{config} is not the artifact's config.json ({type(e).__name__}: {e}); "
+                              f"its zero_config sets the offload buffers (see {REPO})") from None
+        have = host_available_bytes()  # as stated (MEGATRAIN_HOST_MEMORY_GB) where the OS under-reports
+        if need > have:
+            raise DoesNotFit("ratel", [Shortage("host", need, have, how)])
+
     def _fits_on_disk(self, path) -> None:
+        if not self.spec.options.get("admission", True):
+            return
         h, layers, vocab, seq = (self.shape[k] for k in ("hidden_dim", "num_layers", "vocab_size", "max_seq_len"))
         hf.require_disk("ratel", self.ratel_params(h, layers, vocab, seq), SWAP_BYTES_PER_PARAM, path)
 

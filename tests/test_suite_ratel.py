@@ -1,12 +1,16 @@
 """The Ratel runner on CPU: its refusals, and the spec -> main.py mapping run against a stub checkout."""
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from baselines import ratel_memory
 from megatrain.batch import Batch
+from megatrain.memory import DoesNotFit
+from megatrain.units import GiB
 from suite.spec import RunSpec
 from baselines.ratel import Ratel, parse_output
 from suite.system import Unsupported
@@ -66,7 +70,8 @@ STUB_ENV = {
 
 
 def _config(nvme: str) -> dict:
-    part = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4}
+    part = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4, "buffer_size": 1e6,
+            "max_in_cpu": 1e5}
     return {"zero_config": {"offload_optimizer": dict(part), "offload_param": dict(part), "offload_act": dict(part)},
             "aio_config": {"block_size": 1048576, "queue_depth": 32, "thread_count": 2}}
 
@@ -274,3 +279,60 @@ def test_the_harness_records_unsupported_without_a_checkout(monkeypatch, tmp_pat
     monkeypatch.delenv("RATEL_HOME", raising=False)
     r = run_point(spec(), tmp_path / "ratel.json")
     assert r["status"] == "unsupported" and "RATEL_HOME" in r["reason"]
+
+
+# The sizes in the artifact's config.json (RC4ML/LoHan feb88fe) that its host memory follows
+ARTIFACT = {"zero_config": {"offload_optimizer": {"buffer_count": 8},
+                            "offload_param": {"buffer_count": 6, "buffer_size": 1.2e9, "max_in_cpu": 1e8},
+                            "offload_act": {"buffer_count": 4, "buffer_size": 1.2e9, "max_in_cpu": 1e8}}}
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+@pytest.mark.parametrize("machine", ["h100", "h200"])
+def test_the_host_model_holds_the_measured_ratel_points(machine):
+    """ratel_memory against the committed 1B points of each route (Ratel's model at the 7B width, 4
+    layers, 1024 x 4). On disk the harness adds each process's resident memory, so the shared
+    buffers count twice there; in host memory the model errs high by the blocks the allocator reuses."""
+    for route in ("disk", "cpu"):
+        result = json.loads((RESULTS / machine / "points" / "ratel" / f"1b_ratel_{route}.json").read_text())
+        _, shape = Ratel._model(RunSpec.from_dict(RunSpec.stored(result["spec"])))
+        need, how = ratel_memory.host_bytes(shape, ARTIFACT, route)
+        measured = result["peak"]["host_rss_bytes"]
+        if route == "disk":
+            g = max(ratel_memory.sub_groups(ratel_memory.tensors(3584, 4, 152064, 1024)))
+            counted = need + ratel_memory.SHARED_BUFFERS * 4 * g
+            assert abs(counted - measured) < 1 * GiB, (route, counted / GiB, measured / GiB, how)
+        else:
+            assert measured <= need < measured + 3 * GiB, (route, need / GiB, measured / GiB, how)
+
+
+def test_optimizer_sub_groups_follow_the_models_order():
+    """Parameters join sub-groups in the model's order, each closed at 700 M elements or more: the
+    7B shape's largest is 0.73 B, so its optimizer buffers are no larger than the 1B model's; an
+    embedding of 700 M or more is a sub-group of its own."""
+    sizes = ratel_memory.tensors(3584, 28, 152064, 4096)
+    assert sum(sizes) == Ratel.ratel_params(3584, 28, 152064, 4096)
+    groups = ratel_memory.sub_groups(sizes)
+    assert sum(groups) == sum(sizes) and len(groups) == 7 and 0.70e9 <= max(groups) < 0.75e9
+    assert ratel_memory.sub_groups(ratel_memory.tensors(5120, 48, 152064, 4096))[0] == 152064 * 5120
+    disk = ratel_memory.host_bytes({"hidden_dim": 3584, "num_layers": 28, "vocab_size": 152064,
+                                    "max_seq_len": 4096, "batch_size": 8}, ARTIFACT, "disk")[0]
+    assert 100 * GiB < disk < 115 * GiB  # the 7B point's prediction (results/h200/next/x2_calls.sh)
+
+
+def test_a_run_the_host_cannot_hold_is_refused_before_anything_is_made(checkout, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GB", "2")
+    for route in ("disk", "cpu"):
+        with pytest.raises(DoesNotFit, match=rf"ratel does not fit: host memory: needs \d+\.\d GiB, 2\.0 GiB "
+                                             rf"available \(Ratel's {route} route at .* processes"):
+            Ratel(spec(checkout, options={"offload": route}), CPU)
+    assert not list((tmp_path / "temp").iterdir())
+    Ratel(spec(checkout, options={"admission": False}), CPU).close()  # tried anyway when told
+
+
+def test_a_config_without_the_artifacts_sizes_is_refused(checkout):
+    (checkout / "config.json").write_text(json.dumps({"zero_config": {}}))
+    with pytest.raises(Unsupported, match=r"config.json is not the artifact's config.json \(KeyError"):
+        Ratel(spec(checkout), CPU)
