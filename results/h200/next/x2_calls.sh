@@ -40,11 +40,12 @@ case $1 in
       case " ${*:2} " in *" 6 "*)
         # Ratel at the 7B shape (its GPT: 4.88 B parameters), its disk route. Its result is stale (run
         # without a checkout, before the grid's options): removed in the device's copy, run again.
-        # Prediction (session 30): the disk admission passes (81.8 + 2 GiB of 127.6); the disk bounds
-        # each step at this disk's rate in the 1B run (20.3 GB read and 21.2 written in its 17.9 s
-        # backward): about 84 GB read and 88 written a step, about 75-85 s a step, 11-14 model TFLOP/s
-        # (paper, GH200 with its RAID: 2.03); host peak as the suite counts it about 126 GiB (a reading
-        # of Ratel's code, its optimizer process's shared buffers counted twice); wall about 8 minutes.
+        # Prediction (session 30): the disk and host admissions pass (81.8 + 2 GiB of 127.6; 106.6 GiB
+        # of 250 by baselines/ratel_memory.py); the disk bounds each step at this disk's rate in the 1B
+        # run (20.3 GB read and 21.2 written in its 17.9 s backward): about 84 GB read and 88 written a
+        # step, about 75-85 s a step, 11-14 model TFLOP/s (paper, GH200 with its RAID: 2.03); host
+        # peak as the suite counts it about 126 GiB (its optimizer process's shared buffers counted
+        # twice); wall about 8 minutes.
         rm -f $R/ratel/7b_ratel.json
         # First, seconds: what the queue to Ratel's optimizer process does to a pinned gradient buffer
         # (experiments/probes/pinned_share.py, its prediction there)
