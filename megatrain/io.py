@@ -77,7 +77,8 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def save_figure(fig, *paths: str | Path, dpi: int = 150) -> None:
-    """A matplotlib figure to each path atomically (the format from each path's suffix)."""
+    """A matplotlib figure to each path atomically (the format from each path's suffix). A PDF carries
+    no creation date, so that the same figure drawn again is the same file."""
     for path in paths:
         with atomic_file(path) as tmp:
-            fig.savefig(tmp, dpi=dpi)
+            fig.savefig(tmp, dpi=dpi, metadata={"CreationDate": None} if tmp.suffix == ".pdf" else None)

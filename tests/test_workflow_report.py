@@ -406,3 +406,27 @@ def test_gpus_figure_scales_each_line_and_lists_a_refused_point_without_drawing_
     assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
     assert any(t.get_text() == "not drawn, refused (oom_host): 7b_g2_zero3" for t in fig.texts)
     assert fig._suptitle.get_text() == "gpus: measured on h200"
+
+
+def test_a_second_series_takes_a_colour_no_other_meaning_has():
+    """A system's further series (fewer layers, another offload) take colours that are no system's,
+    no no-value status's (grey: not attempted, red: refused) and not the paper's black."""
+    taken = {*plot.SYSTEM_COLORS.values(), *(c for _, c, _ in plot.NO_VALUE.values()), plot.OTHER_NO_VALUE[1],
+             plot.PAPER["color"], "C3", "C7"}  # C3 and C7 are matplotlib's red and grey
+    assert taken.isdisjoint(plot.SPARE_COLORS) and len(set(plot.SPARE_COLORS)) == len(plot.SPARE_COLORS)
+    styles = plot.series_styles(["ratel offload=disk", "ratel offload=cpu", "megatrain", "megatrain (7 layers)"])
+    assert styles["ratel offload=disk"][1] == plot.SYSTEM_COLORS["ratel"]
+    assert {styles["ratel offload=cpu"][1], styles["megatrain (7 layers)"][1]} <= set(plot.SPARE_COLORS)
+
+
+def test_a_figure_drawn_again_is_the_same_file(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from megatrain.io import save_figure
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    save_figure(fig, tmp_path / "a.png", tmp_path / "a.pdf")
+    first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    save_figure(fig, tmp_path / "a.png", tmp_path / "a.pdf")
+    plt.close(fig)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == first and b"CreationDate" not in first["a.pdf"]

@@ -66,7 +66,8 @@ IDEAL = "ideal-scaling"  # gid of the dashed ideal linear scaling from a line's 
 # marker and a colour of its own
 SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
                  "gemini": "C8", "ratel": "C6"}  # red is kept for the points without a value
-SPARE_COLORS = ("C7", "C8", "C9", "olive", "teal", "navy")
+# (neither a system's colour nor a no-value colour: grey is "not attempted", red "refused")
+SPARE_COLORS = ("C9", "navy", "saddlebrown", "darkgreen", "goldenrod", "slateblue")
 MEASURED = dict(linestyle="-")
 PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
 LEGEND_COLUMNS = 3
