@@ -55,22 +55,13 @@ def model_params_b(model) -> float | None:
     return _PARAMS_B[key] or size
 
 
-def _words(options: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in options.items():
-        if isinstance(v, dict):
-            out += _words(v, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}")
-    return out
-
-
 def options_text(options: dict | None) -> str:
     """A run's options as sorted `key=value` words (nested or dotted keys alike; the diagnostic ones,
     which only add a measurement, left out): what a figure compares to tell runs of different
     settings apart."""
-    from workflows.scripts.grid import DIAGNOSTIC_OPTIONS
-    return " ".join(sorted(_words({k: v for k, v in (options or {}).items() if k not in DIAGNOSTIC_OPTIONS})))
+    from workflows.scripts.grid import DIAGNOSTIC_OPTIONS, dotted
+    return " ".join(sorted(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                           for k, v in dotted(options or {}).items() if k not in DIAGNOSTIC_OPTIONS))
 
 
 def kernels(result: dict) -> str | None:

@@ -159,11 +159,12 @@ def identity(point: dict[str, Any]) -> str:
                       sort_keys=True)
 
 
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A result's nested options as a grid writes them: {"engine": {"k": 1}} -> {"engine.k": 1}."""
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Options nested as a result holds them, or dotted, as a grid writes them: {"engine": {"k": 1}}
+    -> {"engine.k": 1}."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -174,7 +175,7 @@ def ran(result: dict[str, Any]) -> dict[str, Any]:
     layers = overrides.pop("num_hidden_layers", None)
     return {"system": result["system"], "preset": spec["model"].get("preset") or spec["model"].get("config"),
             "layers": layers, "overrides": overrides, "seq": spec["seq_len"], "batch": spec["batch_size"],
-            "accum": spec["grad_accum"], "options": _dotted(spec.get("options") or {}), "gpus": spec.get("gpus") or 1}
+            "accum": spec["grad_accum"], "options": dotted(spec.get("options") or {}), "gpus": spec.get("gpus") or 1}
 
 
 def stale(point: dict[str, Any], result: dict[str, Any]) -> str | None:
