@@ -75,13 +75,15 @@ class Timeline:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._open: list = []
-        self._step_end = 0.0
+        self._step_end: float | None = None  # host seconds from the step's start, once it ended
 
     def begin_step(self) -> None:
         if not self.enabled:
             return
-        self._open = []  # (track, kind, label, start, end): events on CUDA, host seconds otherwise
-        self._host0 = time.perf_counter()
+        with self._lock:  # the optimizer's thread adds spans meanwhile: each goes to one step whole
+            self._open = []  # (track, kind, label, start, end): events on CUDA, host seconds otherwise
+            self._host0 = time.perf_counter()
+            self._step_end = None
         if self.dev.is_cuda:
             self._event0 = self._event(self.dev.compute)
 
@@ -112,20 +114,29 @@ class Timeline:
             return
         start = time.perf_counter()
         yield
-        self._add(track, kind, label, start - self._host0, time.perf_counter() - self._host0)
+        end = time.perf_counter()
+        with self._lock:  # this step's origin, read with the list the span joins
+            self._open.append((track, kind, label, start - self._host0, end - self._host0))
 
     def spans(self) -> list[Span]:
+        """The step's spans, cut to it: the optimizer's thread works across step boundaries (the
+        last step's update beside this step's forward), and only its part within this step counts."""
+        with self._lock:
+            rows = list(self._open)
         out = []
-        for track, kind, label, start, end in self._open:
+        for track, kind, label, start, end in rows:
             if not isinstance(start, float):  # CUDA events, complete after the step's synchronize
                 start = self._event0.elapsed_time(start) / 1e3
                 end = self._event0.elapsed_time(end) / 1e3
-            out.append(Span(track, kind, label, start, end))
+            if self._step_end is not None:
+                end = min(end, self._step_end)
+            if end > 0.0:
+                out.append(Span(track, kind, label, max(start, 0.0), end))
         return sorted(out, key=lambda s: s.start_s)
 
     def summary(self) -> dict[str, float]:
         spans = self.spans()
-        step = max([self._step_end] + [s.end_s for s in spans])
+        step = self._step_end if self._step_end is not None else max([0.0] + [s.end_s for s in spans])
         busy = _union([(s.start_s, s.end_s) for s in spans if s.track == Track.COMPUTE and s.kind != Kind.WAIT_WEIGHTS])
         blocked = _union([(s.start_s, s.end_s) for s in spans if s.kind == Kind.WAIT_OPTIMIZER])
         idle = _complement(busy, 0.0, step)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -293,6 +296,42 @@ def test_timeline_breakdown_and_trace(tmp_path):
     assert {"issue Embed", f"issue Forward L{layers - 1}", "issue Head", "issue Recompute L0", "issue Backward L0"} <= issued
     updates = {e["name"] for e in events if e.get("cat") == "update"}
     assert any(n.startswith("update layer.0 [") for n in updates)  # the optimizer's update of layer 0
+
+
+def test_timeline_step_holds_only_its_own_spans():
+    """The optimizer's thread ends spans all the time, across step boundaries: a span that ended
+    before a step began (the last step's, let in late) or the part after it ended is not the step's,
+    so the timeline's step is never longer than the step. Before spans were cut to the step, a
+    span of a 20 ms step read against the next step's origin made a 0.2 ms step 30-130 ms long
+    (an H200's 15.9 s step read as 23.5 s, its busy fraction 0.67)."""
+    from megatrain import timeline as tl
+    t = tl.Timeline(type("CPU", (), {"is_cuda": False})(), enabled=True)
+    t.begin_step()
+    stop = threading.Event()
+
+    def optimizer():
+        while not stop.is_set():
+            with t.host(tl.Track.OPTIMIZER, tl.Kind.UPDATE, "tile"):
+                pass
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches everywhere, inside a span's recording too
+    worker = threading.Thread(target=optimizer)
+    worker.start()
+    long = []
+    try:
+        for i in range(60):  # a long step, then a short one
+            t.begin_step()
+            start = time.perf_counter()
+            time.sleep(0.02 if i % 2 else 0.0)
+            t.end_step()
+            wall = time.perf_counter() - start
+            if (got := t.summary()["step_s"]) > wall + 0.005:
+                long.append((i, got, wall))
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+    assert not long, long[:3]
 
 
 def test_chunked_mlp_equals_the_whole_mlp():
