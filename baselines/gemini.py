@@ -12,6 +12,8 @@ Options:
   placement_policy    "static" (default) or "auto" (Gemini places chunks from a warm-up trace)
   offload_optim_frac  static policy: share of optimizer state on the host (default 1.0)
   offload_param_frac  static policy: share of parameters on the host (default 1.0)
+  enable_async_reduce  Gemini's gradient reduce and move on a stream of its own (default true,
+                      ColossalAI's; false: on the compute stream, baselines/gemini.md says why)
 Run the point's worker in an environment where colossalai imports with `python -m suite run --python`.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from suite.system import System, Unsupported
 
 # the latest colossalai release baselines/gemini.md describes, named when colossalai is not installed at all
 LATEST_CHECKED = "0.5.0, which requires torch>=2.2.0,<=2.5.1, transformers==4.51.3"
-_OPTIONS = {"placement_policy", "offload_optim_frac", "offload_param_frac"}
+_OPTIONS = {"placement_policy", "offload_optim_frac", "offload_param_frac", "enable_async_reduce"}
 _PLACEMENTS = ("static", "auto")
 
 
@@ -73,10 +75,13 @@ def _settings(options: dict) -> dict:
     for key, value in fracs.items():
         if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
             raise ValueError(f"gemini options.{key}: a fraction in [0, 1], got {value!r}")
+    async_reduce = options.get("enable_async_reduce", True)
+    if not isinstance(async_reduce, bool):
+        raise ValueError(f"gemini options.enable_async_reduce: true or false, got {async_reduce!r}")
     if policy == "static":
         return {"placement_policy": "static", "offload_optim_frac": float(fracs.get("offload_optim_frac", 1.0)),
-                "offload_param_frac": float(fracs.get("offload_param_frac", 1.0))}
-    return {"placement_policy": policy}
+                "offload_param_frac": float(fracs.get("offload_param_frac", 1.0)), "enable_async_reduce": async_reduce}
+    return {"placement_policy": policy, "enable_async_reduce": async_reduce}
 
 
 class Gemini(System):

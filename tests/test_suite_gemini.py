@@ -47,7 +47,16 @@ def test_importable_colossalai_without_cuda_unsupported(monkeypatch):
     ({"placement_policy": "cuda"}, "placement_policy"),
     ({"placement_policy": "auto", "offload_param_frac": 0.5}, "offload_param_frac"),
     ({"offload_optim_frac": 1.5}, "offload_optim_frac"),
+    ({"enable_async_reduce": "no"}, "enable_async_reduce"),
 ])
 def test_bad_options_rejected(options, setting):
     with pytest.raises(ValueError, match=setting):
         Gemini(spec(**options), CPU)
+
+
+def test_settings_reach_the_plugin_as_given():
+    from baselines.gemini import _settings
+    assert _settings({}) == {"placement_policy": "static", "offload_optim_frac": 1.0, "offload_param_frac": 1.0,
+                             "enable_async_reduce": True}  # ColossalAI's own default
+    assert _settings({"placement_policy": "auto", "enable_async_reduce": False}) == {
+        "placement_policy": "auto", "enable_async_reduce": False}

@@ -16,13 +16,19 @@
 #      host the same point moved about 41 GB a step): about 76 GB a step (17-18 B per parameter of
 #      Ratel's 2.13 B each way), so 30-35 s a step and 5-6 model TFLOP/s. Host peak as the harness counts it about 115 GiB (the
 #      optimizer process's shared buffers twice). About 5 minutes with Ratel's op build.
-# 3. `gemini` (a call of its own, about 9 minutes, no points): why Gemini's loss is NaN from its second
-#    step at the 3B shape with one 8192-token sequence (h200x4 `devices/3b_gemini`, session 31) and at
-#    8 x 4096 (here, session 9), while 4-7 x 4096 train and the 7B shape (untied embeddings) trains
-#    at 1 x 8192. Four runs of two steps, the tokens of the grid's point: (a) the point itself,
-#    again (is it repeatable?); (b) the embeddings untied; (c) 2 x 4096; (d) nothing offloaded.
-#    Read: NaN in (a) but not (b): the tied embedding and lm_head under Gemini's chunks; NaN in (a)
-#    but not (c): the sequence's length; not in (d): the CPU Adam's side. No prediction of which.
+# 3. `gemini [V ...]` (a call of its own, no points; about 3 minutes a variant, the first with
+#    HybridAdam's kernel build: the call's 585 s hold three, `gemini c d` the rest): why Gemini's loss
+#    is NaN from its second step at the 3B shape with one 8192-token sequence (h200x4
+#    `devices/3b_gemini`, session 31) and at 8 x 4096 (here, session 9), while 4-7 x 4096 train and
+#    the 7B shape (untied embeddings) trains at 1 x 8192. Two-step runs, the point's tokens:
+#    (a) the point itself, again; (e) Gemini's gradient reduce on the compute stream
+#    (`enable_async_reduce=false`); (b) the embeddings untied; (c) 2 x 4096; (d) nothing offloaded.
+#    Prediction (session 31, from reading colossalai 0.5.0, not run): a race, not arithmetic. With
+#    one rank, the reduce on Gemini's own stream copies a chunk's gradients out of a block allocated
+#    on the compute stream and frees that block with no `record_stream`, so the allocator may hand it
+#    to the compute stream's next tensor before the copy has read it. Then (a) NaN again, (e)
+#    finite, (b), (c) and (d) either way (they move the allocator's layout, not the race). If (e)
+#    is NaN too, the race is not it, and (b) against (a) tells whether the tied embedding is.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri RATEL_HOME=$PWD/.ratel/LoHan
 R=results/h100/points
@@ -34,8 +40,12 @@ case $1 in
   gemini)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site && mkdir -p $OUT/gemini
-    for run in "a:8192:1:" "b:8192:1:--override=tie_word_embeddings=false" "c:4096:2:" "d:8192:1:offload_optim_frac=0 offload_param_frac=0"; do
-      IFS=: read v seq batch extra <<< "$run"
+    declare -A how=([a]="8192 1" [e]="8192 1 enable_async_reduce=false" [b]="8192 1 --override=tie_word_embeddings=false"
+                    [c]="4096 2" [d]="8192 1 offload_optim_frac=0 offload_param_frac=0")
+    for v in ${@:2}; do [ -n "${how[$v]:-}" ] || { echo "variants: a e b c d"; exit 1; }; done
+    for v in ${@:2}; do
+      [ $SECONDS -lt 400 ] || { echo "$v: not started (the call's time)"; continue; }
+      read seq batch extra <<< "${how[$v]}"
       timeout $(( 585 - SECONDS )) python3 -m suite run --system gemini --preset qwen2.5-3b --seq $seq --batch $batch --accum 1 \
         --steps 2 --warmup 0 --timeout 600 $extra --out $OUT/gemini/$v.json > $OUT/gemini/$v.log 2>&1
       grep "gemini step" $OUT/gemini/$v.log | sed "s/^/$v: /"
