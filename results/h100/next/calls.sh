@@ -16,19 +16,23 @@
 #      host the same point moved about 41 GB a step): about 76 GB a step (17-18 B per parameter of
 #      Ratel's 2.13 B each way), so 30-35 s a step and 5-6 model TFLOP/s. Host peak as the harness counts it about 115 GiB (the
 #      optimizer process's shared buffers twice). About 5 minutes with Ratel's op build.
-# 3. `gemini [V ...]` (a call of its own, no points; about 3 minutes a variant, the first with
-#    HybridAdam's kernel build: the call's 585 s hold three, `gemini c d` the rest): why Gemini's loss
-#    is NaN from its second step at the 3B shape with one 8192-token sequence (h200x4
-#    `devices/3b_gemini`, session 31) and at 8 x 4096 (here, session 9), while 4-7 x 4096 train and
-#    the 7B shape (untied embeddings) trains at 1 x 8192. Two-step runs, the point's tokens:
-#    (a) the point itself, again; (e) Gemini's gradient reduce on the compute stream
-#    (`enable_async_reduce=false`); (b) the embeddings untied; (c) 2 x 4096; (d) nothing offloaded.
+# 3. `gemini [V ...]` (a call of its own, no points; about 3 minutes a Gemini variant, the first with
+#    HybridAdam's kernel build, under a minute for native: `gemini a e f` fills the call's 585 s,
+#    `gemini c d b` the rest): why Gemini's loss goes NaN. Measured: at the 3B shape with 8 x 4096
+#    here (session 9), NaN from the second step, while 4-7 x 4096 trained; on an H200 with one
+#    8192-token sequence (h200x4 `devices`, sessions 31-32) NaN at 3B, 7B and 14B, and at 7B the
+#    first update already raised the loss (12.644, 12.669, NaN; MegaTrain on the same data 12.650,
+#    12.648, 12.648). Two-step runs at the 3B shape, the point's tokens: (a) the point itself, again;
+#    (e) Gemini's gradient reduce on the compute stream (`enable_async_reduce=false`); (f) PyTorch
+#    native on the same data, the reference losses; (c) 2 x 4096; (d) nothing offloaded; (b) the
+#    embeddings untied.
 #    Prediction (session 31, from reading colossalai 0.5.0, not run): a race, not arithmetic. With
 #    one rank, the reduce on Gemini's own stream copies a chunk's gradients out of a block allocated
 #    on the compute stream and frees that block with no `record_stream`, so the allocator may hand it
-#    to the compute stream's next tensor before the copy has read it. Then (a) NaN again, (e)
-#    finite, (b), (c) and (d) either way (they move the allocator's layout, not the race). If (e)
-#    is NaN too, the race is not it, and (b) against (a) tells whether the tied embedding is.
+#    to the compute stream's next tensor before the copy has read it. Then (a) NaN again, with its
+#    second loss above (f)'s; (e) finite, with its second loss within 0.01 of (f)'s; (c), (d) and (b)
+#    either way (they move the allocator's layout, not the race). If (e) is NaN too, the race is not
+#    it.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri RATEL_HOME=$PWD/.ratel/LoHan
 R=results/h100/points
@@ -40,15 +44,16 @@ case $1 in
   gemini)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site && mkdir -p $OUT/gemini
-    declare -A how=([a]="8192 1" [e]="8192 1 enable_async_reduce=false" [b]="8192 1 --override=tie_word_embeddings=false"
-                    [c]="4096 2" [d]="8192 1 offload_optim_frac=0 offload_param_frac=0")
-    for v in ${@:2}; do [ -n "${how[$v]:-}" ] || { echo "variants: a e b c d"; exit 1; }; done
+    declare -A how=([a]="gemini 8192 1" [e]="gemini 8192 1 enable_async_reduce=false" [f]="native 8192 1"
+                    [b]="gemini 8192 1 --override=tie_word_embeddings=false" [c]="gemini 4096 2"
+                    [d]="gemini 8192 1 offload_optim_frac=0 offload_param_frac=0")
+    for v in ${@:2}; do [ -n "${how[$v]:-}" ] || { echo "variants: a e f c d b"; exit 1; }; done
     for v in ${@:2}; do
       [ $SECONDS -lt 400 ] || { echo "$v: not started (the call's time)"; continue; }
-      read seq batch extra <<< "${how[$v]}"
-      timeout $(( 585 - SECONDS )) python3 -m suite run --system gemini --preset qwen2.5-3b --seq $seq --batch $batch --accum 1 \
+      read system seq batch extra <<< "${how[$v]}"
+      timeout $(( 585 - SECONDS )) python3 -m suite run --system $system --preset qwen2.5-3b --seq $seq --batch $batch --accum 1 \
         --steps 2 --warmup 0 --timeout 600 $extra --out $OUT/gemini/$v.json > $OUT/gemini/$v.log 2>&1
-      grep "gemini step" $OUT/gemini/$v.log | sed "s/^/$v: /"
+      grep "$system step" $OUT/gemini/$v.log | sed "s/^/$v: /"
     done
     python3 -m suite table $OUT/gemini; exit 0 ;;
   attach)

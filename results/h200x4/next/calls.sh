@@ -14,7 +14,7 @@
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
-#   Sessions 28 and 31 made shared, ablations, context and half of devices; 68 points are left.
+#   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point; 59 are left.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
