@@ -150,11 +150,13 @@ def test_ratels_offload_routes_are_lines_of_their_own(tmp_path):
 
 
 def test_the_paper_gets_a_line_per_system(tmp_path):
-    """Figure 6's text gives throughput and host memory per system: one dashed line each (OOM and
-    ratio rows not drawn); Table 6's device memory, which names no system, one line."""
+    """Figure 6's text gives throughput and host memory per system: one dashed line each (ratio rows
+    not drawn, OOM rows as markers under zero: the next test); Table 6's device memory, which names
+    no system, one line."""
     df = aggregate.table(_write(tmp_path, "width"), "width")
     fig = plot.figure(df, "width", "cpu")
-    lines = {ax.get_title(): {ln.get_label(): ln.get_xydata().tolist() for ln in ax.get_lines()} for ax in fig.axes}
+    lines = {ax.get_title(): {ln.get_label(): ln.get_xydata().tolist() for ln in ax.get_lines()
+                              if ln.get_linestyle() != "None"} for ax in fig.axes}
     tflops, host, device = (lines[t] for t in ("Throughput by width multiplier", "Host memory by width multiplier",
                                                "Device memory by width multiplier"))
     assert tflops["paper (GH200): ZeRO-3 Offload"] == [[1.0, 455], [3.0, 262], [3.5, 160], [4.0, 136]]
@@ -163,6 +165,29 @@ def test_the_paper_gets_a_line_per_system(tmp_path):
     assert [y for _, y in host["paper (GH200): MegaTrain"]] == pytest.approx([v / plot.GB_PER_GiB for v in (174, 263, 308)])
     # Table 6's allocation is named as what it is, beside our allocator's peak
     assert "paper (GH200), device allocation (Table 6)" in device and not any(k.startswith("paper (GH200):") for k in device)
+
+
+def test_the_papers_oom_is_drawn_as_its_word_in_the_no_value_band(tmp_path):
+    """Figure 6's text says ZeRO-3 and FSDP run out of memory beyond width 4.0: each such point sits
+    under zero with its series' open marker and "OOM", never as a value; Table 9's 14B ZeRO-3 row
+    (OOM, printed without a number) keeps its bar's row and says OOM at zero."""
+    df = aggregate.table(_write(tmp_path / "w", "width"), "width")
+    fig = plot.figure(df, "width", "cpu")
+    ax = fig.axes[0]
+    oom = [ln for ln in ax.get_lines() if ln.get_label() == "paper (GH200): ZeRO-3 Offload" and ln.get_ydata()[0] < 0]
+    assert sorted(float(ln.get_xdata()[0]) for ln in oom) == [4.5, 5.0]
+    assert ax.get_ylim()[0] < min(ln.get_ydata()[0] for ln in oom) < 0  # in the band, not on the frame
+    dashed = [ln for ln in ax.get_lines() if ln.get_label() == "paper (GH200): ZeRO-3 Offload" and ln.get_linestyle() == "--"]
+    assert max(dashed[0].get_xdata()) == 4.0  # the line is not drawn to them
+    assert [t.get_text() for t in ax.texts].count("OOM") == 4  # ZeRO-3 and FSDP at 4.5 and 5.0
+    fsdp = [ln for ln in ax.get_lines() if ln.get_label() == "paper (GH200): FSDP Offload" and ln.get_ydata()[0] < 0]
+    assert fsdp[0].get_ydata()[0] != oom[0].get_ydata()[0]  # a row each: the two markers at one x stay apart
+    assert plot.paper_words(pd.DataFrame({"x": [1, 2, 3], "tflops": ["OOM", "–", 12]}), aggregate.experiment("devices"),
+                            "model_tflops")["word"].tolist() == ["OOM"]
+    bars = plot.figure(aggregate.table(_write(tmp_path / "d", "devices"), "devices"), "devices", "h100").axes[0]
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    row = labels.index("paper: RTX A6000 / Qwen2.5-14B / ZeRO-3 Offload")
+    assert [t.xy for t in bars.texts if t.get_text() == "OOM"][0] == (0, row)
 
 
 def test_timeline_colours_each_span_by_its_kind(tmp_path):

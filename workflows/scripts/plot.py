@@ -13,7 +13,9 @@ panels and the paper's matching columns); an unknown experiment gets bars of TFL
 - The paper's lower bounds ("above 250") are carets with an upward arrow, apart from its line; its
   marked or qualified values carry their mark.
 - A point without a value sits in a grey "no value" band under the axis' zero, never at zero: a
-  marker per status, "refused (oom_host)" apart from "not attempted (no result file)".
+  marker per status, "refused (oom_host)" apart from "not attempted (no result file)". Under them,
+  the paper's points printed as a word ("OOM"): a row per paper series, its open marker with the
+  word beside it; on bars the word at zero.
 - Where our quantity and the paper's differ (our device memory is the allocator's peak, the
   paper's Tables 5 and 6 print an allocation), the legend and the axis label say which is which.
 - Bars: one per point, in its system's colour (as on the line figures), its value beside it.
@@ -79,6 +81,7 @@ TITLES = {"model_tflops": "Throughput", "tokens_per_s": "Throughput", "peak_host
 SMOKE_TITLE = "CPU smoke test: not a performance result"
 LOWER = ("above", "over", "more than", "at least", ">")
 UPPER = ("below", "under", "less than", "at most", "<")
+DASHES = ("", "-", "–", "—")  # a printed cell that gives no value and no word
 
 
 def _tick(value: float, _) -> str:
@@ -140,6 +143,17 @@ def paper_points(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.DataFrame 
             for m, q, b in zip(marks, qualifier, bound)]
     out = paper.assign(y=v / GB_PER_GiB if y.endswith("_GiB") else v, bound=bound, mark=mark)
     return out.dropna(subset=["x", "y"])
+
+
+def paper_words(paper: pd.DataFrame, spec: Experiment, y: str) -> pd.DataFrame | None:
+    """The paper's rows whose `y` cell is printed as a word rather than a number ("OOM"), with that
+    `word`; a dash or a blank says nothing and is left out. None if the paper prints no such column."""
+    col = spec.paper_y.get(y)
+    if col is None or col not in paper or "x" not in paper:
+        return None
+    words = [c.strip() if isinstance(c, str) and np.isnan(_number(c)) and c.strip() not in DASHES else None
+             for c in paper[col]]
+    return paper.assign(word=pd.Series(words, index=paper.index, dtype=object)).dropna(subset=["x", "word"])
 
 
 def _series(rows: pd.DataFrame, spec: Experiment) -> pd.Series:
@@ -226,18 +240,25 @@ def _axis_top(values) -> float:
     return top * 1.12 if top > 0 else 1.0
 
 
-def _no_value(ax, rows: pd.DataFrame, top: float) -> None:
-    """The points without a value in the grey band under zero: a marker per status, its own entry."""
+def _no_value(ax, rows: pd.DataFrame, top: float, words: list[tuple] = ()) -> None:
+    """The points without a value in the grey band under zero: a marker per status, its own entry;
+    under them the paper's points printed as a word (`words`: x, word, its series' label and marker),
+    a row per paper series, its open marker with the word beside it."""
     bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
-    if bad.empty:
-        return
     statuses = sorted(bad["status"].unique(), key=lambda s: (s == "not_run", s))
+    series = list(dict.fromkeys(label for _, _, label, _ in words))
+    levels = len(statuses) + len(series)
     for k, status in enumerate(statuses):
         marker, color, label = no_value_style(status)
         xs = bad[bad["status"] == status]["x"]
-        y = -BAND * top * (k + 1) / (len(statuses) + 1)
+        y = -BAND * top * (k + 1) / (levels + 1)
         ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=color, markersize=7,
                 label=label, zorder=3, clip_on=False)
+    for x, word, label, marker in words:
+        y = -BAND * top * (len(statuses) + series.index(label) + 1) / (levels + 1)
+        ax.plot([x], [y], linestyle="none", marker=marker, markerfacecolor="none", color="black", markersize=5,
+                label=label, zorder=3, clip_on=False)
+        ax.annotate(word, (x, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=6)
 
 
 def _floor(ax, top: float, band: bool) -> None:
@@ -266,6 +287,16 @@ def _draw_paper(ax, ref: pd.DataFrame, label: str, marker: str) -> None:
                         arrowprops=dict(arrowstyle="<-", color="black", lw=1))
     for x, y, mark in ref.dropna(subset=["mark"])[["x", "y", "mark"]].itertuples(index=False):
         ax.annotate(str(mark), (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6)
+
+
+def _paper_series(rows: pd.DataFrame, spec: Experiment, y: str, markers: dict[str, str]):
+    """The paper's rows by system, each with its legend label and its marker (`markers` keeps one
+    marker per label across the panels)."""
+    systems = rows["system"].fillna("") if "system" in rows else pd.Series("", index=rows.index)
+    quantity = spec.paper_quantity.get(y)
+    for system, g in rows.groupby(systems, sort=False):
+        label = f"paper ({spec.paper_hardware})" + (f": {system}" if system else "") + (f", {quantity}" if quantity else "")
+        yield g, label, markers.setdefault(label, PAPER_MARKERS[len(markers) % len(PAPER_MARKERS)])
 
 
 def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) -> None:
@@ -328,14 +359,13 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
         ref = paper_points(paper, spec, y)
         values = list(ok[y])
         if ref is not None and len(ref):
-            quantity = spec.paper_quantity.get(y)
-            systems = ref["system"].fillna("") if "system" in ref else pd.Series("", index=ref.index)
-            for system, g in ref.groupby(systems, sort=False):
-                label = f"paper ({spec.paper_hardware})" + (f": {system}" if system else "") + \
-                        (f", {quantity}" if quantity else "")
-                marker = paper_markers.setdefault(label, PAPER_MARKERS[len(paper_markers) % len(PAPER_MARKERS)])
+            for g, label, marker in _paper_series(ref, spec, y, paper_markers):
                 _draw_paper(ax, g, label, marker)
             values += list(ref["y"])
+        printed = paper_words(paper, spec, y) if len(paper) else None
+        words = [(x, word, label, marker) for g, label, marker in
+                 (_paper_series(printed, spec, y, paper_markers) if printed is not None else ())
+                 for x, word in zip(g["x"], g["word"])]
         top = _axis_top(values)
         bad = ours[(ours["status"] != "ok") & ours["x"].notna()]
         if not values:  # the CPU has no device memory: say so rather than draw an empty 0-1 frame
@@ -343,8 +373,8 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
             if ours["x"].notna().any():  # the other panels' x range
                 lo, hi = ours["x"].min(), ours["x"].max()
                 ax.set_xlim(*((lo / 1.5, hi * 1.5) if spec.log_x else (lo - 0.05 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)))
-        _floor(ax, top, band=len(bad) > 0)
-        _no_value(ax, ours, top)
+        _floor(ax, top, band=len(bad) > 0 or bool(words))
+        _no_value(ax, ours, top, words)
         ylabel = YLABELS[y]
         if spec.paper_quantity.get(y) and ref is not None and len(ref):  # two quantities: say which is which
             ylabel = f"{TITLES[y].lower()} (GiB)\nours: peak allocated; paper: {spec.paper_quantity[y].split(' (')[0]}"
@@ -435,13 +465,13 @@ def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
 def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One horizontal bar per measured point (labelled by the experiment's x, coloured by its
     system, its value beside it), then the paper's rows as open hatched bars below; a point that did
-    not run is a red status note at zero. With the experiment's `reference`, each bar is its change
+    not run is a red status note at zero, a paper row printed as a word ("OOM") that word, in black. With the experiment's `reference`, each bar is its change
     against its own side's full configuration."""
     ours, paper = _split(df)
     if spec.reference:  # our full configuration first, as the paper's table puts its own
         ours = ours.assign(_first=~ours["id"].isin(spec.reference)).sort_values(["_first", "id"], kind="stable")
     n = len(ours)
-    kept = [paper_points(paper, spec, y) for y in spec.panels] if len(paper) else []
+    kept = [f(paper, spec, y) for y in spec.panels for f in (paper_points, paper_words)] if len(paper) else []
     keep = set().union(*(r.index for r in kept if r is not None))
     paper = paper.loc[paper.index.isin(keep)] if len(paper) else paper
     ref_ours = _reference(ours[ours["status"] == "ok"], "id", lambda v: v in spec.reference) if spec.reference else None
@@ -492,6 +522,10 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
                         ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, n + i), xytext=(3 if v >= 0 else -3, 0),
                                     textcoords="offset points", va="center", ha="left" if v >= 0 else "right",
                                     fontsize=6)
+        printed = paper_words(paper, spec, y) if len(paper) else None
+        for i, word in enumerate(printed["word"].reindex(paper.index) if printed is not None else ()):
+            if isinstance(word, str):  # the paper's word where it printed no number ("OOM")
+                ax.annotate(word, (0, n + i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
         if shown.isna().all() and pshown.isna().all():
             ax.text(0.5, 0.5, "no value measured", transform=ax.transAxes, ha="center", color="0.4")
             ax.set_xticks([])
