@@ -94,15 +94,14 @@ def require_disk(what: str, n_params: int, bytes_per_param: float, path: str, ra
                                          f"for the run's other files")])
 
 
-def require_device(spec, device: torch.device, bytes_per_param: float, what: str) -> None:
+def require_device(spec, device: torch.device, need: int, how: str, what: str) -> None:
+    """Refuse before allocating when the device's free memory cannot hold `need` bytes (`how`: what
+    they are made of); `options.admission: false` tries anyway."""
     if device.type != "cuda" or not spec.options.get("admission", True):
         return
-    need = params(spec) * bytes_per_param
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
-        raise DoesNotFit(what, [Shortage("device", int(need), free,
-                                         f"{bytes_per_param} B/param x {params(spec) / 1e9:.2f} B params, "
-                                         f"before activations")])
+        raise DoesNotFit(what, [Shortage("device", int(need), free, how)])
 
 
 def adamw_params(model, weight_decay: float) -> list:

@@ -306,3 +306,33 @@ def test_the_table_marks_a_breakdown_the_run_did_not_record():
     timed = {**new, "setup_s": 88.3, "wall_s": 135.2}
     assert line("timed", timed).split()[-2:] == ["88", "135"]  # set-up and wall: what packs a GPU call
     assert line("new", new).split()[-2:] == ["-", "-"]
+
+
+def test_native_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
+    """Native's device count against its measured points (baselines/native.py): at most 3.5 GiB
+    under each peak it reached, above the free memory of each point that ran out of it, so the
+    H200's 7B at 8 x 4096 x 4 micro-batches (which failed mid-step) is refused up front with the
+    count's parts, and 4 x 4096 with no accumulation is not."""
+    import torch
+
+    from baselines import hf
+    from baselines.native import device_need
+    from megatrain.memory import DoesNotFit
+    from megatrain.units import GiB
+
+    def spec(preset, batch, accum=1, layers=None):
+        model = {"preset": preset, **({"overrides": {"num_hidden_layers": layers}} if layers else {})}
+        return RunSpec.from_dict({"system": "native", "model": model, "seq_len": 4096, "batch_size": batch,
+                                  "grad_accum": accum})
+    for s, peak in [(spec("qwen2.5-3b", 4), 73489711104), (spec("qwen2.5-3b", 2, layers=8), 27475111936),
+                    (spec("qwen3-30b-a3b", 8, layers=6), 115055279616)]:  # results/h100, h200 points
+        need = device_need(s)[0]
+        assert peak - 3.5 * GiB < need <= peak
+    assert device_need(spec("qwen2.5-3b", 8))[0] > 78.7 * GiB  # the H100's free memory; it ran out
+    h200_free = int(139.2 * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (h200_free, 140 * GiB))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(DoesNotFit, match=r"at the loss: .*gradients 28\.4 GiB"):
+        hf.require_device(spec("qwen2.5-7b", 8, 4), cuda, *device_need(spec("qwen2.5-7b", 8, 4)), "native training")
+    hf.require_device(spec("qwen2.5-7b", 4), cuda, *device_need(spec("qwen2.5-7b", 4)), "native training")
+    assert device_need(spec("qwen2.5-7b", 4))[0] < h200_free
