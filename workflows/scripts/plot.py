@@ -465,8 +465,9 @@ def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
 def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One horizontal bar per measured point (labelled by the experiment's x, coloured by its
     system, its value beside it), then the paper's rows as open hatched bars below; a point that did
-    not run is a red status note at zero, a paper row printed as a word ("OOM") that word, in black. With the experiment's `reference`, each bar is its change
-    against its own side's full configuration."""
+    not run is a red status note at zero, a paper row printed as a word ("OOM") that word, in black.
+    With the experiment's `reference`, each bar is its change against its own side's full
+    configuration."""
     ours, paper = _split(df)
     if spec.reference:  # our full configuration first, as the paper's table puts its own
         ours = ours.assign(_first=~ours["id"].isin(spec.reference)).sort_values(["_first", "id"], kind="stable")
