@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,11 +95,13 @@ def require_disk(what: str, n_params: int, bytes_per_param: float, path: str, ra
                                          f"for the run's other files")])
 
 
-def require_device(spec, device: torch.device, need: int, how: str, what: str) -> None:
-    """Refuse before allocating when the device's free memory cannot hold `need` bytes (`how`: what
-    they are made of); `options.admission: false` tries anyway."""
+def require_device(spec, device: torch.device, count: Callable[[], tuple[int, str]], what: str) -> None:
+    """Refuse before allocating when the device's free memory cannot hold the point: `count()` gives
+    its bytes and what they are made of (counted only on a GPU); `options.admission: false` tries
+    anyway."""
     if device.type != "cuda" or not spec.options.get("admission", True):
         return
+    need, how = count()
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         raise DoesNotFit(what, [Shortage("device", int(need), free, how)])

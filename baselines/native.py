@@ -42,7 +42,7 @@ def device_need(spec) -> tuple[int, str]:
 
 class Native(System):
     def __init__(self, spec, device: torch.device):
-        hf.require_device(spec, device, *device_need(spec), "native training")
+        hf.require_device(spec, device, lambda: device_need(spec), "native training")
         self.device = device
         self.autocast = device.type == "cuda"
         self.model = hf.build_model(spec, device)

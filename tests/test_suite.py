@@ -333,6 +333,6 @@ def test_native_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (h200_free, 140 * GiB))
     cuda = torch.device("cuda", 0)
     with pytest.raises(DoesNotFit, match=r"at the loss: .*gradients 28\.4 GiB"):
-        hf.require_device(spec("qwen2.5-7b", 8, 4), cuda, *device_need(spec("qwen2.5-7b", 8, 4)), "native training")
-    hf.require_device(spec("qwen2.5-7b", 4), cuda, *device_need(spec("qwen2.5-7b", 4)), "native training")
+        hf.require_device(spec("qwen2.5-7b", 8, 4), cuda, lambda: device_need(spec("qwen2.5-7b", 8, 4)), "native training")
+    hf.require_device(spec("qwen2.5-7b", 4), cuda, lambda: device_need(spec("qwen2.5-7b", 4)), "native training")
     assert device_need(spec("qwen2.5-7b", 4))[0] < h200_free
