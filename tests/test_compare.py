@@ -225,3 +225,15 @@ def test_same_machine_other_commit_is_a_code_comparison(base, tmp_path, capsys):
     assert compare.main(str(b), str(n), 0.05, compare.DEFAULT_METRICS) == 1
     out = capsys.readouterr().out
     assert "torch (software): 2.11.0+cu130 -> 2.12.0" in out and "DIFFERENT MACHINES" not in out
+
+
+def test_the_hardware_figure_compares_every_machine_with_results_by_default(tmp_path, monkeypatch):
+    """compare.hardware unset: the profile's own machine and every machine whose results hold the
+    experiment (so the committed figure does not lose a machine when redrawn by default); named: those."""
+    from workflows.scripts import hardware_compare
+    for hw, experiment in (("h100", "shared"), ("h200x4", "shared"), ("h200", "scale")):
+        (tmp_path / "results" / hw / "points" / experiment).mkdir(parents=True)
+        (tmp_path / "results" / hw / "points" / experiment / "p.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert hardware_compare.machines(None, "shared", "h200") == ["h100", "h200", "h200x4"]
+    assert hardware_compare.machines(["h100", "h200"], "shared", "h200") == ["h100", "h200"]

@@ -1,17 +1,22 @@
 # Cross-hardware comparison: one experiment's points from several machines, side by side. Not part
 # of `all`: it needs results from more than one machine. The machines come from the config,
 #   snakemake plots/compare/scale.png --config 'compare={hardware: [h100, h200]}'
-# each naming a results/<hardware>/points folder. The profile's own machine's points are built as
-# usual; the others' must already be there (copied from those machines).
+# each naming a results/<hardware>/points folder, or by default every machine whose results hold the
+# experiment (and the profile's own). The profile's own machine's points are built as usual; the
+# others' must already be there (copied from those machines).
 from workflows.scripts import hardware_compare as hwcompare
 
-COMPARE_HW = list((config.get("compare") or {}).get("hardware") or ["h100", "h200"])
+COMPARE_HW = (config.get("compare") or {}).get("hardware")
+
+
+def compare_machines(wildcards):
+    return hwcompare.machines(COMPARE_HW, wildcards.experiment, HW)
 
 
 rule compare_hardware:
-    """One experiment's points on each machine of compare.hardware -> grouped bars of model TFLOP/s."""
+    """One experiment's points on each machine compared -> grouped bars of model TFLOP/s."""
     input:
-        lambda w: hwcompare.inputs(COMPARE_HW, w.experiment, HW, experiment_results(w)),
+        lambda w: hwcompare.inputs(compare_machines(w), w.experiment, HW, experiment_results(w)),
     output:
         png="plots/compare/{experiment}.png",
         pdf="plots/compare/{experiment}.pdf",
@@ -20,7 +25,7 @@ rule compare_hardware:
     log:
         "logs/compare/{experiment}.log",
     params:
-        folders=lambda w: hwcompare.folder_args(COMPARE_HW, w.experiment),
+        folders=lambda w: hwcompare.folder_args(compare_machines(w), w.experiment),
     shell:
         "python -m workflows.scripts.hardware_compare --title '{wildcards.experiment}: model TFLOP/s by hardware' "
         "--png {output.png} --pdf {output.pdf} {params.folders} > {log} 2>&1"

@@ -26,6 +26,15 @@ from suite.compare import describe, load, point_label
 from megatrain.io import save_figure
 
 
+def machines(hardware: list[str] | None, experiment: str, own: str) -> list[str]:
+    """The machines to compare: those named, or, with none named, the profile's own and every
+    machine with results of the experiment under results/ (by name)."""
+    if hardware:
+        return list(hardware)
+    found = {path.split("/")[1] for path in glob.glob(f"results/*/points/{experiment}/*.json")}
+    return sorted(found | {own})
+
+
 def inputs(hardware: list[str], experiment: str, own: str, own_files: list[str]) -> list[str]:
     """The workflow's inputs: the profile's machine's points as the grid builds them, the others' as found."""
     files = []
