@@ -9,14 +9,10 @@ from workflows.scripts import hardware_compare as hwcompare
 COMPARE_HW = (config.get("compare") or {}).get("hardware")
 
 
-def compare_machines(wildcards):
-    return hwcompare.machines(COMPARE_HW, wildcards.experiment, HW)
-
-
 rule compare_hardware:
     """One experiment's points on each machine compared -> grouped bars of model TFLOP/s."""
     input:
-        lambda w: hwcompare.inputs(compare_machines(w), w.experiment, HW, experiment_results(w)),
+        lambda w: hwcompare.inputs(hwcompare.machines(COMPARE_HW, w.experiment, HW), w.experiment, HW, experiment_results(w)),
     output:
         png="plots/compare/{experiment}.png",
         pdf="plots/compare/{experiment}.pdf",
@@ -25,7 +21,7 @@ rule compare_hardware:
     log:
         "logs/compare/{experiment}.log",
     params:
-        folders=lambda w: hwcompare.folder_args(compare_machines(w), w.experiment),
+        folders=lambda w: hwcompare.folder_args(hwcompare.machines(COMPARE_HW, w.experiment, HW), w.experiment),
     shell:
         "python -m workflows.scripts.hardware_compare --title '{wildcards.experiment}: model TFLOP/s by hardware' "
         "--png {output.png} --pdf {output.pdf} {params.folders} > {log} 2>&1"
