@@ -12,8 +12,9 @@ Options:
   placement_policy    "static" (default) or "auto" (Gemini places chunks from a warm-up trace)
   offload_optim_frac  static policy: share of optimizer state on the host (default 1.0)
   offload_param_frac  static policy: share of parameters on the host (default 1.0)
-  enable_async_reduce  Gemini's gradient reduce and move on a stream of its own (default true,
-                      ColossalAI's; false: on the compute stream, baselines/gemini.md says why)
+  enable_async_reduce  Gemini's gradient reduce and move on a stream of its own (default false: on
+                      the compute stream; ColossalAI's default, true, races on one rank and its loss
+                      goes NaN: baselines/gemini.md)
 Run the point's worker in an environment where colossalai imports with `python -m suite run --python`.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _settings(options: dict) -> dict:
     for key, value in fracs.items():
         if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
             raise ValueError(f"gemini options.{key}: a fraction in [0, 1], got {value!r}")
-    async_reduce = options.get("enable_async_reduce", True)
+    async_reduce = options.get("enable_async_reduce", False)
     if not isinstance(async_reduce, bool):
         raise ValueError(f"gemini options.enable_async_reduce: true or false, got {async_reduce!r}")
     if policy == "static":

@@ -93,3 +93,19 @@ def test_the_workflow_names_a_stale_result_and_keeps_it():
     finally:
         grid.unlink(missing_ok=True)
         subprocess.run(["rm", "-rf", str(ROOT / "results" / hw)])
+
+
+def test_the_grid_lists_its_stale_results_to_run_again(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    points = [{k: v for k, v in {**POINT, "id": i}.items() if k not in ("steps", "warmup", "timeout")}
+              for i in ("kept", "changed", "absent")]
+    points[1]["accum"] = 2
+    (tmp_path / "grid.yaml").write_text(json.dumps({
+        "hardware": "t", "defaults": {"seq": 32, "batch": 2, "steps": 3, "warmup": 1, "timeout": 60},
+        "experiments": {"depth": {"points": points}}}))
+    folder = tmp_path / "results/t/points/depth"
+    folder.mkdir(parents=True)
+    for i in ("kept", "changed"):
+        (folder / f"{i}.json").write_text(json.dumps(_result(POINT)))
+    assert gridlib.main(["--stale", "grid.yaml"]) == 0
+    assert capsys.readouterr().out.split() == ["results/t/points/depth/changed.json"]

@@ -1,6 +1,5 @@
 # The grid (config["grid"], a workflows/grids/*.yaml chosen by the profile or by `--config grid=`),
 # validated by schema, and the input functions of the target rules.
-import json
 import os
 import sys
 
@@ -18,22 +17,8 @@ POINTS = gridlib.points(GRID)
 EXPERIMENTS = list(GRID["experiments"])
 
 
-def stale_results():
-    """The results made before their grid point changed (`gridlib.stale`). The workflow never
-    deletes a result: it names them here, and their tables mark them `stale`."""
-    out = []
-    for (experiment, point_id), point in POINTS.items():
-        path = f"results/{HW}/points/{experiment}/{point_id}.json"
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                why = gridlib.stale(point, json.load(f))
-            if why:
-                out.append(f"{path}: {why}")
-    return out
-
-
-for _stale in stale_results():
-    print(f"warning: stale result, kept: {_stale}; run it again with --forcerun", file=sys.stderr)
+for _path, _why in gridlib.stale_results(GRID):  # never deleted: their tables mark them `stale`
+    print(f"warning: stale result, kept: {_path}: {_why}; run it again with --forcerun", file=sys.stderr)
 
 
 wildcard_constraints:

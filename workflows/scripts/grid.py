@@ -187,6 +187,19 @@ def stale(point: dict[str, Any], result: dict[str, Any]) -> str | None:
     return f"ran with {', '.join(changed)}" if changed else None
 
 
+def stale_results(grid: dict[str, Any]) -> list[tuple[str, str]]:
+    """(path, how it differs) of each result under results/<hardware>/points made before its grid point
+    changed. The workflow never deletes one: it names them, and their tables mark them `stale`."""
+    out = []
+    for (experiment, point_id), point in points(grid).items():
+        path = Path("results", grid["hardware"], "points", experiment, f"{point_id}.json")
+        if path.exists():
+            why = stale(point, json.loads(path.read_text(encoding="utf-8")))
+            if why:
+                out.append((str(path), why))
+    return out
+
+
 def not_run(point: dict[str, Any]) -> dict[str, Any]:
     """A point without a result yet, shaped like a harness result with status `not_run`, so that a
     table made before the whole grid has run (`--config partial=true`) keeps its row."""
@@ -217,8 +230,14 @@ def main(cli: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workflows.scripts.grid", description=main.__doc__)
     ap.add_argument("grid", help="a workflows/grids/*.yaml")
     ap.add_argument("point", nargs="?", help="EXPERIMENT/ID: print its `python -m suite run` arguments (no --out)")
+    ap.add_argument("--stale", action="store_true",
+                    help="list the results made before their grid point changed, to run again")
     args = ap.parse_args(cli)
-    pts = points(check(load(args.grid)))
+    grid = check(load(args.grid))
+    if args.stale:
+        print("\n".join(path for path, _ in stale_results(grid)))
+        return 0
+    pts = points(grid)
     if args.point is None:
         print("\n".join(f"{e}/{i}" for e, i in pts))
         return 0

@@ -37,20 +37,16 @@ case $1 in
     else
       for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 runs alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
-      case " ${*:2} " in *" 6 "*)
-        # Ratel at the 7B shape (its GPT: 4.88 B parameters), its disk route. Its result is stale (run
-        # without a checkout, before the grid's options): removed in the device's copy, run again.
-        # Prediction (session 30): the disk and host admissions pass (81.8 + 2 GiB of 127.6; 106.6 GiB
-        # of 250 by baselines/ratel_memory.py); the disk bounds each step at this disk's rate in the 1B
-        # run (20.3 GB read and 21.2 written in its 17.9 s backward): about 84 GB read and 88 written a
-        # step, about 75-85 s a step, 11-14 model TFLOP/s (paper, GH200 with its RAID: 2.03); host
-        # peak as the suite counts it about 126 GiB (its optimizer process's shared buffers counted
-        # twice); wall about 8 minutes.
-        rm -f $R/ratel/7b_ratel.json
-        # First, seconds: what the queue to Ratel's optimizer process does to a pinned gradient buffer
-        # (experiments/probes/pinned_share.py, its prediction there)
-        timeout 60 python3 -m experiments.probes.pinned_share --out "${OUT:-/tmp}/pinned_share.json" 2>&1 | tail -12 ;;
-      esac
+      # Batch 6, Ratel at the 7B shape (its GPT: 4.88 B parameters), its disk route, is stale (run
+      # without a checkout, before the grid's options): the stale results are removed in the device's
+      # copy, and run again. Prediction (session 30): the disk and host admissions pass (81.8 + 2 GiB
+      # of 127.6; 106.6 GiB of 250 by baselines/ratel_memory.py); the disk bounds each step at this
+      # disk's rate in the 1B run (20.3 GB read and 21.2 written in its 17.9 s backward): about 84 GB
+      # read and 88 written a step, about 75-85 s a step, 11-14 model TFLOP/s (paper, GH200 with its
+      # RAID: 2.03); host peak as the suite counts it about 126 GiB (its optimizer process's shared
+      # buffers counted twice); wall about 8 minutes. The H100's 3B point (session 33) moved its disk
+      # bytes at 0.18 GB/s and reached no step in 600 s: if this disk does the same, a timeout.
+      rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh

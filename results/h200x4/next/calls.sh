@@ -14,7 +14,8 @@
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
-#   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point; 59 are left.
+#   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point; 59 are left,
+#   and devices' four Gemini points again (stale since session 33).
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
@@ -77,6 +78,9 @@ case $1 in
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
+         # the stale results, removed in the device's copy so that they run again: since session 33,
+         # devices' four Gemini points (their reduce on the compute stream: baselines/gemini.md)
+         rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
          # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
          # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
          T=$(for e in shared ablations context devices scale depth width; do
