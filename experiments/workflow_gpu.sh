@@ -6,7 +6,9 @@
 # /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
 # `snakemake --profile PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
 # Snakemake removes its incomplete output), prints the harness's table of the point folders named,
-# then packs results/, plots/ and logs/ of the grid's hardware into $OUT/workflow.tgz.
+# then packs what it wrote in results/, plots/ and logs/ of the grid's hardware into $OUT/workflow.tgz:
+# the files newer than the run's start, so that unpacking it never replaces the caller's own files
+# (a README or a script edited while the run went on) with the copies the call began from.
 # The wheel folder holds, for the machine's Python, what its image lacks: `pip download` (or
 # `pip wheel`) of snakemake, datasets, hjson, pydantic>=2 and deepspeed==0.19.8 (built with
 # DS_BUILD_OPS=0: its ops compile on the machine at first use), with their dependencies, leaving out
@@ -57,12 +59,18 @@ if [ "$mode" = detach ]; then
     && echo "$hw" > "$state/hw" || exit 1
   export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
   tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays
+  touch "$state/started"  # what the run writes is newer; the copied tree keeps its files' times
   for kind in results logs; do  # the last run's, without replacing what the caller's tree has
     [ -d "$state.last/tree/$kind" ] && cp -rn "$state.last/tree/$kind" "$state/tree/"
   done
   rm -rf "$state.last"
   [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
   cd "$state/tree" || exit 1
+fi
+if [ "$mode" = run ]; then
+  started=$(mktemp) && trap 'rm -f "$started"' EXIT
+else
+  started=$state/started
 fi
 if [ "$mode" != attach ]; then
   WHEELS=${WHEELS:-.whl}
@@ -98,4 +106,5 @@ fi
 # the harness's table of the point folders named (an experiment's target prints its own)
 dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
 [ -z "$dirs" ] || python3 -m suite table $dirs
-tar czf "${OUT:-out}/workflow.tgz" $(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
+written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
+{ [ -z "$written" ] || find $written -type f -newer "$started" -print0; } | tar czf "${OUT:-out}/workflow.tgz" --null -T -

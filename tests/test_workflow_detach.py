@@ -26,7 +26,8 @@ def workflow_gpu(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path):
     """Each call on a GPU machine first copies the caller's tree there, which removes the files the
     caller lacks: the detached run's results live in its own copy, the caller's tree gets none, an
-    attach packs them all, and so does the next detached run's first pack."""
+    attach packs them all, and so does the next detached run's first pack; no pack holds a file the
+    run did not write."""
     hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
@@ -40,7 +41,10 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return done.stdout
 
+    own = ROOT / "results" / hw / "README.md"  # the caller's own file, which a pack must not replace
     try:
+        own.parent.mkdir(parents=True)
+        own.write_text("the caller's\n")
         call("--detach", "180", "cpu", f"{target},{other}", "--config", f"grid={grid}")  # a group: one snakemake
         assert not (ROOT / target).exists()  # written in the run's tree only
         assert (tmp_path / "state" / "tree" / target).is_file() and (tmp_path / "state" / "tree" / other).is_file()
@@ -49,6 +53,7 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
         assert [line.split()[2] for line in out.splitlines() if line.split()[:1] in (["p"], ["q"])] == ["ok", "ok"]
         with tarfile.open(tmp_path / "workflow.tgz") as pack:
             results = [json.load(pack.extractfile(t)) for t in (target, other)]
+            assert f"results/{hw}/README.md" not in pack.getnames()
         assert [(r["status"], r["spec"]["seq_len"]) for r in results] == [("ok", 32), ("ok", 16)]
         # a new detached run (the caller still lacks the first's results, as if its packs were lost):
         # the finished run's results join the new tree, and its pack holds all three
