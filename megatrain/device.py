@@ -24,8 +24,9 @@ class _NoEvent:
 
 
 def grow_expandable_segments() -> None:
-    """Let the CUDA allocator grow expandable segments, which a fragmented cache cannot refuse a large
-    block for, unless the user's PYTORCH_CUDA_ALLOC_CONF sets the allocator (theirs wins)."""
+    """Let the CUDA allocator grow expandable segments (a large block then fits wherever the cache has
+    the room, not only in one free piece), unless the user's PYTORCH_CUDA_ALLOC_CONF sets the
+    allocator: theirs wins."""
     if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         with warnings.catch_warnings():  # torch 2.11 names a newer private twin of this call
             warnings.simplefilter("ignore", FutureWarning)

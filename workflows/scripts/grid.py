@@ -225,8 +225,8 @@ def argv(point: dict[str, Any]) -> list[str]:
 
 
 def main(cli: list[str] | None = None) -> int:
-    """List a grid's points, or print one point's harness arguments: the route to run a grid point
-    outside the workflow, e.g. from an older tree (experiments/README.md)."""
+    """List a grid's points or its stale results, or print one point's harness arguments: the route to
+    run a grid point outside the workflow, e.g. from an older tree (experiments/README.md)."""
     ap = argparse.ArgumentParser(prog="python -m workflows.scripts.grid", description=main.__doc__)
     ap.add_argument("grid", help="a workflows/grids/*.yaml")
     ap.add_argument("point", nargs="?", help="EXPERIMENT/ID: print its `python -m suite run` arguments (no --out)")
