@@ -5,15 +5,16 @@
 #   bash results/h200/next/x2_calls.sh attach [SECONDS]       (extract each reply's workflow.tgz first;
 #                                                             SECONDS, default 550: less where device time is short)
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
-# memory bandwidth are part of what it measures). Batches 3-6 are the h200 grid's, and `start 3 4 5 6`
+# memory bandwidth are part of what it measures). Batches 3-6 are the h200 grid's, and `start 4 5 6`
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
-# points already in the tree are not made again, and Snakemake takes them in the grid's order
-# (scale, ratel, depth, width, context), not the batches'. Batch 9 is h200-scale's ($S) and runs
-# alone. A `start` is alone in its call: it returns 540 s after its own start, the wheels' install
-# and the tree's copy included, and packs; anything before it in the call would take the call past
-# its 10-minute limit, and that call's pack would never come back (session 27).
-# Estimated walls (results/h200/README.md's table): batch 3 about 10 minutes, 4 about 37, 5 about
-# 27, 6 about 8 (its prediction below); 9 about 2.
+# points already in the tree are not made again, each batch is one Snakemake in the order given
+# (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
+# h200-scale's ($S) and runs alone. A `start` is alone in its call: it returns 540 s after its own
+# start, the wheels' install and the tree's copy included, and packs; anything before it in the
+# call would take the call past its 10-minute limit, and that call's pack would never come back
+# (session 27).
+# Estimated walls (results/h200/README.md, "What is left"): batch 3 made (session 33), 4 about 16
+# minutes, 5 about 24, 6 about 8 (its prediction below); 9 about 2.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
