@@ -143,7 +143,7 @@ def test_profiles_pick_existing_grids_and_are_linked():
 
 def test_a_config_on_the_command_line_adds_to_the_profiles():
     """`--config host_memory_gb=N` with a profile keeps the profile's grid and states the host's size."""
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n",
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", "-f",  # made or not
                           "results/h200/points/scale/7b_zero3.json", "--config", "host_memory_gb=250"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
