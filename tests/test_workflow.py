@@ -238,6 +238,11 @@ def test_aggregate_real_results():
     assert row["params"] == 7615616512 and 10 < row["host_bytes_per_param"] < 20
     md = aggregate.markdown(df, "scale", "h100")
     assert "## Measured (h100)" in md and "## Paper (Figure 1" in md
+    # an experiment's note (what no column says) stands between its measured rows and the paper's
+    assert not aggregate.EXPERIMENTS["scale"].note
+    ratel = aggregate.markdown(df.assign(experiment="ratel"), "ratel", "h100")
+    note = ratel.index(aggregate.EXPERIMENTS["ratel"].note)
+    assert ratel.index("## Measured") < note < ratel.index("## Paper")
 
 
 @pytest.mark.skipif(not BASELINES, reason="no stored H100 baseline results")

@@ -116,6 +116,8 @@ class Experiment:
     # the step model's predictions for the paper's rows on the paper's machines, in a section of
     # their own, with the model against this table's measured points (suite/projection.py)
     predicted: bool = False
+    # what a reader of the measured rows must know that no column says, printed under them
+    note: str = ""
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -149,7 +151,12 @@ EXPERIMENTS: dict[str, Experiment] = {
     # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
     "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
                         panels=("model_tflops",), paper_x=lambda r: r["model"].map(model_params_b),
-                        paper_y={"model_tflops": "tflops"}, series_by=("offload",)),
+                        paper_y={"model_tflops": "tflops"}, series_by=("offload",),
+                        note="Ratel's disk route (`offload=disk`) times the route's work, but after its first "
+                             "step the gradients do not reach its optimizer process: they land in a pinned copy "
+                             "of a buffer the queue moved into shared memory, and the optimizer steps on the "
+                             "first step's (baselines/ratel.md). Its host peak counts that process's shared "
+                             "buffers twice, once in each process."),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
     "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
                           paper_x=lambda r: _label(r, ["gpu", "model", "method"]),
@@ -301,6 +308,8 @@ def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str
     predictions, checked against the measured `results` and `moe`."""
     out = [f"# {experiment} ({hardware})", "", f"## Measured ({hardware})", "",
            md_table(df[df["source"] == "measured"][MEASURED_COLUMNS].drop(columns=["source", "experiment"]))]
+    if EXPERIMENTS.get(experiment, GENERIC).note:
+        out += ["", EXPERIMENTS[experiment].note]
     paper = df[df["source"] == "paper"]
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
