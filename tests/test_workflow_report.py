@@ -455,3 +455,19 @@ def test_a_figure_drawn_again_is_the_same_file(tmp_path):
     save_figure(fig, tmp_path / "a.png", tmp_path / "a.pdf")
     plt.close(fig)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == first and b"CreationDate" not in first["a.pdf"]
+
+
+def _texts(fig) -> str:
+    return " ".join(t.get_text() for t in fig.texts)
+
+
+def test_an_experiments_note_is_printed_under_its_figure(tmp_path):
+    """Ratel's note (its disk route's gradients, its twice-counted shared buffers) is under its figure
+    as under its table; an experiment without one prints none, and a CPU smoke figure leaves it out."""
+    points = {"1b_ratel_disk": _result("ratel", "qwen2.5-7b", layers=4, params=2_022_229_504, tflops=0.8,
+                                       options={"approximate_model": True, "offload": "disk"})}
+    drawn = _texts(plot.figure(_table(tmp_path, "ratel", points), "ratel", "h200"))
+    assert "Ratel's disk route" in drawn and "shared" in drawn
+    assert "Ratel's disk route" not in _texts(plot.figure(_table(tmp_path, "ratel", points), "ratel", "cpu",
+                                                         smoke=True))
+    assert not aggregate.experiment("depth").note

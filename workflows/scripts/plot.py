@@ -560,6 +560,8 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
     if smoke:  # the paper's GPU numbers beside a CPU smoke test would only set the scale
         df = df[df["source"] == "measured"]
     fig, axes, notes = {"bars": bars, "scaling": scaling}.get(spec.kind, lines)(df, spec, hardware)
+    if spec.note and not smoke:  # what no axis says (the table prints it too)
+        notes = [*notes, (spec.note, "0.25")]
     entries: dict = {}  # one legend for the figure, below the panels (inside one, it covered data)
     gids = set()
     for ax in axes:
