@@ -96,6 +96,8 @@ def test_the_workflow_names_a_stale_result_and_keeps_it():
 
 
 def test_the_grid_lists_its_stale_results_to_run_again(tmp_path, monkeypatch, capsys):
+    """`python -m workflows.scripts.grid --stale GRID`: the stale results only, not the ones that are
+    the point's run nor the points without a result (what a GPU call removes to run again)."""
     monkeypatch.chdir(tmp_path)
     points = [{k: v for k, v in {**POINT, "id": i}.items() if k not in ("steps", "warmup", "timeout")}
               for i in ("kept", "changed", "absent")]
