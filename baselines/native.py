@@ -27,8 +27,9 @@ def device_need(spec) -> tuple[int, str]:
     held, the checkpoints of every layer (the float32 residual stream), the loss's logits, and,
     after a step's first micro-batch, the gradients. Its parts are lower bounds: on the measured
     points the count is 1.1 to 3.1 GiB under the allocator's peak (3B at 4 x 4096: 67.3 against
-    68.4 GiB), and at 7B and 8 x 4096 the parts before the logits come to 110.5 GiB where the run
-    held 111.8 when its logits did not fit."""
+    68.4 GiB); at 7B the parts before the logits come to 110.5 GiB at 8 x 4096 where the run held
+    111.8 when its logits did not fit, and to 104.4 GiB at 4 x 4096 where the run held 111.7 (an
+    H200, its second step)."""
     shape = ModelShape(spec.hf_config())
     p = shape.total_params()
     tokens = spec.batch_size * spec.seq_len
