@@ -48,6 +48,14 @@ case $1 in
       # buffers counted twice); wall about 8 minutes. The H100's 3B point (session 33) moved its disk
       # bytes at 0.18 GB/s and reached no step in 600 s: if this disk does the same, a timeout.
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
+      # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
+      # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds;
+      # prediction: both pass, and scale/7b_native then trains, about 121-135 GiB allocated at its loss)
+      if git apply --check results/h200/next/native_expandable_segments.patch 2>/dev/null; then
+        git apply results/h200/next/native_expandable_segments.patch
+        timeout 120 python3 -m pytest -q tests/test_gpu.py -k "native_grows or allocator" 2>&1 \
+          | tee "${OUT:-/tmp}/pytest_native_segments.txt" | tail -2
+      fi
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
