@@ -28,7 +28,9 @@
 # point), which runs them in the grid's order (the point rule's priority).
 # A new --detach is refused while the last one's run still goes; a finished one's results and logs
 # join the new tree (a pack of them may not have come back).
-# Each packs what is written so far (results are written whole or not at all) and the run's log tail.
+# Each packs what is written so far (results are written whole or not at all), prints the run's log
+# tail and leaves its whole log, every job's start time in it, as $OUT/detached.log (the next calls'
+# plan reads the set-up's and each point's wall from it).
 # A detached run works in its own copy of the tree ($WORKFLOW_GPU_STATE/tree, default under
 # /tmp/workflow_gpu; the carried folders with it, RATEL_HOME moved along, a .venv left out). Each call
 # first copies the caller's tree to the machine, replacing its carried folders and removing the files
@@ -99,6 +101,7 @@ if [ "$mode" != run ]; then
   hw=$(cat "$state/hw") && cd "$state/tree" && set -- $(cat "$state/targets" 2>/dev/null) || exit 1
   while running && [ $SECONDS -lt "$limit" ]; do sleep 5; done
   tail -n 20 "$state/log" 2>/dev/null
+  cp "$state/log" "${OUT:-.}/detached.log" 2>/dev/null
   if [ -f "$state/rc" ]; then echo "snakemake exit $(cat "$state/rc")"
   elif running; then echo "still running: --attach again within 30 s"
   else echo "the detached run ended without an exit status (its log above)"; fi

@@ -26,8 +26,8 @@ def workflow_gpu(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path):
     """Each call on a GPU machine first copies the caller's tree there, which removes the files the
     caller lacks: the detached run's results live in its own copy, the caller's tree gets none, an
-    attach packs them all, and so does the next detached run's first pack; no pack holds a file the
-    run did not write."""
+    attach packs them all and leaves the run's whole log beside the pack, and so does the next
+    detached run's first pack; no pack holds a file the run did not write."""
     hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
@@ -55,6 +55,8 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
             results = [json.load(pack.extractfile(t)) for t in (target, other)]
             assert f"results/{hw}/README.md" not in pack.getnames()
         assert [(r["status"], r["spec"]["seq_len"]) for r in results] == [("ok", 32), ("ok", 16)]
+        log = (tmp_path / "detached.log").read_text()  # the whole log beside the pack, each job's start in it
+        assert log.count("rule point:") == 2 and target in log and other in log
         # a new detached run (the caller still lacks the first's results, as if its packs were lost):
         # the finished run's results join the new tree, and its pack holds all three
         call("--detach", "180", "cpu", third, "--config", f"grid={grid}")

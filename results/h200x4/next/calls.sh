@@ -14,8 +14,10 @@
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
-#   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point; 59 are left,
-#   and devices' four Gemini points again (stale since session 33).
+#   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
+#   devices' four Gemini points again; 59 are left (scale 14, depth 18, width 27). Only the missing
+#   points are named, so an experiment with none left costs no Snakemake start.
+# 8 (one call, no points, about 6 minutes): Gemini's CPU threads on this host, first in the next session.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
@@ -29,8 +31,9 @@ case $1 in
   start)
     # this grid is sized for H200s; a call that comes on H100s stops here
     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { nvidia-smi -L; echo "not an H200 host: nothing run"; exit 3; }
+    # the wheels once for the call (workflow_gpu.sh is told not to install them again)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site MEGATRAIN_HOST_MEMORY_GB=500
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none MEGATRAIN_HOST_MEMORY_GB=500
     case $2 in
       2) # two probes, about 3.5 minutes (the router loss over the ranks, once part of this call, landed
          # after its two-GPU check on the x2 host in session 25)
@@ -77,10 +80,35 @@ case $1 in
          T="$R/moe/q30b_lean_megatrain.json $R/moe/oss20b_lean_megatrain.json" ;;
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
+      8) # Gemini's CPU threads. Session 34 on this host (OMP_NUM_THREADS=64, the harness's cores a GPU):
+         # 3B at one sequence of 8192, 15.5-21.9 s a step (median 19.7, 10.7 model TFLOP/s); the
+         # H100 machine's 16 cores, same spec, 8.7-10.4 s (22.2). ZeRO-3 Offload's CPU Adam at 64
+         # threads here is not slow (3B 2.91 s). Prediction: if HybridAdam's threads across this
+         # host's sockets are the cause, 16 threads give about 9-10 s a step and the spread closes;
+         # if the steps stay near 20 s, the threads are not it (then the host's pinned copies are
+         # next to look at). The first run builds ColossalAI's kernels (about 100 s), kept for the
+         # second.
+         (lscpu; numactl -H) > $OUT/topology.txt 2>&1
+         for t in 16 64; do
+           OMP_NUM_THREADS=$t timeout 280 python3 -m suite run --system gemini --preset qwen2.5-3b --seq 8192 --batch 1 \
+             --accum 1 --steps 4 --warmup 1 --timeout 270 enable_async_reduce=false --out $OUT/3b_gemini_omp$t.json \
+             > $OUT/3b_gemini_omp$t.log 2>&1
+         done
+         python3 -m suite table $OUT; exit 0 ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
-         # the stale results, removed in the device's copy so that they run again: since session 33,
-         # devices' four Gemini points (their reduce on the compute stream: baselines/gemini.md)
+         # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
+         points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
+         # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
+         # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds).
+         # Session 34 here, without it: scale/7b_native trained a step and ran out at the second, 111.7
+         # GiB allocated and 22.0 reserved but free (results/h200x4/probes_2026-11-27), as on the two-GPU
+         # host. Prediction: the tests pass and the point trains, about 121-135 GiB allocated at its loss.
+         if git apply --check results/h200/next/native_expandable_segments.patch 2>/dev/null; then
+           git apply results/h200/next/native_expandable_segments.patch
+           timeout 120 python3 -m pytest -q tests/test_gpu.py -k "native_grows or allocator" 2>&1 \
+             | tee $OUT/pytest_native_segments.txt | tail -2
+         fi
          # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
          # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
          T=$(for e in shared ablations context devices scale depth width; do
