@@ -83,8 +83,9 @@ case $1 in
       8) # Gemini's CPU threads. Session 34 on this host (OMP_NUM_THREADS=64, the harness's cores a GPU):
          # 3B at one sequence of 8192, 15.5-21.9 s a step (median 19.7, 10.7 model TFLOP/s); the
          # H100 machine's 16 cores, same spec, 8.7-10.4 s (22.2). ZeRO-3 Offload's CPU Adam at 64
-         # threads here is not slow (3B 2.91 s). Prediction: if HybridAdam's threads across this
-         # host's sockets are the cause, 16 threads give about 9-10 s a step and the spread closes;
+         # threads here is not slow (3B 2.91 s). Prediction: if 64 OpenMP threads (HybridAdam's and
+         # torch's, on one socket's 64 logical cores beside the step's own threads) are the cause,
+         # 16 threads give about 9-10 s a step and the spread closes;
          # if the steps stay near 20 s, the threads are not it (then the host's pinned copies are
          # next to look at). The first run builds ColossalAI's kernels (about 100 s), kept for the
          # second.
