@@ -10,6 +10,7 @@
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers.
+# 8 (one call, no points, about 6 minutes): Gemini's CPU threads on this host, first in the next session.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
@@ -17,12 +18,12 @@
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again; 59 are left (scale 14, depth 18, width 27). Only the missing
 #   points are named, so an experiment with none left costs no Snakemake start.
-# 8 (one call, no points, about 6 minutes): Gemini's CPU threads on this host, first in the next session.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
 #   bitsandbytes wheel there is repacked with only its CUDA 13.0 and CPU libraries (3.9 MB, not 43),
-#   so that the tree and its carried folders stay within a call's 64 MiB.
+#   so that the tree and its carried folders stay within a call's 64 MiB: unzip it, delete the other
+#   bitsandbytes/libbitsandbytes_*.so and their lines in the dist-info's RECORD, zip it again.
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
