@@ -10,7 +10,7 @@
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers.
-# 8 (one call, no points, about 6 minutes): Gemini's CPU threads on this host, first in the next session.
+# 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
@@ -81,22 +81,29 @@ case $1 in
          T="$R/moe/q30b_lean_megatrain.json $R/moe/oss20b_lean_megatrain.json" ;;
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
-      8) # Gemini's CPU threads. Session 34 on this host (OMP_NUM_THREADS=64, the harness's cores a GPU):
-         # 3B at one sequence of 8192, 15.5-21.9 s a step (median 19.7, 10.7 model TFLOP/s); the
-         # H100 machine's 16 cores, same spec, 8.7-10.4 s (22.2). ZeRO-3 Offload's CPU Adam at 64
-         # threads here is not slow (3B 2.91 s). Prediction: if 64 OpenMP threads (HybridAdam's and
-         # torch's, on one socket's 64 logical cores beside the step's own threads) are the cause,
-         # 16 threads give about 9-10 s a step and the spread closes;
-         # if the steps stay near 20 s, the threads are not it (then the host's pinned copies are
-         # next to look at). The first run builds ColossalAI's kernels (about 100 s), kept for the
-         # second.
-         (lscpu; numactl -H) > $OUT/topology.txt 2>&1
-         for t in 16 64; do
-           OMP_NUM_THREADS=$t timeout 280 python3 -m suite run --system gemini --preset qwen2.5-3b --seq 8192 --batch 1 \
-             --accum 1 --steps 4 --warmup 1 --timeout 270 enable_async_reduce=false --out $OUT/3b_gemini_omp$t.json \
-             > $OUT/3b_gemini_omp$t.log 2>&1
+      8) # Gemini's CPU update. Session 34 on this host (torch's 64 threads, its default here):
+         # 3B at one sequence of 8192, 15.5-21.9 s a step (median 19.7, 10.7 model TFLOP/s); the H100
+         # machine's 16 cores, same spec, 8.7-10.4 s (22.2). ZeRO-3 Offload's C++ CPU Adam at 64 threads
+         # is not slow here (3B 2.91 s). Gemini's bf16 gradients go to HybridAdam's update of torch ops,
+         # whose temporaries (12 B a parameter, 37 GB a step at 3B) glibc mmaps afresh at every step:
+         # 60% of that update's time on the 2-core CPU machine (../../cpu-bench/README.md). Three runs,
+         # the same spec as devices/3b_gemini, each with the page faults of its process tree:
+         # (a) 16 threads; (b) 64 threads, mmap off (MALLOC_MMAP_MAX_=0, the freed heap kept); (c) 64
+         # threads as the grid ran it. Predictions: (c) about 20 s a step again; (b) at most 10 s, its
+         # process tree's minor faults down by about 37 M over the four steps (37 GB of 4 KiB pages a
+         # step), peak host within 5 GiB of (c)'s; (a) between, nearer (c) if the faults' cost is the pages' zeroing and not the threads'
+         # contention. The first run builds ColossalAI's kernels (about 100 s), kept for the others.
+         (lscpu; uname -r) > $OUT/host.txt 2>&1
+         for v in a:16: b:64:0 c:64:; do
+           IFS=: read -r name t mmap <<< "$v"
+           env OMP_NUM_THREADS=$t ${mmap:+MALLOC_MMAP_MAX_=$mmap MALLOC_TRIM_THRESHOLD_=68719476736} \
+             timeout $(( 585 - SECONDS )) python3 -c 'import resource, subprocess, sys
+rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt); sys.exit(rc)' \
+             python3 -m suite run --system gemini --preset qwen2.5-3b --seq 8192 --batch 1 --accum 1 --steps 3 --warmup 1 \
+             --timeout 400 enable_async_reduce=false --out $OUT/3b_gemini_$name.json > $OUT/3b_gemini_$name.txt 2>&1
          done
-         python3 -m suite table $OUT; exit 0 ;;
+         # (the worker writes its own log beside its result, 3b_gemini_$name.log)
+         grep -H "minor faults" $OUT/*.txt; python3 -m suite table $OUT; exit 0 ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
