@@ -16,6 +16,11 @@
 #    NaN twice with ColossalAI's default. Prediction for (g): finite losses, about 9-10 s a step
 #    (the 7-sequence point's 9.0 s, one sequence more); (c) 2 x 4096, (d) nothing offloaded and (b)
 #    the embeddings untied, with ColossalAI's default, are kept for a question (e) left open.
+#    (h) is (e) with glibc's mmap off (MALLOC_MMAP_MAX_=0, the freed heap kept): HybridAdam's update of
+#    bf16 gradients is torch ops whose temporaries (12 B a parameter, 37 GB a step at 3B) are mapped
+#    and faulted in afresh at every step (../../cpu-bench/README.md: 60% of that update on 2 cores).
+#    Run `gemini e h g`, (e) again beside it. Prediction: (h) about 6-7 s a step against (e)'s 9.57
+#    (session 33), its losses within 0.001 of (e)'s (the same ops on the same data).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri RATEL_HOME=$PWD/.ratel/LoHan
 R=results/h100/points
@@ -32,11 +37,13 @@ case $1 in
     declare -A how=([a]="gemini 8192 1 $A" [e]="gemini 8192 1" [f]="native 8192 1" [g]="gemini 4096 8"
                     [b]="gemini 8192 1 $A --override=tie_word_embeddings=false" [c]="gemini 4096 2 $A"
                     [d]="gemini 8192 1 $A offload_optim_frac=0 offload_param_frac=0")
-    for v in ${@:2}; do [ -n "${how[$v]:-}" ] || { echo "variants: a e f g c d b"; exit 1; }; done
+    how[h]=${how[e]}
+    declare -A envs=([h]="MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736")
+    for v in ${@:2}; do [ -n "${how[$v]:-}" ] || { echo "variants: a e f g c d b h"; exit 1; }; done
     for v in ${@:2}; do
       [ $SECONDS -lt 400 ] || { echo "$v: not started (the call's time)"; continue; }
       read system seq batch extra <<< "${how[$v]}"
-      timeout $(( 585 - SECONDS )) python3 -m suite run --system $system --preset qwen2.5-3b --seq $seq --batch $batch --accum 1 \
+      env ${envs[$v]:-} timeout $(( 585 - SECONDS )) python3 -m suite run --system $system --preset qwen2.5-3b --seq $seq --batch $batch --accum 1 \
         --steps 2 --warmup 0 --timeout 600 $extra --out $OUT/gemini/$v.json > $OUT/gemini/$v.txt 2>&1
       grep "$system step" $OUT/gemini/$v.txt | sed "s/^/$v: /"
     done
