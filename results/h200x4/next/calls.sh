@@ -91,8 +91,9 @@ case $1 in
          # (a) 16 threads; (b) 64 threads, mmap off (MALLOC_MMAP_MAX_=0, the freed heap kept); (c) 64
          # threads as the grid ran it. Predictions: (c) about 20 s a step again; (b) at most 10 s, its
          # process tree's minor faults down by about 37 M over the four steps (37 GB of 4 KiB pages a
-         # step), peak host within 5 GiB of (c)'s; (a) between, nearer (c) if the faults' cost is the pages' zeroing and not the threads'
-         # contention. The first run builds ColossalAI's kernels (about 100 s), kept for the others.
+         # step), peak host within 5 GiB of (c)'s; (a) between, nearer (c) if the faults' cost is the
+         # pages' zeroing and not the threads' contention. The first run builds ColossalAI's kernels
+         # (about 100 s), kept for the others.
          (lscpu; uname -r) > $OUT/host.txt 2>&1
          for v in a:16: b:64:0 c:64:; do
            IFS=: read -r name t mmap <<< "$v"
