@@ -51,13 +51,7 @@ case $1 in
       # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
       # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds;
       # prediction: both pass, and scale/7b_native then trains, about 121-135 GiB allocated at its loss)
-      if git apply --check results/h200/next/native_expandable_segments.patch 2>/dev/null; then
-        git apply results/h200/next/native_expandable_segments.patch
-        timeout 120 python3 -m pytest -q tests/test_gpu.py -k "native_grows or allocator" > "${OUT:-/tmp}"/pytest_native_segments.txt 2>&1
-        rc=$? && tail -2 "${OUT:-/tmp}"/pytest_native_segments.txt
-        # a failing test takes the patch back out, so that no point of the run uses it
-        [ $rc = 0 ] || { git apply -R results/h200/next/native_expandable_segments.patch; echo "native's patch taken back out: its GPU tests gave $rc"; }
-      fi
+      bash results/h200/next/native_patch.sh "${OUT:-/tmp}"
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh

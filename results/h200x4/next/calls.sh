@@ -114,13 +114,7 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # Session 34 here, without it: scale/7b_native trained a step and ran out at the second, 111.7
          # GiB allocated and 22.0 reserved but free (results/h200x4/probes_2026-11-27), as on the two-GPU
          # host. Prediction: the tests pass and the point trains, about 121-135 GiB allocated at its loss.
-         if git apply --check results/h200/next/native_expandable_segments.patch 2>/dev/null; then
-           git apply results/h200/next/native_expandable_segments.patch
-           timeout 120 python3 -m pytest -q tests/test_gpu.py -k "native_grows or allocator" > $OUT/pytest_native_segments.txt 2>&1
-           rc=$? && tail -2 $OUT/pytest_native_segments.txt
-           # a failing test takes the patch back out, so that no point of the run uses it
-           [ $rc = 0 ] || { git apply -R results/h200/next/native_expandable_segments.patch; echo "native's patch taken back out: its GPU tests gave $rc"; }
-         fi
+         bash results/h200/next/native_patch.sh $OUT
          # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
          # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
          T=$(for e in shared ablations context devices scale depth width; do
