@@ -2,6 +2,16 @@
 (pinned float32 parameters, gradients and optimizer state on the host), bf16 mixed precision,
 activation checkpointing, fused AdamW on the CPU.
 
+spec.options (anything else is refused):
+- `accumulate`: where the micro-batches' gradients are summed. "host" (the default, FSDP2's own
+  behaviour): every micro-batch's are reduced and copied to the host and added there; from the
+  second micro-batch on, FSDP2 makes that copy blocking, into fresh pageable memory, since the
+  host's add needs it (torch.distributed.fsdp's `foreach_reduce`). "device": the documented route
+  for accumulation without communication (`set_requires_gradient_sync(False)` before all but the
+  last micro-batch): float32 unsharded gradients summed on the GPU (4 B/param of the whole model more on each), reduced
+  and copied once a step.
+- `admission`: false tries a point the host admission would refuse.
+
 On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,
 gradients and optimizer state are sharded over the N ranks (a 1-D mesh), each rank computes on its
 rows of every micro-batch, and the gradients are averaged over the ranks."""
@@ -12,6 +22,19 @@ import torch.distributed as dist
 
 from baselines import hf
 from suite.system import System
+
+
+ACCUMULATE = ("host", "device")
+
+
+def _accumulate(options: dict) -> str:
+    unknown = sorted(set(options) - {"accumulate", "admission"})
+    if unknown:
+        raise ValueError(f"fsdp2 options: unknown {unknown}; known: ['accumulate', 'admission']")
+    where = options.get("accumulate", "host")
+    if where not in ACCUMULATE:
+        raise ValueError(f"fsdp2 options.accumulate: {where!r}; known: {list(ACCUMULATE)}")
+    return where
 
 
 class FSDP2(System):
@@ -26,6 +49,7 @@ class FSDP2(System):
     def __init__(self, spec, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         self.device = device
+        self.accumulate = _accumulate(spec.options)
         self.ranks = hf.join(device)
         hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.RANK_BYTES_PER_PARAM, self.ranks)
         self.model = hf.build_model(spec, "cpu")  # the same seeded weights on every rank
@@ -42,7 +66,9 @@ class FSDP2(System):
                                      fused=True)
 
     def step(self, microbatches) -> dict:
-        return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False, ranks=self.ranks)
+        before = self.model.set_requires_gradient_sync if self.accumulate == "device" else None
+        return hf.train_step(self.model, self.opt, microbatches, self.device, autocast=False, ranks=self.ranks,
+                             before=before)
 
     def save(self, path: str) -> None:
         """Gathered by every rank (a collective), written by the first."""
@@ -55,6 +81,7 @@ class FSDP2(System):
     def info(self) -> dict:
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True) on the CPU", "offload": "CPUOffloadPolicy",
+                "accumulate": self.accumulate,
                 "activation_checkpointing": True}
 
     def close(self) -> None:

@@ -135,11 +135,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, microbatches, device: torch.device, autocast: bool, ranks: Ranks = Ranks()) -> dict:
+def train_step(model, opt, microbatches, device: torch.device, autocast: bool, ranks: Ranks = Ranks(),
+               before: Callable[[bool], None] | None = None) -> dict:
     """One optimizer step of a plain torch model over the (global) micro-batches, each rank on its
-    rows of each (the data-parallel wrapper averages the gradients over the ranks); the mean loss."""
+    rows of each (the data-parallel wrapper averages the gradients over the ranks); the mean loss.
+    `before(last)` runs before each micro-batch, told whether it is the step's last."""
     total = torch.zeros((), device=device)
-    for batch in microbatches:
+    for i, batch in enumerate(microbatches):
+        if before is not None:
+            before(i == len(microbatches) - 1)
         loss = loss_of(model, shard_batch(batch, ranks), device, autocast)
         (loss / len(microbatches)).backward()
         total += loss.detach()

@@ -1,12 +1,14 @@
 """The harness on CPU: spec validation, one process per point, statuses, atomic results, sampler."""
 import inspect
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from megatrain.metrics import PeakSampler
 from suite.check import check, passed
@@ -336,3 +338,46 @@ def test_native_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
         hf.require_device(spec("qwen2.5-7b", 8, 4), cuda, lambda: device_need(spec("qwen2.5-7b", 8, 4)), "native training")
     hf.require_device(spec("qwen2.5-7b", 4), cuda, lambda: device_need(spec("qwen2.5-7b", 4)), "native training")
     assert device_need(spec("qwen2.5-7b", 4))[0] < h200_free
+
+
+@pytest.mark.parametrize("options, says", [({"accumulate": "gpu"}, "options.accumulate: 'gpu'"),
+                                           ({"sync": False}, "unknown ['sync']")])
+def test_fsdp2_refuses_bad_options_before_building(options, says):
+    from baselines.fsdp2 import FSDP2
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match=re.escape(says)):
+        FSDP2(RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, options=options),
+              torch.device("cpu"))
+    assert not dist.is_initialized()  # refused before the process group, before the model
+
+
+def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
+    """`accumulate: device` turns FSDP2's gradient sync off for all but each step's last micro-batch,
+    and the sums are the same: the same losses and trained weights as FSDP2's own per-micro-batch
+    reduction (float32 on the CPU, one rank: the same additions)."""
+    from baselines.fsdp2 import FSDP2
+    from baselines.hf import free_port
+    from megatrain.data import make_source
+    from megatrain.shapes import ModelShape
+    # the one-process group's address, set here so that it is taken back after the test (a later
+    # test's torchrun would inherit it)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trained = {}
+    for where in ("host", "device"):
+        spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=3,
+                       options={"accumulate": where})
+        system = FSDP2(spec, torch.device("cpu"))
+        syncs = []
+        sync = system.model.set_requires_gradient_sync
+        monkeypatch.setattr(system.model, "set_requires_gradient_sync", lambda on: syncs.append(on) or sync(on))
+        data = make_source(spec.data_config(), ModelShape(spec.hf_config()).vocab, None)
+        losses = [system.step([data.next() for _ in range(spec.grad_accum)])["loss"] for _ in range(3)]
+        weights = {k: v.full_tensor().clone() for k, v in system.model.state_dict().items()}
+        system.close()
+        trained[where] = losses, weights, syncs, system.info()["accumulate"]
+    assert trained["host"][2] == [] and trained["device"][2] == [False, False, True] * 3
+    assert (trained["host"][3], trained["device"][3]) == ("host", "device")
+    assert trained["device"][0] == pytest.approx(trained["host"][0], rel=1e-6)
+    assert trained["host"][0][-1] < trained["host"][0][0]  # it trains
+    torch.testing.assert_close(trained["device"][1], trained["host"][1], rtol=1e-6, atol=1e-7)

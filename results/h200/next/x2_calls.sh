@@ -9,7 +9,8 @@
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
-# h200-scale's ($S) and runs alone. A `start` is alone in its call: it returns 540 s after its own
+# h200-scale's ($S) and runs alone; so does 10 (FSDP2's accumulation, an A/B, not detached). A
+# `start` is alone in its call: it returns 540 s after its own
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
@@ -31,12 +32,27 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 B6="$R/ratel/7b_ratel.json"
 case $1 in
-  start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 alone
+  start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 and 10 alone
+    if [ "$2" = 10 ]; then
+      # FSDP2's accumulation, A/B in one call (about 7 minutes, not detached): depth's L28_fsdp2 (session
+      # 35) ran at 93.7 s a step at 8 x 4096 x 4 (66.2 model TFLOP/s), where gpus/7b_g1_fsdp2 ran at
+      # 30.5 at 8 x 4096 x 2 (101.9; session 13): from the second micro-batch on, FSDP2 copies each
+      # micro-batch's gradients to the host blocking, into fresh pageable memory, and adds them there.
+      # The 7B width on 14 layers, both ways, at the grid's 8 x 4096 x 4. Prediction: host about 47 s
+      # a step (half of L28's); device at most 20 s (2.3x or more), its device peak about 14 GiB above
+      # host's (4 B/param of 3.9 B: its float32 unsharded gradients), losses within 1e-3 of host's.
+      for a in host device; do
+        timeout 285 python3 -m suite run --system fsdp2 --preset qwen2.5-7b --layers 14 --seq 4096 --batch 8 --accum 4 \
+          --warmup 1 --steps 2 --timeout 270 --out "$OUT/fsdp2_accumulate_$a.json" accumulate=$a 2>&1 | tail -2
+      done
+      python3 -m suite table "$OUT"
+      exit 0
+    fi
     if [ "$2" = 9 ]; then
       # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
       T="$R/moe/q30b_L24_lean_megatrain.json $S"
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 runs alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 and 10 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 6, Ratel at the 7B shape (its GPT: 4.88 B parameters), its disk route, is stale (run
       # without a checkout, before the grid's options): the stale results are removed in the device's
@@ -48,10 +64,16 @@ case $1 in
       # buffers counted twice); wall about 8 minutes. The H100's 3B point (session 33) moved its disk
       # bytes at 0.18 GB/s and reached no step in 600 s: if this disk does the same, a timeout.
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
+      # the wheels once for the call, before native's GPU tests (their conftest imports datasets; session
+      # 35's tests stopped there), and workflow_gpu.sh is told not to install them again
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
       # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
       # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds;
       # prediction: both pass, and scale/7b_native then trains, about 121-135 GiB allocated at its loss)
-      bash results/h200/next/native_patch.sh "${OUT:-/tmp}"
+      # scale/7b_native ran without it (oom_device, session 35: the tests stopped on the missing
+      # datasets), so that point is made again when the patch is in
+      bash results/h200/next/native_patch.sh "${OUT:-/tmp}" && rm -f $R/scale/7b_native.json
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
