@@ -34,16 +34,24 @@ B6="$R/ratel/7b_ratel.json"
 case $1 in
   start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 and 10 alone
     if [ "$2" = 10 ]; then
-      # FSDP2's accumulation, A/B in one call (about 7 minutes, not detached): depth's L28_fsdp2 (session
-      # 35) ran at 93.7 s a step at 8 x 4096 x 4 (66.2 model TFLOP/s), where gpus/7b_g1_fsdp2 ran at
-      # 30.5 at 8 x 4096 x 2 (101.9; session 13): from the second micro-batch on, FSDP2 copies each
-      # micro-batch's gradients to the host blocking, into fresh pageable memory, and adds them there.
-      # The 7B width on 14 layers, both ways, at the grid's 8 x 4096 x 4. Prediction: host about 47 s
-      # a step (half of L28's); device at most 20 s (2.3x or more), its device peak about 14 GiB above
-      # host's (4 B/param of 3.9 B: its float32 unsharded gradients), losses within 1e-3 of host's.
-      for a in host device; do
-        timeout 285 python3 -m suite run --system fsdp2 --preset qwen2.5-7b --layers 14 --seq 4096 --batch 8 --accum 4 \
-          --warmup 1 --steps 2 --timeout 270 --out "$OUT/fsdp2_accumulate_$a.json" accumulate=$a 2>&1 | tail -2
+      # FSDP2's accumulation, three runs in one call (about 7 minutes, not detached): depth's L28_fsdp2
+      # (session 35) ran at 94.5 s a step at 8 x 4 x 4096 (66.2 model TFLOP/s), where gpus/7b_g1_fsdp2
+      # ran at 30.5 at 8 x 2 x 4096 (101.9; session 13): from the second micro-batch on, FSDP2 copies
+      # each micro-batch's gradients to the host blocking, into fresh pageable memory, and adds them
+      # there. At width's w1.0 shape (the 7B width on 7 layers, 2.72 B, 8 x 4 x 4096: the grid's
+      # w1.0_fsdp2): (a) FSDP2's own accumulation; (b) the same with glibc's mmap off (the freed heap
+      # kept, as the x4 host's Gemini A/B: the fresh memory's page faults); (c) `accumulate: device`.
+      # Prediction: (a) about 34 s a step (L28's per parameter); (c) at most 12 s (2.8x or more), its
+      # device peak about 10 GiB above (a)'s (4 B/param: the float32 unsharded gradients), losses
+      # within 1e-3 of (a)'s; (b) between, nearer (c) if the page faults are most of the blocking copy.
+      # One measured step each (L28's steps spread 4%; the effect sought is 2x): set-up about 75 s,
+      # then a warm-up and a step, about 165, 150 and 110 s; each run's limit is what is left of 530 s.
+      declare -A runs=([a]="accumulate=host" [b]="accumulate=host" [c]="accumulate=device")
+      for v in a b c; do
+        m= && [ $v = b ] && m="MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736"
+        t=$((530 - SECONDS)) && [ $t -gt 220 ] && t=220
+        env $m python3 -m suite run --system fsdp2 --preset qwen2.5-7b --layers 7 --seq 4096 --batch 8 \
+          --accum 4 --warmup 1 --steps 1 --timeout $t --out "$OUT/fsdp2_accumulate_$v.json" ${runs[$v]} 2>&1 | tail -2
       done
       python3 -m suite table "$OUT"
       exit 0
