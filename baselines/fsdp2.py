@@ -10,7 +10,7 @@ spec.options (anything else is refused):
   for accumulation without communication (`set_requires_gradient_sync(False)` before all but the
   last micro-batch): float32 unsharded gradients summed on the GPU (4 B/param of the whole model more on each), reduced
   and copied once a step.
-- `admission`: false tries a point the host admission would refuse.
+- `admission`: false tries a point the host or device admission would refuse.
 
 On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,
 gradients and optimizer state are sharded over the N ranks (a 1-D mesh), each rank computes on its
@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 from baselines import hf
+from baselines.native import LOSS_BYTES_PER_LOGIT
+from megatrain.shapes import ModelShape
+from megatrain.units import GiB
 from suite.system import System
 
 
@@ -35,6 +38,24 @@ def _accumulate(options: dict) -> str:
     if where not in ACCUMULATE:
         raise ValueError(f"fsdp2 options.accumulate: {where!r}; known: {list(ACCUMULATE)}")
     return where
+
+
+def device_need(spec, accumulate: str) -> tuple[int, str]:
+    """A rank's device bytes at its loss, counted, and what they are made of: the loss's logits (as
+    native's), every layer's bf16 checkpoint, the root's parameters (embedding, head) unsharded in
+    bf16, and with `accumulate: device` after a step's first micro-batch the float32 unsharded
+    gradients of the whole model. Lower bounds: on the measured points (H100 and H200, 1.6 to 7.6 B
+    parameters, 1 to 4 ranks) 4.4 to 10.6 GiB under the allocator's peak."""
+    shape = ModelShape(spec.hf_config())
+    p = shape.total_params()
+    tokens = spec.batch_size // spec.gpus * spec.seq_len
+    root = p - shape.num_layers * sum(s.numel for s in shape.layer_specs)
+    parts = {"the loss's logits": tokens * shape.vocab * LOSS_BYTES_PER_LOGIT,
+             "checkpoints": shape.num_layers * tokens * shape.hidden * 2,
+             "the root's bf16 weights": 2 * root}
+    if accumulate == "device" and spec.grad_accum > 1:
+        parts["float32 unsharded gradients"] = 4 * p
+    return sum(parts.values()), "at the loss: " + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts.items())
 
 
 class FSDP2(System):
@@ -52,6 +73,7 @@ class FSDP2(System):
         self.accumulate = _accumulate(spec.options)
         self.ranks = hf.join(device)
         hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.RANK_BYTES_PER_PARAM, self.ranks)
+        hf.require_device(spec, device, lambda: device_need(spec, self.accumulate), "FSDP2 CPU offload", self.ranks)
         self.model = hf.build_model(spec, "cpu")  # the same seeded weights on every rank
         hf.enable_checkpointing(self.model)
         self.model.train()

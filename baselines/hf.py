@@ -95,14 +95,15 @@ def require_disk(what: str, n_params: int, bytes_per_param: float, path: str, ra
                                          f"for the run's other files")])
 
 
-def require_device(spec, device: torch.device, count: Callable[[], tuple[int, str]], what: str) -> None:
+def require_device(spec, device: torch.device, count: Callable[[], tuple[int, str]], what: str,
+                   ranks: Ranks = Ranks()) -> None:
     """Refuse before allocating when the device's free memory cannot hold the point: `count()` gives
-    its bytes and what they are made of (counted only on a GPU); `options.admission: false` tries
-    anyway."""
+    its bytes (a rank's) and what they are made of (counted only on a GPU); `options.admission:
+    false` tries anyway. Every rank decides on the first rank's reading, so that all refuse or none."""
     if device.type != "cuda" or not spec.options.get("admission", True):
         return
     need, how = count()
-    free, _ = torch.cuda.mem_get_info(device)
+    free = agreed(ranks, torch.cuda.mem_get_info(device)[0])
     if need > free:
         raise DoesNotFit(what, [Shortage("device", int(need), free, how)])
 

@@ -381,3 +381,36 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     assert trained["device"][0] == pytest.approx(trained["host"][0], rel=1e-6)
     assert trained["host"][0][-1] < trained["host"][0][0]  # it trains
     torch.testing.assert_close(trained["device"][1], trained["host"][1], rtol=1e-6, atol=1e-7)
+
+
+def test_fsdp2_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
+    """FSDP2's device count against its measured points (H100 and H200, 1 to 4 ranks): under each
+    peak it reached, by at most 11 GiB. With `accumulate: device` the count adds the float32
+    unsharded gradients, so 7B at 8 x 4096 x 2 is refused on an H100's free memory, naming them,
+    where FSDP2's own accumulation is admitted."""
+    from baselines import hf
+    from baselines.fsdp2 import device_need
+    from megatrain.memory import DoesNotFit
+    from megatrain.units import GiB
+
+    def spec(model, batch, accum=1, gpus=1):
+        return RunSpec.from_dict({"system": "fsdp2", "model": model, "seq_len": 4096, "batch_size": batch,
+                                  "grad_accum": accum, "gpus": gpus})
+    seven = {"preset": "qwen2.5-7b"}
+    w10 = {"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 2}}
+    measured = [({"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 14}}, 8, 2, 1, 66273585152),
+                ({"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 7}}, 8, 2, 1, 64629417984),
+                ({"preset": "qwen2.5-3b"}, 4, 1, 1, 33251105792), (w10, 4, 1, 1, 32854222848),
+                (seven, 8, 4, 1, 69561919488), (seven, 16, 2, 2, 70028559360), (seven, 32, 2, 4, 70028035072),
+                ({"preset": "qwen2.5-14b"}, 4, 1, 1, 41806967808)]  # results/*/points/**/*fsdp2*.json
+    for model, batch, accum, gpus, peak in measured:
+        need = device_need(spec(model, batch, accum, gpus), "host")[0]
+        assert peak - 11 * GiB < need <= peak
+    host, device = (device_need(spec(seven, 8, 2), where)[0] for where in ("host", "device"))
+    assert device - host == 4 * 7615616512
+    assert device_need(spec(seven, 8, 1), "device")[0] == device_need(spec(seven, 8, 1), "host")[0]  # no accumulation
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(78.7 * GiB), 80 * GiB))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(DoesNotFit, match=r"at the loss: .*float32 unsharded gradients 28\.4 GiB"):
+        hf.require_device(spec(seven, 8, 2), cuda, lambda: device_need(spec(seven, 8, 2), "device"), "FSDP2")
+    hf.require_device(spec(seven, 8, 2), cuda, lambda: device_need(spec(seven, 8, 2), "host"), "FSDP2")
