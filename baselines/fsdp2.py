@@ -8,8 +8,8 @@ spec.options (anything else is refused):
   second micro-batch on, FSDP2 makes that copy blocking, into fresh pageable memory, since the
   host's add needs it (torch.distributed.fsdp's `foreach_reduce`). "device": the documented route
   for accumulation without communication (`set_requires_gradient_sync(False)` before all but the
-  last micro-batch): float32 unsharded gradients summed on the GPU (4 B/param of the whole model more on each), reduced
-  and copied once a step.
+  last micro-batch): float32 unsharded gradients summed on the GPU (4 B/param of the whole model
+  more on each), reduced and copied once a step.
 - `admission`: false tries a point the host or device admission would refuse.
 
 On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,

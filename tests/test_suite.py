@@ -397,10 +397,10 @@ def test_fsdp2_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
         return RunSpec.from_dict({"system": "fsdp2", "model": model, "seq_len": 4096, "batch_size": batch,
                                   "grad_accum": accum, "gpus": gpus})
     seven = {"preset": "qwen2.5-7b"}
-    w10 = {"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 2}}
+    two_layers = {"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 2}}
     measured = [({"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 14}}, 8, 2, 1, 66273585152),
                 ({"preset": "qwen2.5-7b", "overrides": {"num_hidden_layers": 7}}, 8, 2, 1, 64629417984),
-                ({"preset": "qwen2.5-3b"}, 4, 1, 1, 33251105792), (w10, 4, 1, 1, 32854222848),
+                ({"preset": "qwen2.5-3b"}, 4, 1, 1, 33251105792), (two_layers, 4, 1, 1, 32854222848),
                 (seven, 8, 4, 1, 69561919488), (seven, 16, 2, 2, 70028559360), (seven, 32, 2, 4, 70028035072),
                 ({"preset": "qwen2.5-14b"}, 4, 1, 1, 41806967808)]  # results/*/points/**/*fsdp2*.json
     for model, batch, accum, gpus, peak in measured:
