@@ -117,6 +117,9 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          bash results/h200/next/native_patch.sh $OUT
          # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
          # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
+         # FSDP2's points wait (unless FSDP2=1) for the two-GPU host's A/B of its accumulation
+         # (../../h200/next/x2_calls.sh start 10), which decides how the grid configures FSDP2
+         [ "${FSDP2:-0}" = 1 ] || points=$(echo "$points" | grep -v "_fsdp2\$")
          T=$(for e in shared ablations context devices scale depth width; do
                echo "$points" | grep "^$e/" | grep -v "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done
              echo "$points" | grep "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -) ;;
