@@ -38,7 +38,7 @@ import torch.distributed as dist
 from baselines import hf
 from megatrain.distributed import Ranks, shard_batch
 from megatrain.shapes import ModelShape
-from suite.system import System, Unsupported
+from suite.system import System, Unsupported, check_options
 
 OFFLOADS = ("cpu", "nvme")
 
@@ -96,9 +96,7 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
     known = ("ds_config", "nvme_path") if offload == "nvme" else ("ds_config",)
-    unknown = sorted(set(spec.options) - set(known))
-    if unknown:
-        raise ValueError(f"options: unknown {unknown} for system {spec.system!r}; known: {list(known)}")
+    check_options(spec.system, spec.options, known)
     if not isinstance(spec.options.get("ds_config", {}), dict):
         raise ValueError("options.ds_config must be a dict of DeepSpeed config entries")
     offload_param = {"device": offload, "pin_memory": True}

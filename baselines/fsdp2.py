@@ -24,16 +24,14 @@ from baselines import hf
 from baselines.native import LOSS_BYTES_PER_LOGIT
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
-from suite.system import System
+from suite.system import System, check_options
 
 
 ACCUMULATE = ("host", "device")
 
 
 def _accumulate(options: dict) -> str:
-    unknown = sorted(set(options) - {"accumulate", "admission"})
-    if unknown:
-        raise ValueError(f"fsdp2 options: unknown {unknown}; known: ['accumulate', 'admission']")
+    check_options("fsdp2", options, ("accumulate", "admission"))
     where = options.get("accumulate", "host")
     if where not in ACCUMULATE:
         raise ValueError(f"fsdp2 options.accumulate: {where!r}; known: {list(ACCUMULATE)}")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from baselines import hf
-from suite.system import System, Unsupported
+from suite.system import System, Unsupported, check_options
 
 # the latest colossalai release baselines/gemini.md describes, named when colossalai is not installed at all
 LATEST_CHECKED = "0.5.0, which requires torch>=2.2.0,<=2.5.1, transformers==4.51.3"
@@ -64,9 +64,7 @@ def _import():
 
 
 def _settings(options: dict) -> dict:
-    unknown = sorted(set(options) - _OPTIONS)
-    if unknown:
-        raise ValueError(f"gemini options: unknown {unknown}; known: {sorted(_OPTIONS)}")
+    check_options("gemini", options, _OPTIONS)
     policy = options.get("placement_policy", "static")
     if policy not in _PLACEMENTS:
         raise ValueError(f"gemini options.placement_policy: {policy!r}; known: {list(_PLACEMENTS)}")

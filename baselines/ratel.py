@@ -50,7 +50,7 @@ from baselines.ratel_compat import PATH as COMPAT
 from megatrain.memory import DoesNotFit, Shortage
 from megatrain.metrics import model_flops
 from megatrain.resolve import host_available_bytes
-from suite.system import System, Unsupported
+from suite.system import System, Unsupported, check_options
 
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
@@ -148,9 +148,7 @@ class Ratel(System):
 
     def __init__(self, spec, device):
         # `device` is not used: Ratel's main.py takes the GPU that CUDA_VISIBLE_DEVICES leaves it
-        unknown = sorted(set(spec.options) - _OPTIONS)
-        if unknown:
-            raise ValueError(f"ratel options: unknown {unknown}; known: {sorted(_OPTIONS)}")
+        check_options("ratel", spec.options, _OPTIONS)
         self.spec = spec
         self.offload = spec.options.get("offload", "disk")
         if self.offload not in OFFLOADS:

@@ -28,6 +28,13 @@ class Unsupported(Exception):
     """This system cannot run on this machine or in this environment (the reason says why)."""
 
 
+def check_options(system: str, options: dict, known) -> None:
+    """Refuse, by name, the options of a point that its system does not know."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{system} options: unknown {unknown}; known: {sorted(known)}")
+
+
 class System(ABC):
     """One system under comparison, built for one run spec on one device.
 

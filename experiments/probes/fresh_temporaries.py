@@ -3,8 +3,8 @@ runs it when the gradients are bf16 (Gemini with bf16 precision: HybridAdam send
 to torch ops, and only float32 and float16 ones to its C++ kernel). Each tensor's update allocates
 temporaries the size of the tensor (the float32 gradient, the square root, the denominator); glibc
 serves allocations of more than 32 MB with mmap and unmaps them on free, so every temporary's pages
-are faulted in and zeroed by the kernel again at every step. With mmap off (MALLOC_MMAP_MAX_=0, and a trim threshold that keeps the
-freed heap) the same update reuses its pages after the first step.
+are faulted in and zeroed by the kernel again at every step. With mmap off (MALLOC_MMAP_MAX_=0, and
+a trim threshold that keeps the freed heap) the same update reuses its pages after the first step.
 
     python -m experiments.probes.fresh_temporaries [PARAMS_M] [OUT.json]   (default 512 M parameters)
 
