@@ -33,6 +33,10 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
 B6="$R/ratel/7b_ratel.json"
 case $1 in
   start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 and 10 alone
+    # the wheels once for the call, before native's GPU tests (their conftest imports datasets; session
+    # 35's tests stopped there), and workflow_gpu.sh is told not to install them again
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
     if [ "$2" = 10 ]; then
       # FSDP2's accumulation, three runs in one call (about 7 minutes, not detached): depth's L28_fsdp2
       # (session 35) ran at 94.5 s a step at 8 x 4 x 4096 (66.2 model TFLOP/s), where gpus/7b_g1_fsdp2
@@ -72,10 +76,6 @@ case $1 in
       # buffers counted twice); wall about 8 minutes. The H100's 3B point (session 33) moved its disk
       # bytes at 0.18 GB/s and reached no step in 600 s: if this disk does the same, a timeout.
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
-      # the wheels once for the call, before native's GPU tests (their conftest imports datasets; session
-      # 35's tests stopped there), and workflow_gpu.sh is told not to install them again
-      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-      export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
       # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
       # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds;
       # prediction: both pass, and scale/7b_native then trains, about 121-135 GiB allocated at its loss)
