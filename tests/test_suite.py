@@ -383,6 +383,28 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     torch.testing.assert_close(trained["device"][1], trained["host"][1], rtol=1e-6, atol=1e-7)
 
 
+def test_fsdp2_auto_accumulates_on_the_device_where_its_count_leaves_the_slack(monkeypatch):
+    """`accumulate: auto` (the default) sums on the device where the count with the float32 unsharded
+    gradients leaves AUTO_SLACK free: the 7B at 8 x 4 x 4096 on an H200's free memory, not on an
+    H100's; a stated choice stands; on the CPU, the device (no device memory to spare)."""
+    from baselines import hf
+    from baselines.fsdp2 import AUTO_SLACK, accumulation, device_need
+    from megatrain.units import GiB
+
+    def spec(**options):
+        return RunSpec.from_dict({"system": "fsdp2", "model": {"preset": "qwen2.5-7b"}, "seq_len": 4096,
+                                  "batch_size": 8, "grad_accum": 4, "options": options})
+    cuda = torch.device("cuda", 0)
+    need = device_need(spec(), "device")[0]
+    for free, where in [(int(139.3 * GiB), "device"), (int(78.7 * GiB), "host"),
+                        (need + AUTO_SLACK, "device"), (need + AUTO_SLACK - 1, "host")]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 140 * GiB))
+        assert accumulation(spec(), cuda, hf.Ranks()) == where
+        assert accumulation(spec(accumulate="host"), cuda, hf.Ranks()) == "host"
+    assert accumulation(spec(accumulate="device"), cuda, hf.Ranks()) == "device"  # tried, then refused
+    assert accumulation(spec(), torch.device("cpu"), hf.Ranks()) == "device"
+
+
 def test_fsdp2_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
     """FSDP2's device count against its measured points (H100 and H200, 1 to 4 ranks): under each
     peak it reached, by at most 11 GiB. With `accumulate: device` the count adds the float32
