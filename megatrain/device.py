@@ -23,6 +23,16 @@ class _NoEvent:
         return True
 
 
+def grow_expandable_segments() -> None:
+    """Let the CUDA allocator grow expandable segments (a large block then fits wherever the cache has
+    the room, not only in one free piece), unless the user's PYTORCH_CUDA_ALLOC_CONF sets the
+    allocator: theirs wins."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        with warnings.catch_warnings():  # torch 2.11 names a newer private twin of this call
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 class Device:
     def __init__(self, name: str = "auto"):
         if name == "auto":
@@ -37,10 +47,7 @@ class Device:
             if self.torch.index is None:
                 self.torch = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.torch)
-            if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the user's own allocator settings win
-                with warnings.catch_warnings():  # torch 2.11 names a newer private twin of this call
-                    warnings.simplefilter("ignore", FutureWarning)
-                    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            grow_expandable_segments()
             self.compute = torch.cuda.Stream(self.torch)
             self.h2d = torch.cuda.Stream(self.torch)
             self.d2h = torch.cuda.Stream(self.torch)

@@ -50,6 +50,9 @@ class System(ABC):
     # True: each step's `step_time_s` is the system's own time of the step, taken instead of the
     # wall clock around step() (a system run as one external script, whose steps are not calls)
     own_step_time: bool = False
+    # options its host admission does not read: a refusal for host memory stands for a point whose
+    # options changed only in these (workflows/scripts/grid.stale)
+    host_blind_options: frozenset[str] = frozenset()
 
     @abstractmethod
     def __init__(self, spec: RunSpec, device: torch.device) -> None:

@@ -52,6 +52,18 @@ def test_a_result_of_a_point_since_changed_is_stale(change, message):
     assert why is not None and message in why
 
 
+def test_a_host_refusal_stands_where_only_options_the_host_admission_does_not_read_changed():
+    """FSDP2's `accumulate` moves no host bytes: its host refusals stand when the option is named; its
+    measured results, and a refusal whose shape changed, do not."""
+    fsdp2 = {**POINT, "system": "fsdp2", "options": {}}
+    named = {**fsdp2, "options": {"accumulate": "auto"}}
+    assert gridlib.stale(named, _result(fsdp2, "oom_host")) is None
+    assert 'options {} (now {"accumulate": "auto"})' in gridlib.stale(named, _result(fsdp2))
+    assert "accum" in gridlib.stale({**named, "accum": 2}, _result(fsdp2, "oom_host"))
+    megatrain = {**POINT, "options": {**POINT["options"], "engine.grad_slabs": 4}}  # read by its host plan
+    assert gridlib.stale(megatrain, _result(POINT, "oom_host")) is not None
+
+
 def test_the_table_marks_a_stale_result_and_keeps_what_it_measured(tmp_path):
     aggregate = pytest.importorskip("workflows.scripts.aggregate")
     grid = tmp_path / "grid.yaml"

@@ -3,19 +3,24 @@
 # carrying [".whl", ".libaio", ".ratel"]:
 #   C=<commit> bash results/h200/next/x2_calls.sh start N [M ...]   then within 30 s of each reply:
 #   bash results/h200/next/x2_calls.sh attach [SECONDS]       (extract each reply's workflow.tgz first;
-#                                                             SECONDS, default 550: less where device time is short)
+#                                                             SECONDS, default 550: less where device time is
+#                                                             short, never more: the pack, which stops a running
+#                                                             point, took over 20 s in session 36, and an attach of
+#                                                             580 ran past the call's 600 s with only its log back;
+#                                                             `attach 1` then packed in 16 s)
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
 # memory bandwidth are part of what it measures). Batches 3-6 are the h200 grid's, and `start 4 5 6`
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
-# h200-scale's ($S) and runs alone; so does 10 (FSDP2's accumulation, an A/B, not detached). A
+# h200-scale's ($S) and runs alone; so did 10 (FSDP2's accumulation, an A/B, not detached). A
 # `start` is alone in its call: it returns 540 s after its own
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batch 3 made (session 33), 4 about 16
-# minutes, 5 about 24, 6 about 8 (its prediction below); 9 about 2.
+# minutes, 5 about 24, 6 about 8 (its prediction below); 9 about 10. Batches 3-5 are made but
+# for width/w2.0_fsdp2 (session 36).
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -61,8 +66,12 @@ case $1 in
       exit 0
     fi
     if [ "$2" = 9 ]; then
-      # Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in the grid: about 296)
-      T="$R/moe/q30b_L24_lean_megatrain.json $S"
+      # h200-scale's: Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in
+      # the grid: about 296), then the gpus experiment's FSDP2 points again with `accumulate: auto`
+      # (stale: made with FSDP2's own accumulation; prediction: 7b_g1 near depth L28's 321 model
+      # TFLOP/s, 7b_g2 above its 320; about 4 minutes each)
+      rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
+      T="$R/moe/q30b_L24_lean_megatrain.json,$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
     else
       for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 and 10 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
@@ -76,12 +85,6 @@ case $1 in
       # buffers counted twice); wall about 8 minutes. The H100's 3B point (session 33) moved its disk
       # bytes at 0.18 GB/s and reached no step in 600 s: if this disk does the same, a timeout.
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
-      # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
-      # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds;
-      # prediction: both pass, and scale/7b_native then trains, about 121-135 GiB allocated at its loss)
-      # scale/7b_native ran without it (oom_device, session 35: the tests stopped on the missing
-      # datasets), so that point is made again when the patch is in
-      bash results/h200/next/native_patch.sh "${OUT:-/tmp}" && rm -f $R/scale/7b_native.json
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh

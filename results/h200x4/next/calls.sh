@@ -108,18 +108,12 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
+         # scale/7b_native ran out at its second step (session 34: 111.7 GiB allocated, 22.0 reserved but
+         # free; kept as a probe, not a point) before native grew expandable segments; with them the
+         # two-GPU host's point trained (session 36, 128.4 GiB). Prediction: it trains, 121-135 GiB.
          points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
-         # Native's allocator with expandable segments (not landed until a GPU has run it): applied to
-         # this copy for the whole run (its points name a dirty tree), its GPU tests first (seconds).
-         # Session 34 here, without it: scale/7b_native trained a step and ran out at the second, 111.7
-         # GiB allocated and 22.0 reserved but free (results/h200x4/probes_2026-11-27), as on the two-GPU
-         # host. Prediction: the tests pass and the point trains, about 121-135 GiB allocated at its loss.
-         bash results/h200/next/native_patch.sh $OUT
          # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
          # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
-         # FSDP2's points wait (unless FSDP2=1) for the two-GPU host's A/B of its accumulation
-         # (../../h200/next/x2_calls.sh start 10), which decides how the grid configures FSDP2
-         [ "${FSDP2:-0}" = 1 ] || points=$(echo "$points" | grep -v "_fsdp2\$")
          T=$(for e in shared ablations context devices scale depth width; do
                echo "$points" | grep "^$e/" | grep -v "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done
              echo "$points" | grep "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -) ;;
