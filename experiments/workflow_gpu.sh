@@ -5,10 +5,10 @@
 # Installs a carried wheel folder (WHEELS, default .whl; WHEELS=none: the machine has everything) into
 # /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
 # `snakemake --profile PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
-# Snakemake removes its incomplete output), prints the harness's table of the point folders named,
-# then packs what it wrote in results/, plots/ and logs/ of the grid's hardware into $OUT/workflow.tgz:
-# the files newer than the run's start, so that unpacking it never replaces the caller's own files
-# (a README or a script edited while the run went on) with the copies the call began from.
+# Snakemake removes its incomplete output), packs what it wrote in results/, plots/ and logs/ of the
+# grid's hardware into $OUT/workflow.tgz: the files newer than the run's start, so that unpacking it
+# never replaces the caller's own files (a README or a script edited while the run went on) with the
+# copies the call began from; then prints the harness's table of the point folders named.
 # The wheel folder holds, for the machine's Python, what its image lacks: `pip download` (or
 # `pip wheel`) of snakemake, datasets, hjson, pydantic>=2 and deepspeed==0.19.8 (built with
 # DS_BUILD_OPS=0: its ops compile on the machine at first use), with their dependencies, leaving out
@@ -106,8 +106,10 @@ if [ "$mode" != run ]; then
   elif running; then echo "still running: --attach again within 30 s"
   else echo "the detached run ended without an exit status (its log above)"; fi
 fi
+# the pack first: a call cut by its limit while the table prints still brings it back (session 36's
+# attach lost its pack so)
+written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
+{ [ -z "$written" ] || find $written -type f -newer "$started" -print0; } | tar czf "${OUT:-out}/workflow.tgz" --null -T -
 # the harness's table of the point folders named (an experiment's target prints its own)
 dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
 [ -z "$dirs" ] || python3 -m suite table $dirs
-written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
-{ [ -z "$written" ] || find $written -type f -newer "$started" -print0; } | tar czf "${OUT:-out}/workflow.tgz" --null -T -

@@ -4,10 +4,10 @@
 #   C=<commit> bash results/h200/next/x2_calls.sh start N [M ...]   then within 30 s of each reply:
 #   bash results/h200/next/x2_calls.sh attach [SECONDS]       (extract each reply's workflow.tgz first;
 #                                                             SECONDS, default 550: less where device time is
-#                                                             short, never more: the pack, which stops a running
-#                                                             point, took over 20 s in session 36, and an attach of
-#                                                             580 ran past the call's 600 s with only its log back;
-#                                                             `attach 1` then packed in 16 s)
+#                                                             short, never more: in session 36 an attach of 580
+#                                                             ran past the call's 600 s with only its log back,
+#                                                             and `attach 1` then packed in 16 s; the pack now
+#                                                             comes before the table)
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
 # memory bandwidth are part of what it measures). Batches 3-6 are the h200 grid's, and `start 4 5 6`
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
