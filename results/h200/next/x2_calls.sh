@@ -13,7 +13,7 @@
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
-# h200-scale's ($S) and runs alone; so did 10 (FSDP2's accumulation, an A/B, not detached). A
+# h200-scale's ($S) and runs alone (10, FSDP2's accumulation A/B, ran in session 36). A
 # `start` is alone in its call: it returns 540 s after its own
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
@@ -37,34 +37,10 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 B6="$R/ratel/7b_ratel.json"
 case $1 in
-  start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 and 10 alone
-    # the wheels once for the call, before native's GPU tests (their conftest imports datasets; session
-    # 35's tests stopped there), and workflow_gpu.sh is told not to install them again
+  start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 alone
+    # the wheels once for the call, and workflow_gpu.sh is told not to install them again
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
-    if [ "$2" = 10 ]; then
-      # FSDP2's accumulation, three runs in one call (about 7 minutes, not detached): depth's L28_fsdp2
-      # (session 35) ran at 94.5 s a step at 8 x 4 x 4096 (66.2 model TFLOP/s), where gpus/7b_g1_fsdp2
-      # ran at 30.5 at 8 x 2 x 4096 (101.9; session 13): from the second micro-batch on, FSDP2 copies
-      # each micro-batch's gradients to the host blocking, into fresh pageable memory, and adds them
-      # there. At width's w1.0 shape (the 7B width on 7 layers, 2.72 B, 8 x 4 x 4096: the grid's
-      # w1.0_fsdp2): (a) FSDP2's own accumulation; (b) the same with glibc's mmap off (the freed heap
-      # kept, as the x4 host's Gemini A/B: the fresh memory's page faults); (c) `accumulate: device`.
-      # Prediction: (a) about 34 s a step (L28's per parameter); (c) at most 12 s (2.8x or more), its
-      # device peak about 10 GiB above (a)'s (4 B/param: the float32 unsharded gradients), losses
-      # within 1e-3 of (a)'s; (b) between, nearer (c) if the page faults are most of the blocking copy.
-      # One measured step each (L28's steps spread 4%; the effect sought is 2x): set-up about 75 s,
-      # then a warm-up and a step, about 165, 150 and 110 s; each run's limit is what is left of 530 s.
-      declare -A runs=([a]="accumulate=host" [b]="accumulate=host" [c]="accumulate=device")
-      for v in a b c; do
-        m= && [ $v = b ] && m="MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736"
-        t=$((530 - SECONDS)) && [ $t -gt 220 ] && t=220
-        env $m python3 -m suite run --system fsdp2 --preset qwen2.5-7b --layers 7 --seq 4096 --batch 8 \
-          --accum 4 --warmup 1 --steps 1 --timeout $t --out "$OUT/fsdp2_accumulate_$v.json" ${runs[$v]} 2>&1 | tail -2
-      done
-      python3 -m suite table "$OUT"
-      exit 0
-    fi
     if [ "$2" = 9 ]; then
       # h200-scale's: Qwen3-30B-A3B on 24 layers with the lean experts (about 2 minutes; predicted in
       # the grid: about 296), then the gpus experiment's FSDP2 points again with `accumulate: auto`
@@ -73,7 +49,7 @@ case $1 in
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/moe/q30b_L24_lean_megatrain.json,$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 and 10 run alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 runs alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 6, Ratel at the 7B shape (its GPT: 4.88 B parameters), its disk route, is stale (run
       # without a checkout, before the grid's options): the stale results are removed in the device's
