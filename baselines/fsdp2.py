@@ -24,16 +24,21 @@ import torch
 import torch.distributed as dist
 
 from baselines import hf
-from baselines.native import LOSS_BYTES_PER_LOGIT
+from baselines import native
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 from suite.system import System, check_options
 
 
 ACCUMULATE = ("auto", "host", "device")
-# `auto` accumulates on the device where its count (device_need) leaves this much free: the largest
-# gap measured between the count and the allocator's peak, 10.6 GiB, and some
+# `auto` accumulates on the device where its count (device_need) leaves this much free: the caching
+# allocator held 11.6 to 28.4 GiB beyond its allocated peak on the measured points (NVML), and a
+# fragmented cache fails a large block with free memory in pieces (native's 7B, session 33)
 AUTO_SLACK = 12 * GiB
+# at the loss: native's 10 B a logit (its bf16 value, float32 copy and float32 log-softmax) and 2
+# more, measured: every FSDP2 point's peak was 2 B a logit (and 0.3-1.4 GiB) above the count at 10;
+# plausibly the logits' bf16 gradient, which the bf16 model (no autocast) holds beside them
+LOSS_BYTES_PER_LOGIT = native.LOSS_BYTES_PER_LOGIT + 2
 
 
 def _accumulate(options: dict) -> str:
@@ -57,11 +62,11 @@ def accumulation(spec, device: torch.device, ranks: hf.Ranks) -> str:
 
 
 def device_need(spec, accumulate: str) -> tuple[int, str]:
-    """A rank's device bytes at its loss, counted, and what they are made of: the loss's logits (as
-    native's), every layer's bf16 checkpoint, the root's parameters (embedding, head) unsharded in
-    bf16, and with `accumulate: device` after a step's first micro-batch the float32 unsharded
-    gradients of the whole model. Lower bounds: on the measured points (H100 and H200, 1.6 to 7.6 B
-    parameters, 1 to 4 ranks) 4.4 to 10.6 GiB under the allocator's peak."""
+    """A rank's device bytes at its loss, counted, and what they are made of: the loss's logits, every
+    layer's bf16 checkpoint, the root's parameters (embedding, head) unsharded in bf16, and with
+    `accumulate: device` after a step's first micro-batch the float32 unsharded gradients of the
+    whole model. Lower bounds: on the measured points (H100 and H200, 1.6 to 8.7 B parameters, 1 to
+    4 ranks, both accumulations) 0.3 to 1.4 GiB under the allocator's peak."""
     shape = ModelShape(spec.hf_config())
     p = shape.total_params()
     tokens = spec.batch_size // spec.gpus * spec.seq_len
