@@ -292,6 +292,22 @@ def test_a_line_breaks_where_the_settings_change(tmp_path):
         plot.settings(pd.Series({"seq": 8192, "batch": 8, "accum": 1, "options": ""}), ctx)
 
 
+def test_a_series_run_at_another_shape_is_named_under_the_figure(tmp_path):
+    """Figure 1's native at its largest batch (4 x 1) beside the others' 8 x 4: the figure says so
+    under it, naming what differs; the same shape everywhere says nothing."""
+    seven = dict(params=7_615_616_512, tflops=300.0)
+    points = {"7b_megatrain": _result("megatrain", "qwen2.5-7b", **seven), "7b_zero3": _result("zero3", "qwen2.5-7b", **seven),
+              "7b_native": _result("native", "qwen2.5-7b", **seven)}
+    for pid in ("7b_megatrain", "7b_zero3"):
+        points[pid]["spec"].update(batch_size=8, grad_accum=4)
+    points["7b_native"]["spec"].update(batch_size=4, grad_accum=1)
+    notes = [t.get_text() for t in plot.figure(_table(tmp_path, "scale", points, paper=[]), "scale", "h100").texts]
+    assert any("shape differs: native: batch 4, accum 1 (the others batch 8, accum 4)" in n for n in notes)
+    points["7b_native"]["spec"].update(batch_size=8, grad_accum=4)
+    notes = [t.get_text() for t in plot.figure(_table(tmp_path, "scale", points, paper=[]), "scale", "h100").texts]
+    assert not any("shape differs" in n for n in notes)
+
+
 def test_the_legend_fits_the_figure_and_a_cut_model_names_its_layers(tmp_path):
     """Appendix B's figure: one panel, long legend entries (the settings note), a 7B-wide model cut
     to 4 layers. The legend stays inside the figure; the tick under the cut model says "4 layers"

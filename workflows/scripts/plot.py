@@ -207,6 +207,28 @@ def runs(g: pd.DataFrame, spec: Experiment) -> list[pd.DataFrame]:
     return pieces
 
 
+SHAPE_COLUMNS = ("seq", "batch", "accum")
+
+
+def shape_notes(ok: pd.DataFrame, spec: Experiment, series: pd.Series) -> list[str]:
+    """Where a series ran a shape (sequence, batch, micro-batches) other than the one most of the
+    figure's points ran, e.g. "native: batch 4, accum 1 (the others batch 8, accum 4)"; the x axis
+    and what the experiment varies by design are no shape here."""
+    cols = [c for c in SHAPE_COLUMNS if c in ok and c != spec.x and c not in spec.varies]
+    if not cols or not len(ok):
+        return []
+    shape = ok[cols].apply(lambda r: tuple(str(int(v)) if pd.notna(v) else "-" for v in r), axis=1)
+    common = shape.mode().iloc[0]
+    out = []
+    for name, own in shape.groupby(series, sort=False):
+        for other in dict.fromkeys(own):
+            differ = [i for i, (a, b) in enumerate(zip(other, common)) if a != b]
+            if differ:
+                out.append(f"{name}: " + ", ".join(f"{cols[i]} {other[i]}" for i in differ)
+                           + " (the others " + ", ".join(f"{cols[i]} {common[i]}" for i in differ) + ")")
+    return out
+
+
 def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
     """Series name ("megatrain", "megatrain (7 layers)", "ratel offload=disk") -> (marker, colour),
     no two alike; a system's first series takes the system's colour."""
@@ -387,7 +409,9 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
             xs = set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper and len(paper) else set())
             if len(xs) == 1:  # one x (the CPU's one tiny model): centred, not at the frame
                 ax.set_xlim(min(xs) / 3, min(xs) * 3)
-    return fig, axes, [(f"settings differ (dotted): {n}", "0.25") for n in notes]
+    shapes = shape_notes(ok_all, spec, _series(ok_all, spec)) if len(ok_all) else []
+    return fig, axes, [*((f"settings differ (dotted): {n}", "0.25") for n in notes),
+                       *((f"shape differs: {n}", "0.25") for n in shapes)]
 
 
 def _model_series(rows: pd.DataFrame) -> pd.Series:
