@@ -326,6 +326,23 @@ def test_the_legend_fits_the_figure_and_a_cut_model_names_its_layers(tmp_path):
     assert plot._legend_columns(["x" * 60], 3.0) == 1 and plot._legend_columns(["x"], 9.0) == plot.LEGEND_COLUMNS
 
 
+def test_an_auto_option_says_what_the_run_chose_and_a_line_breaks_where_that_differs(tmp_path):
+    """FSDP2's `accumulate: auto` as each run resolved it (its info): the table says which, and a
+    line joining a device-summed point and a host-summed one is dotted, the note naming the change."""
+    points = {f"w{w}": {**_result("fsdp2", "qwen2.5-7b", hidden=h, params=p, tflops=t, options={"accumulate": "auto"}),
+                        "info": {"accumulate": where}}
+              for w, h, p, t, where in [("1.0", 3584, 2_721_402_880, 315.0, "device"), ("1.5", 5376, 5_305_595_904, 333.0, "device"),
+                                         ("3.0", 10752, 17_952_141_312, 120.0, "host")]}
+    df = _table(tmp_path, "width", points, paper=[])
+    assert list(df.set_index("id").loc[["w1.0", "w3.0"], "options"]) == ["accumulate=auto(device)", "accumulate=auto(host)"]
+    assert aggregate.options_text({"accumulate": "auto"}) == "accumulate=auto"  # no info: as asked
+    assert aggregate.options_text({"engine": {"device_tiles": "auto"}}, {"engine": {"device_tiles": 19}}) == \
+        "engine.device_tiles=auto(19)"
+    fig = plot.figure(df, "width", "h200")
+    assert [ln for ln in fig.axes[0].get_lines() if ln.get_gid() == plot.SETTINGS_CHANGE]
+    assert any("accumulate auto(device)->auto(host)" in t.get_text() for t in fig.texts)
+
+
 def test_a_line_breaks_where_the_resolved_kernels_change(tmp_path):
     """Two MegaTrain points asked alike, one run before the compiled layer kernels (no such
     setting recorded: eager) and one that resolved `auto` to them: the table says which ran what,

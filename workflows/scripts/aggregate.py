@@ -55,13 +55,21 @@ def model_params_b(model) -> float | None:
     return _PARAMS_B[key] or size
 
 
-def options_text(options: dict | None) -> str:
+def options_text(options: dict | None, info: dict | None = None) -> str:
     """A run's options as sorted `key=value` words (nested or dotted keys alike; the diagnostic ones,
     which only add a measurement, left out): what a figure compares to tell runs of different
-    settings apart."""
+    settings apart. An `auto` the run resolved, as its info records under the same key, says what
+    it chose: `accumulate=auto(device)`, `engine.device_tiles=auto(19)`."""
     from workflows.scripts.grid import DIAGNOSTIC_OPTIONS, dotted
-    return " ".join(sorted(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                           for k, v in dotted(options or {}).items() if k not in DIAGNOSTIC_OPTIONS))
+    chose = dotted(info or {})
+
+    def word(k, v):
+        if isinstance(v, bool):
+            return f"{k}={str(v).lower()}"
+        if v == "auto" and k in chose and chose[k] != "auto":  # one word: a figure splits the text at spaces
+            return f"{k}=auto({str(chose[k]).replace(' ', '')})"
+        return f"{k}={v}"
+    return " ".join(sorted(word(k, v) for k, v in dotted(options or {}).items() if k not in DIAGNOSTIC_OPTIONS))
 
 
 def kernels(result: dict) -> str | None:
@@ -213,7 +221,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "layers": (model.get("overrides") or {}).get("num_hidden_layers"),
         "batch": spec["batch_size"], "accum": spec["grad_accum"], "seq": spec["seq_len"],
         "gpus": spec.get("gpus") or 1,  # results from before the field ran on one GPU
-        "options": options_text(spec.get("options")),
+        "options": options_text(spec.get("options"), result.get("info")),
         "kernels": kernels(result),
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,
