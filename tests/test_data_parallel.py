@@ -295,19 +295,23 @@ def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
     assert results[2]["spec"]["gpus"] == 2
 
 
-def test_fsdp2_on_two_ranks_trains_as_one(tmp_path):
+@pytest.mark.parametrize("accumulate", ["host", "device"])
+def test_fsdp2_on_two_ranks_trains_as_one(tmp_path, accumulate):
     """FSDP2 CPU offload on 2 ranks (gloo) under the harness's torchrun: each rank its rows, the
     parameters sharded over both; the same losses and trained weights as the point on one rank
-    (float32 on the CPU; the ranks' averaged gradients differ from one rank's only in rounding)."""
+    (float32 on the CPU; the ranks' averaged gradients differ from one rank's only in rounding),
+    with the micro-batches summed through the host after each or on each rank before one reduce."""
     from safetensors.torch import load_file
     from suite.runner import run_point
     from suite.spec import RunSpec
     results, weights = {}, {}
     for gpus in (1, 2):
         spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=2,
-                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus, save_to=str(tmp_path / f"model{gpus}"))
+                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus, save_to=str(tmp_path / f"model{gpus}"),
+                       options={"accumulate": accumulate})
         results[gpus] = run_point(spec, tmp_path / f"{gpus}.json")
         assert results[gpus]["status"] == "ok", results[gpus].get("log_tail")
+        assert results[gpus]["info"]["accumulate"] == accumulate
         weights[gpus] = load_file(tmp_path / f"model{gpus}" / "model.safetensors")
     torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],
                                rtol=1e-5, atol=0)
