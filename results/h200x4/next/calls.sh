@@ -11,12 +11,13 @@
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers.
 # 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
+# 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
-#   devices' four Gemini points again; 59 are left (scale 14, depth 18, width 27). Only the missing
+#   devices' four Gemini points again; 60 are left (scale 15, depth 18, width 27). Only the missing
 #   points are named, so an experiment with none left costs no Snakemake start.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
@@ -81,6 +82,12 @@ case $1 in
          T="$R/moe/q30b_lean_megatrain.json $R/moe/oss20b_lean_megatrain.json" ;;
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
+      9) # FSDP2 on 4 GPUs again with `accumulate: auto` (stale: session 22's 859.0 model TFLOP/s summed
+         # through the host); each rank sums on its GPU (92.2 GiB counted, 104.2 with the slack, of about
+         # 139 free). Prediction: about 4x the one-GPU rate at 8 x 2 x 4096 (the x2 host's L28 at 8 x 4:
+         # 321.2), 1100-1300 model TFLOP/s, about 4 minutes
+         rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4-scale.yaml)
+         T="$R/gpus/7b_g4_fsdp2.json" ;;
       8) # Gemini's CPU update. Session 34 on this host (torch's 64 threads, its default here):
          # 3B at one sequence of 8192, 15.5-21.9 s a step (median 19.7, 10.7 model TFLOP/s); the H100
          # machine's 16 cores, same spec, 8.7-10.4 s (22.2). ZeRO-3 Offload's C++ CPU Adam at 64 threads
