@@ -33,7 +33,7 @@ from suite.system import System, check_options
 ACCUMULATE = ("auto", "host", "device")
 # `auto` accumulates on the device where its count (device_need) leaves this much free: the caching
 # allocator held 11.6 to 28.4 GiB beyond its allocated peak on the measured points (NVML), and a
-# fragmented cache fails a large block with free memory in pieces (native's 7B, session 33)
+# fragmented cache fails a large block with free memory in pieces (native's 7B at 4 x 4096 on an H200)
 AUTO_SLACK = 12 * GiB
 # at the loss: native's 10 B a logit (its bf16 value, float32 copy and float32 log-softmax) and 2
 # more, measured: every FSDP2 point's peak was 2 B a logit (and 0.3-1.4 GiB) above the count at 10;

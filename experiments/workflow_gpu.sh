@@ -106,8 +106,7 @@ if [ "$mode" != run ]; then
   elif running; then echo "still running: --attach again within 30 s"
   else echo "the detached run ended without an exit status (its log above)"; fi
 fi
-# the pack first: a call cut by its limit while the table prints still brings it back (session 36's
-# attach lost its pack so)
+# the pack first: a call cut by its limit while the table prints still brings its results back
 written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
 { [ -z "$written" ] || find $written -type f -newer "$started" -print0; } | tar czf "${OUT:-out}/workflow.tgz" --null -T -
 # the harness's table of the point folders named (an experiment's target prints its own)
