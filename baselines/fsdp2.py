@@ -36,8 +36,8 @@ ACCUMULATE = ("auto", "host", "device")
 # fragmented cache fails a large block with free memory in pieces (native's 7B at 4 x 4096 on an H200)
 AUTO_SLACK = 12 * GiB
 # at the loss: native's 10 B a logit (its bf16 value, float32 copy and float32 log-softmax) and 2
-# more, measured: every FSDP2 point's peak was 2 B a logit (and 0.3-1.4 GiB) above the count at 10;
-# plausibly the logits' bf16 gradient, which the bf16 model (no autocast) holds beside them
+# more, measured: every FSDP2 point's peak was 2 B a logit above the count at 10; plausibly the
+# logits' bf16 gradient, which the bf16 model (no autocast) holds beside them
 LOSS_BYTES_PER_LOGIT = native.LOSS_BYTES_PER_LOGIT + 2
 
 
@@ -65,15 +65,18 @@ def device_need(spec, accumulate: str) -> tuple[int, str]:
     """A rank's device bytes at its loss, counted, and what they are made of: the loss's logits, every
     layer's bf16 checkpoint, the root's parameters (embedding, head) unsharded in bf16, and with
     `accumulate: device` after a step's first micro-batch the float32 unsharded gradients of the
-    whole model. Lower bounds: on the measured points (H100 and H200, 1.6 to 8.7 B parameters, 1 to
-    4 ranks, both accumulations) 0.3 to 1.4 GiB under the allocator's peak."""
+    whole model, and one layer's weights gathered in bf16 (the peaks grew with the layer's size:
+    0.9 GiB above the count without it at the 7B width, 1.8 at twice that width). Lower bounds: on
+    the measured points (H100 and H200, 1.6 to 8.7 B parameters, layers of 0.07 to 0.93 B, 1 to 4
+    ranks, both accumulations) 0.1 to 0.9 GiB under the allocator's peak."""
     shape = ModelShape(spec.hf_config())
     p = shape.total_params()
     tokens = spec.batch_size // spec.gpus * spec.seq_len
-    root = p - shape.num_layers * sum(s.numel for s in shape.layer_specs)
+    layer = sum(s.numel for s in shape.layer_specs)
+    root = p - shape.num_layers * layer
     parts = {"the loss's logits": tokens * shape.vocab * LOSS_BYTES_PER_LOGIT,
              "checkpoints": shape.num_layers * tokens * shape.hidden * 2,
-             "the root's bf16 weights": 2 * root}
+             "the root's bf16 weights": 2 * root, "a layer's gathered bf16 weights": 2 * layer}
     if accumulate == "device" and spec.grad_accum > 1:
         parts["float32 unsharded gradients"] = 4 * p
     return sum(parts.values()), "at the loss: " + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in parts.items())

@@ -83,7 +83,7 @@ case $1 in
       7) # 7B at 1M tokens on 4 of its 28 layers (about 6 minutes; predicted in the grid: about 294 s a step)
          T="$R/long_context/ctx1m_L4.json" ;;
       9) # FSDP2 on 4 GPUs again with `accumulate: auto` (stale: session 22's 859.0 model TFLOP/s summed
-         # through the host); each rank sums on its GPU (92.2 GiB counted, 104.2 with the slack, of about
+         # through the host); each rank sums on its GPU (92.6 GiB counted, 104.6 with the slack, of about
          # 139 free). Prediction: about 4x the one-GPU rate at 8 x 2 x 4096 (the x2 host's L28 at 8 x 4:
          # 321.2), 1100-1300 model TFLOP/s, about 4 minutes
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4-scale.yaml)
