@@ -11,7 +11,7 @@
 #                                                             and `attach 1` then packed in 16 s; the pack now
 #                                                             comes before the table)
 # One GPU a point (the profile's `host` resource runs one at a time: each run's CPU AdamW and host
-# memory bandwidth are part of what it measures). Batches 3-6 are the h200 grid's, and `start 4 5 6`
+# memory bandwidth are part of what it measures). Batches 3-7 are the h200 grid's, and `start 4 5 6`
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
@@ -21,7 +21,8 @@
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batches 3-5 made (sessions 33-37);
-# 6 about 20 minutes (its predictions below), so `start 6` and two attaches; 9 about 10.
+# 6 about 16 minutes with its probe (its predictions below), so `start 6` and one attach; 7 about
+# 11; 9 about 10.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -36,9 +37,10 @@ B4="$R/depth/L28_megatrain.json $R/depth/L42_megatrain.json $R/depth/L56_megatra
     $R/scale/7b_native.json $R/scale/7b_zero3.json $R/depth/L28_zero3.json $R/depth/L28_fsdp2.json"
 B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $R/width/w1.5_fsdp2.json
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
-B6="$R/ratel/7b_ratel_cpu.json $R/ratel/7b_ratel.json"
+B6="$R/ratel/7b_ratel_cpu.json"
+B7="$R/ratel/7b_ratel.json"
 case $1 in
-  start)  # start N [M ...]: batches 3-6 (the h200 grid's) in one detached run; 9 alone
+  start)  # start N [M ...]: batches 3-7 (the h200 grid's) in one detached run; 9 alone
     # the wheels once for the call, and workflow_gpu.sh is told not to install them again
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH WHEELS=none
@@ -50,26 +52,35 @@ case $1 in
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/moe/q30b_L24_lean_megatrain.json,$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6) ;; *) echo "batches 3-6 chain; 9 runs alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9 runs alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
-      # Batch 6, Ratel at the 7B shape (its GPT: 4.88 B parameters). Session 37 ran the disk route
-      # (7b_ratel) and lost it to a late attach: its forward took 7.4 s, and its first backward had not
-      # ended 12 minutes in (no step; the 1B disk point moves about 20 GB each way a step at about
-      # 1.1 GB/s, the 7B about 85, so about 80 s). It is stale (its result is from before the checkout
-      # was carried) and runs again with a 600 s limit. First, 7b_ratel_cpu, Ratel's host-memory route.
-      # Predictions: 7b_ratel_cpu ok, 148 GiB of host by baselines/ratel_memory.py (admitted at 250),
-      # 6-15 s a step, 40-120 model TFLOP/s (its 1B point 31.6 at an eighth of the tokens a step; the
-      # paper's Ratel, from its NVMe RAID, 2.0-10.9), about 8 minutes with its op build; 7b_ratel a
-      # timeout with 0 of 4 steps, about 11 minutes.
+      # Batches 6 and 7, Ratel at the 7B shape (its GPT: 4.88 B parameters). Session 37 ran the disk
+      # route (7b_ratel) and lost it to a late attach: its forward took 7.4 s, and its first backward
+      # had not ended 12 minutes in (no step; by its bytes, 78 GB read and 68 written, about 80 s).
+      # Batch 6: 7b_ratel_cpu, Ratel's host-memory route. Prediction: ok, 148 GiB of host by
+      # baselines/ratel_memory.py (admitted at 250), 6-15 s a step, 40-120 model TFLOP/s (its 1B point
+      # 31.6 at an eighth of the tokens a step; the paper's Ratel, from its NVMe RAID, 2.0-10.9),
+      # about 8 minutes with its op build. Batch 7: 7b_ratel, stale (its result is from before the
+      # checkout was carried), with a 600 s limit; prediction: a timeout with no step, about 11 minutes.
       if [ "${*:2}" = 6 ]; then
-        # Before them (about 100 s): is this disk's rate sustained? 80 GiB written and read back with
-        # O_DIRECT, dd's progress every second. Prediction: if the 7B's stall is the disk's, the write
-        # rate falls from about 1.4 GB/s to under 0.2 after some tens of GB; if it holds, the stall is
-        # Ratel's at this size and not the disk's.
-        f=/tmp/disk_sustained.bin
-        { timeout 150 dd if=/dev/zero of=$f bs=64M count=1280 oflag=direct status=progress
-          timeout 90 dd if=$f of=/dev/null bs=64M iflag=direct status=progress; } 2>&1 | tr '\r' '\n' > $OUT/disk_sustained.txt
-        rm -f $f; grep copied $OUT/disk_sustained.txt | awk 'NR % 10 == 0 || /[0-9][.][0-9]+ s,/'
+        # Before it (at most about 8 minutes; the first run builds Ratel's ops): why the 7B's backward
+        # stalls. Read from Ratel's code (results/h200/README.md, session 37): a run with more than two
+        # optimizer sub-groups of 700 M hands each finished one to its optimizer process in the middle
+        # of the backward, through queues whose feeder threads copy 2.9 GB buffers into shared
+        # memory, while the main process swaps and releases the next group; the 1B's two sub-groups
+        # are handed over only at the backward's end, and the 3B and 7B stalled. Ratel's GPT on 12
+        # layers at the 1B's 4 x 1024 tokens (2.40 B, 4 sub-groups, hand-offs at layers 10, 5 and 0),
+        # two iterations, with its optimizer in the main process (--is_mp 0), then run.sh's --is_mp 1.
+        # Prediction: is_mp 0 steps, about 40-50 s a backward; is_mp 1 reaches no step in its 200 s,
+        # its disk counters flat after set-up. If is_mp 1 steps too, the hand-off is not the cause,
+        # and the token count is the next suspect.
+        mkdir -p $OUT/ratel_probe
+        for mp in 0:300 1:200; do
+          timeout $(( ${mp#*:} + 30 )) python3 -m suite run --system ratel --preset qwen2.5-7b --layers 12 --seq 1024 \
+            --batch 4 --accum 1 --steps 1 --warmup 1 --timeout ${mp#*:} approximate_model=true offload=disk \
+            args.is_mp=${mp%:*} --out $OUT/ratel_probe/L12_mp${mp%:*}.json > $OUT/ratel_probe/L12_mp${mp%:*}.txt 2>&1
+        done
+        python3 -m suite table $OUT/ratel_probe
       fi
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
     fi
