@@ -75,6 +75,8 @@ case $1 in
         # its disk counters flat after set-up. If is_mp 1 steps too, the hand-off is not the cause,
         # and the token count is the next suspect.
         mkdir -p $OUT/ratel_probe
+        # the queues' shared memory lives in /dev/shm, sized from MemTotal when mounted (small at first here)
+        (df -h /dev/shm /tmp; grep -E "MemTotal|Shmem:" /proc/meminfo) > $OUT/ratel_probe/shm.txt 2>&1
         for mp in 0:300 1:200; do
           timeout $(( ${mp#*:} + 30 )) python3 -m suite run --system ratel --preset qwen2.5-7b --layers 12 --seq 1024 \
             --batch 4 --accum 1 --steps 1 --warmup 1 --timeout ${mp#*:} approximate_model=true offload=disk \
