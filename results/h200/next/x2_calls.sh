@@ -58,9 +58,11 @@ case $1 in
       # route (7b_ratel) and lost it to a late attach: its forward took 7.4 s, and its first backward
       # had not ended 12 minutes in (no step; by its bytes, 78 GB read and 68 written, about 80 s).
       # Batch 6: 7b_ratel_cpu, Ratel's host-memory route. Prediction: ok, 148 GiB of host by
-      # baselines/ratel_memory.py (admitted at 250), 6-15 s a step, 40-120 model TFLOP/s (its 1B point
-      # 31.6 at an eighth of the tokens a step; the paper's Ratel, from its NVMe RAID, 2.0-10.9),
-      # about 8 minutes with its op build. Batch 7: 7b_ratel, stale (its result is from before the
+      # baselines/ratel_memory.py (admitted at 250), 4-8 s a step, 105-210 model TFLOP/s (the suite
+      # counts Ratel's own GPT, 12 h^2 a layer and no head: 8.5e14 FLOPs a step; about 3 s of fp16
+      # compute with its recompute, 1.8 s of CPU Adam at the 1B point's 0.37 ns a parameter, 0.6 s of
+      # copies, partly overlapped; the 1B point 31.6 at an eighth of the tokens; the paper's Ratel,
+      # from its NVMe RAID, 2.0-10.9), about 8 minutes with its set-up. Batch 7: 7b_ratel, stale (its result is from before the
       # checkout was carried), with a 600 s limit; prediction: a timeout with no step, about 11 minutes.
       if [ "${*:2}" = 6 ]; then
         # Before it (at most about 8 minutes; the first run builds Ratel's ops): why the 7B's backward
