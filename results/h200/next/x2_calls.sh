@@ -65,21 +65,21 @@ case $1 in
       # from its NVMe RAID, 2.0-10.9), about 8 minutes with its set-up. Batch 7: 7b_ratel, stale (its result is from before the
       # checkout was carried), with a 600 s limit; prediction: a timeout with no step, about 11 minutes.
       if [ "${*:2}" = 6 ]; then
-        # Before it (at most about 8 minutes; the first run builds Ratel's ops): why the 7B's backward
-        # stalls. Read from Ratel's code (results/h200/README.md, session 37): a run with more than two
+        # Before it (at most 7.7 minutes, so that the call packs within its 10; the first run builds
+        # Ratel's ops, about 100 s): why the 7B's backward stalls. Read from Ratel's code (results/h200/README.md, session 37): a run with more than two
         # optimizer sub-groups of 700 M hands each finished one to its optimizer process in the middle
         # of the backward, through queues whose feeder threads copy 2.9 GB buffers into shared
         # memory, while the main process swaps and releases the next group; the 1B's two sub-groups
         # are handed over only at the backward's end, and the 3B and 7B stalled. Ratel's GPT on 12
         # layers at the 1B's 4 x 1024 tokens (2.40 B, 4 sub-groups, hand-offs at layers 10, 5 and 0),
         # two iterations, with its optimizer in the main process (--is_mp 0), then run.sh's --is_mp 1.
-        # Prediction: is_mp 0 steps, about 40-50 s a backward; is_mp 1 reaches no step in its 200 s,
+        # Prediction: is_mp 0 steps, about 40-50 s a backward; is_mp 1 reaches no step in its 150 s,
         # its disk counters flat after set-up. If is_mp 1 steps too, the hand-off is not the cause,
         # and the token count is the next suspect.
         mkdir -p $OUT/ratel_probe
         # the queues' shared memory lives in /dev/shm, sized from MemTotal when mounted (small at first here)
         (df -h /dev/shm /tmp; grep -E "MemTotal|Shmem:" /proc/meminfo) > $OUT/ratel_probe/shm.txt 2>&1
-        for mp in 0:300 1:200; do
+        for mp in 0:270 1:150; do
           timeout $(( ${mp#*:} + 30 )) python3 -m suite run --system ratel --preset qwen2.5-7b --layers 12 --seq 1024 \
             --batch 4 --accum 1 --steps 1 --warmup 1 --timeout ${mp#*:} approximate_model=true offload=disk \
             args.is_mp=${mp%:*} --out $OUT/ratel_probe/L12_mp${mp%:*}.json > $OUT/ratel_probe/L12_mp${mp%:*}.txt 2>&1
