@@ -76,7 +76,7 @@ case $1 in
         # Prediction: is_mp 0 steps, about 40-50 s a backward; is_mp 1 reaches no step in its 150 s,
         # its disk counters flat after set-up. If is_mp 1 steps too, the hand-off is not the cause,
         # and the token count is the next suspect.
-        mkdir -p $OUT/ratel_probe
+        mkdir -p $OUT/ratel_probe && eval "$(baselines/libaio.sh env .libaio)"  # as workflow_gpu.sh does
         # the queues' shared memory lives in /dev/shm, sized from MemTotal when mounted (small at first here)
         (df -h /dev/shm /tmp; grep -E "MemTotal|Shmem:" /proc/meminfo) > $OUT/ratel_probe/shm.txt 2>&1
         for mp in 0:270 1:150; do
