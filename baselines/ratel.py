@@ -10,7 +10,8 @@ of iterations that is fixed in the script (4 upstream), and prints for each one
     back_and_opt time 5.678
 
 So at the first `step()` this System runs main.py once in a subprocess, parses those lines, and hands
-back one iteration per `step()` call: the warm-up steps are Ratel's first iterations. A row's
+back one iteration per `step()` call: the warm-up steps are Ratel's first iterations. Once main.py has
+printed the spec's iterations, it is stopped with the processes it started. A row's
 `step_time_s` is Ratel's own forward + back_and_opt time of that iteration (the harness's wall clock
 around `step()` is the whole run on the first call and nothing after). main.py prints no loss (its
 loss is an MSE of the last hidden states against a random target), so `loss` is None.
@@ -43,6 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import torch
 
 from baselines import hf, ratel_memory
@@ -90,6 +92,24 @@ def parse_output(text: str) -> list[tuple[int, float, float]]:
             out.append((current[0], current[1], float(m.group(1))))
             current = None
     return out
+
+
+def _stop(proc: subprocess.Popen) -> bool:
+    """Kill main.py and the processes it started (its optimizer's, with is_mp), which share the worker's
+    session, and wait for it. False where it had ended by itself."""
+    try:
+        tree = psutil.Process(proc.pid)
+        tree = [tree, *tree.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()  # main.py by Popen (psutil would reap it first, and Popen would then see exit code 0)
+    psutil.wait_procs(tree[1:])
+    return proc.returncode == -signal.SIGKILL
 
 
 def flags_for(offload: str, args: dict) -> dict:
@@ -183,6 +203,7 @@ class Ratel(System):
         self.taken = 0
         self.output_tail = ""
         self.compat_lines: list[str] = []
+        self.stopped = False  # main.py killed once it had printed the spec's iterations
 
     # ---- validation: every refusal names what to change ----
     @staticmethod
@@ -345,13 +366,19 @@ class Ratel(System):
         # directory is the run's own: SB_Init writes model_info.txt into it. Each line of Ratel's output
         # also goes to this worker's stderr, the point's log, so that a run the runner kills (its
         # timeout) still shows how far Ratel got in the result's log tail
-        lines = []
+        # main.py is stopped once it has printed the iterations the spec takes: its loop count is fixed,
+        # and the disk route has been seen to hang in a later iteration's backward (baselines/ratel.md)
+        lines, need, done = [], self.spec.total_steps, 0
         with subprocess.Popen(self.command, cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env=self.env, text=True, errors="replace") as proc:
             for line in proc.stdout:
                 lines.append(line)
                 sys.stderr.write(f"ratel| {line}")
-        code = proc.returncode
+                done += bool(_BACKWARD.match(line.strip()))
+                if done == need:
+                    self.stopped = _stop(proc)
+                    break
+        code = 0 if self.stopped else proc.returncode
         text = "".join(lines)
         self.compat_lines = [line.strip() for line in text.splitlines() if line.startswith("[ratel_compat]")]
         self.output_tail = text[-4000:]
@@ -361,7 +388,6 @@ class Ratel(System):
                 raise torch.cuda.OutOfMemoryError(f"Ratel ran out of device memory; last output:\n{tail}")
             raise RuntimeError(f"Ratel {_exit(code)}; last output:\n{tail}")
         iterations = parse_output(text)
-        need = self.spec.total_steps
         if not iterations:
             raise RuntimeError("no per-iteration times in Ratel's output (expected main.py's "
                                "'-----Iter N-----', 'forward time S' and 'back_and_opt time S' lines); "
@@ -397,6 +423,7 @@ class Ratel(System):
             "torch": self.probe["torch"], "torch_cuda": self.probe["cuda"], "command": self.command,
             "offload": self.offload, "swap_dir": self.swap, "sb_config": self.sb_config,
             "main_py_iterations": self.iterations,
+            "main_py_stopped": "after the spec's iterations" if self.stopped else None,
             "compat": {"path": str(COMPAT), "applied": self.compat_lines,
                        "attention": "flash_attn.flash_attention.FlashAttention from the suite's shim: torch "
                                     "scaled_dot_product_attention, not flash-attn 1.x's kernel",

@@ -26,8 +26,8 @@
 # options after the targets passed to every one), cheapest first as the caller lists them. A target
 # may be several joined by commas, made by one snakemake (a group's one start instead of one a
 # point), which runs them in the grid's order (the point rule's priority).
-# A new --detach is refused while the last one's run still goes; a finished one's results and logs
-# join the new tree (a pack of them may not have come back).
+# A new --detach is refused while the last one's run still goes; the results and logs a finished one
+# wrote join the new tree (a pack of them may not have come back).
 # Each packs what is written so far (results are written whole or not at all), prints the run's log
 # tail and leaves its whole log, every job's start time in it, as $OUT/detached.log (the next calls'
 # plan reads the set-up's and each point's wall from it).
@@ -62,9 +62,10 @@ if [ "$mode" = detach ]; then
   export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
   tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays
   touch "$state/started"  # what the run writes is newer; the copied tree keeps its files' times
-  for kind in results logs; do  # the last run's, without replacing what the caller's tree has
-    [ -d "$state.last/tree/$kind" ] && cp -rn "$state.last/tree/$kind" "$state/tree/"
-  done
+  # what the last run wrote (newer than its start), without replacing what the caller's tree has: not
+  # the files it had copied, so a result the caller removed (stale, to be made again) stays removed
+  [ -f "$state.last/started" ] && (cd "$state.last/tree" && find results logs -type f -newer ../started 2>/dev/null \
+    | tar -cf - -T -) | tar -xkmf - -C "$state/tree" 2>/dev/null  # -m: newer than this start, so packed
   rm -rf "$state.last"
   [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
   cd "$state/tree" || exit 1

@@ -10,7 +10,8 @@ with it (the kernel signals a worker whose parent dies), though no result can th
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
 faulthandler) and then killed: the result says where it was (`stacks`, with each thread's wait in the
 kernel), a hang as well as a slow step. The host's disk traffic over the point is recorded (`disk_io`):
-a system that swaps to the disk shows there how much it moved.
+a system that swaps to the disk shows there how much it moved. The worker's temporary files live in
+the run's own folder, removed however the worker ends (worker_env).
 An interrupt while a worker is being killed (its exit can take tens of seconds where it pinned much
 host memory) waits until the result is written, and is raised then.
 """
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import psutil
+from torch._inductor.runtime import cache_dir_utils
 
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
@@ -66,12 +68,19 @@ def classify(returncode: int | None, timed_out: bool, worker_status: str | None,
     return "error", f"the worker exited with code {returncode} without a result (see log_tail)"
 
 
-def worker_env(spec: RunSpec) -> dict:
+def worker_env(spec: RunSpec, scratch: str | Path | None = None) -> dict:
     """The worker's environment. Several ranks each get their share of the host's cores for their
     CPU work (a baseline's CPU Adam, OpenMP): unless told, torchrun gives each worker one thread,
     and a baseline's optimizer then runs serially (results/h200/speed/baselines_2026-11-23). The
-    engine's ranks take the same share themselves (trainer.py)."""
+    engine's ranks take the same share themselves (trainer.py).
+    `scratch`: the worker tree's temporary directory (TMPDIR), which the runner removes however the
+    worker ends: a baseline's swap files (ZeRO-Infinity's, Ratel's: tens of GiB) made under the temp
+    dir would otherwise outlive a worker killed at its timeout and fill the next point's disk.
+    Compiled kernels stay cached where torch keeps them without it, across points."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if scratch is not None:
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_dir())
+        env["TMPDIR"] = str(scratch)
     env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
     if spec.gpus > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.gpus)))
@@ -85,8 +94,9 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     log = Path(log) if log else out.with_suffix(".log")
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
-        spec_file, partial = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file, partial, scratch = Path(tmp) / "spec.json", Path(tmp) / "result.json", Path(tmp) / "tmp"
         spec_file.write_text(json.dumps(spec.to_dict()))
+        scratch.mkdir()
         start, disk_before = time.perf_counter(), _disk_io()
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
@@ -97,7 +107,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
             signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
             try:
                 proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
-                                        stdout=log_file, stderr=subprocess.STDOUT, env=worker_env(spec),
+                                        stdout=log_file, stderr=subprocess.STDOUT, env=worker_env(spec, scratch),
                                         start_new_session=True,
                                         preexec_fn=_dies_with(os.getpid()),
                                         cwd=Path(__file__).resolve().parent.parent)

@@ -2,8 +2,10 @@
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -21,14 +23,18 @@ PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 # Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), its loop count not a
 # literal like the artifact's; records its argv, working directory, path and the config it was given
 # beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code; RATEL_STUB_SEGV ends it
-# by a segmentation fault after a screenful of the artifact's [INFO] logging; RATEL_STUB_HANG stops it in a backward.
+# by a segmentation fault after a screenful of the artifact's [INFO] logging; RATEL_STUB_HANG stops it in a backward, beside a
+# helper process of its own.
 STUB_MAIN = """
-import json, os, sys
+import json, os, subprocess, sys, time
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 seen = {"argv": sys.argv, "cwd": os.getcwd(), "pythonpath": os.environ["PYTHONPATH"].split(os.pathsep),
         "bytecode": os.environ.get("PYTHONDONTWRITEBYTECODE"), "config": json.load(open(args["--sb_config"]))}
 json.dump(seen, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.json"), "w"))
 print("[0, 1, 2]")
+if os.environ.get("RATEL_STUB_HANG"):  # a process of its own, as its optimizer's with is_mp
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "helper.pid"), "w").write(str(helper.pid))
 for i in range(int(os.environ.get("RATEL_STUB_ITERS", 10))):
     print(f"-----------------------Iter {i}-----------------------")
     print("---begin forward---")
@@ -43,7 +49,6 @@ if os.environ.get("RATEL_STUB_SEGV"):
     os.kill(os.getpid(), signal.SIGSEGV)
 if os.environ.get("RATEL_STUB_HANG"):
     print("---begin backward---", flush=True)
-    import time
     time.sleep(600)
 if os.environ.get("RATEL_STUB_EXIT"):
     print("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -222,9 +227,10 @@ def test_without_libaio_the_refusal_says_how_to_get_it(checkout, monkeypatch):
 @pytest.mark.parametrize("env, error, message", [
     ({"RATEL_STUB_ITERS": "3"}, RuntimeError, r"(?s)printed 3 complete iterations; the spec needs 5.*Iter 2"),
     ({"RATEL_STUB_ITERS": "0"}, RuntimeError, r"(?s)no per-iteration times in Ratel's output.*\[0, 1, 2\]"),
-    ({"RATEL_STUB_EXIT": "1"}, torch.cuda.OutOfMemoryError, "Ratel ran out of device memory"),
+    # ended before the spec's iterations (main.py is stopped once it has printed them)
+    ({"RATEL_STUB_ITERS": "2", "RATEL_STUB_EXIT": "1"}, torch.cuda.OutOfMemoryError, "Ratel ran out of device memory"),
     # its logging left out of the tail, so that the last line printed is seen
-    ({"RATEL_STUB_SEGV": "1"}, RuntimeError, r"(?s)Ratel was killed by SIGSEGV; last output:\n.*---begin backward---$"),
+    ({"RATEL_STUB_ITERS": "2", "RATEL_STUB_SEGV": "1"}, RuntimeError, r"(?s)Ratel was killed by SIGSEGV; last output:\n.*---begin backward---$"),
 ])
 def test_a_failed_or_short_run_is_an_error_with_the_output_tail(checkout, monkeypatch, env, error, message):
     for k, v in env.items():
@@ -235,6 +241,23 @@ def test_a_failed_or_short_run_is_an_error_with_the_output_tail(checkout, monkey
             system.step([])
     finally:
         system.close()
+
+
+def test_main_py_is_stopped_once_it_has_printed_the_specs_iterations(checkout, monkeypatch):
+    """The spec's 5 iterations printed, main.py then hangs: its tree is killed and the run is a result."""
+    monkeypatch.setenv("RATEL_STUB_ITERS", "5")
+    monkeypatch.setenv("RATEL_STUB_HANG", "1")
+    system = Ratel(spec(checkout), CPU)
+    try:
+        start = time.monotonic()
+        rows = [system.step([]) for _ in range(5)]
+        assert time.monotonic() - start < 60
+        assert [r["ratel_iteration"] for r in rows] == [0, 1, 2, 3, 4]
+        assert system.info()["main_py_stopped"] == "after the spec's iterations"
+    finally:
+        system.close()
+    helper = int((checkout / "helper.pid").read_text())
+    assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE
 
 
 def test_parser_keeps_complete_iterations_only():
@@ -264,14 +287,21 @@ def test_the_harness_takes_ratels_own_times_and_flops(checkout, tmp_path):
     assert r["model_flops_per_step"] == 32 * 2 * (6 * 12 * 64 * 64 * 3 + 12 * 3 * 64 * 2)
 
 
-def test_a_ratel_run_past_the_timeout_shows_its_own_last_output(checkout, monkeypatch, tmp_path):
-    """The runner kills a late point's whole tree: Ratel's own lines reach the result's log tail."""
+def test_a_ratel_run_past_the_timeout_shows_its_own_last_output_and_leaves_no_swap(checkout, monkeypatch, tmp_path):
+    """The runner kills a late point's whole tree: Ratel's own lines reach the result's log tail, and
+    its run directory (the swap within) goes with the runner's, though close() never ran."""
     from suite.runner import run_point
     monkeypatch.setenv("RATEL_STUB_ITERS", "2")
     monkeypatch.setenv("RATEL_STUB_HANG", "1")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     r = run_point(spec(checkout, timeout_s=20.0), tmp_path / "ratel.json")
     assert r["status"] == "timeout"
     assert "ratel| back_and_opt time 0.4\nratel| ---begin backward---" in r["log_tail"]
+    run_dir = Path(json.loads((checkout / "seen.json").read_text())["cwd"])
+    assert run_dir.name.startswith("ratel-") and temp in run_dir.parents
+    assert list(temp.iterdir()) == []
 
 
 def test_the_harness_records_unsupported_without_a_checkout(monkeypatch, tmp_path):

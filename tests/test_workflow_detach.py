@@ -27,7 +27,8 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
     """Each call on a GPU machine first copies the caller's tree there, which removes the files the
     caller lacks: the detached run's results live in its own copy, the caller's tree gets none, an
     attach packs them all and leaves the run's whole log beside the pack, and so does the next
-    detached run's first pack; no pack holds a file the run did not write."""
+    detached run's first pack; no pack holds a file the run did not write, and a file the last run had
+    only copied, which the caller has removed since, does not come back."""
     hw = f"detach{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
@@ -45,7 +46,11 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
     try:
         own.parent.mkdir(parents=True)
         own.write_text("the caller's\n")
+        removed = ROOT / f"results/{hw}/points/quick/removed.json"  # a caller's file it removes later (stale)
+        removed.parent.mkdir(parents=True)
+        removed.write_text("{}")
         call("--detach", "180", "cpu", f"{target},{other}", "--config", f"grid={grid}")  # a group: one snakemake
+        removed.unlink()
         assert not (ROOT / target).exists()  # written in the run's tree only
         assert (tmp_path / "state" / "tree" / target).is_file() and (tmp_path / "state" / "tree" / other).is_file()
         (tmp_path / "workflow.tgz").unlink()
@@ -62,6 +67,8 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
         call("--detach", "180", "cpu", third, "--config", f"grid={grid}")
         with tarfile.open(tmp_path / "workflow.tgz") as pack:
             assert {target, other, third} <= set(pack.getnames())
+        # what the last run had only copied does not come back
+        assert not (tmp_path / "state" / "tree" / removed.relative_to(ROOT)).exists()
     finally:
         pid = tmp_path / "state" / "pid"
         if pid.exists():  # a run past its wait (a slow machine) does not outlive the test
