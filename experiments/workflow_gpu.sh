@@ -6,7 +6,8 @@
 # /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
 # `snakemake --profile PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
 # Snakemake removes its incomplete output), packs what it wrote in results/, plots/ and logs/ of the
-# grid's hardware into $OUT/workflow.tgz: the files newer than the run's start, so that unpacking it
+# grid's hardware into $OUT/workflow.tgz: the files newer than the run's start (and those a detached
+# run joined from the last one), so that unpacking it
 # never replaces the caller's own files (a README or a script edited while the run went on) with the
 # copies the call began from; then prints the harness's table of the point folders named.
 # The wheel folder holds, for the machine's Python, what its image lacks: `pip download` (or
@@ -62,10 +63,16 @@ if [ "$mode" = detach ]; then
   export MEGATRAIN_GIT_COMMIT=${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
   tar -cf - --exclude=./.venv . | tar -xf - -C "$state/tree" || exit 1  # a local virtual environment stays
   touch "$state/started"  # what the run writes is newer; the copied tree keeps its files' times
-  # what the last run wrote (newer than its start), without replacing what the caller's tree has: not
-  # the files it had copied, so a result the caller removed (stale, to be made again) stays removed
-  [ -f "$state.last/started" ] && (cd "$state.last/tree" && find results logs -type f -newer ../started 2>/dev/null \
-    | tar -cf - -T -) | tar -xkmf - -C "$state/tree" 2>/dev/null  # -m: newer than this start, so packed
+  # what the last run wrote (newer than its start) or had joined itself, where the caller's tree
+  # lacks it: not the files it had only copied, so a result the caller removed (stale, to be made
+  # again) stays removed. Listed in `joined`, which every pack adds (their times are the last run's)
+  : > "$state/joined"
+  [ -f "$state.last/started" ] && (cd "$state.last/tree" \
+    && { find results logs -type f -newer ../started 2>/dev/null; cat ../joined 2>/dev/null; }) | sort -u \
+    | while IFS= read -r f; do
+        [ -e "$state/tree/$f" ] || [ ! -f "$state.last/tree/$f" ] || { mkdir -p "$state/tree/${f%/*}" \
+          && cp -p "$state.last/tree/$f" "$state/tree/$f" && echo "$f"; }
+      done > "$state/joined"
   rm -rf "$state.last"
   [ -n "${RATEL_HOME:-}" ] && export RATEL_HOME=${RATEL_HOME/#$PWD/$state/tree}
   cd "$state/tree" || exit 1
@@ -109,7 +116,9 @@ if [ "$mode" != run ]; then
 fi
 # the pack first: a call cut by its limit while the table prints still brings its results back
 written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
-{ [ -z "$written" ] || find $written -type f -newer "$started" -print0; } | tar czf "${OUT:-out}/workflow.tgz" --null -T -
+{ [ -z "$written" ] || { find $written -type f -newer "$started" -print0
+  [ "$mode" = run ] || grep -E "^($(echo $written | tr ' ' '|'))/" "$state/joined" 2>/dev/null | tr '\n' '\0'; }; } \
+  | sort -zu | tar czf "${OUT:-out}/workflow.tgz" --null -T -
 # the harness's table of the point folders named (an experiment's target prints its own)
 dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
 [ -z "$dirs" ] || python3 -m suite table $dirs

@@ -69,6 +69,10 @@ def test_a_detached_run_writes_in_its_own_tree_and_every_pack_holds_it(tmp_path)
             assert {target, other, third} <= set(pack.getnames())
         # what the last run had only copied does not come back
         assert not (tmp_path / "state" / "tree" / removed.relative_to(ROOT)).exists()
+        # and what it had joined goes on to the next run, and into its pack
+        call("--detach", "180", "cpu", third, "--config", f"grid={grid}")
+        with tarfile.open(tmp_path / "workflow.tgz") as pack:
+            assert {target, other, third} <= set(pack.getnames())
     finally:
         pid = tmp_path / "state" / "pid"
         if pid.exists():  # a run past its wait (a slow machine) does not outlive the test
