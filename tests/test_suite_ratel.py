@@ -22,9 +22,9 @@ PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 
 # Prints what main.py prints per iteration (forward i/10 s, back_and_opt 2i/10 s), its loop count not a
 # literal like the artifact's; records its argv, working directory, path and the config it was given
-# beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code; RATEL_STUB_SEGV ends it
-# by a segmentation fault after a screenful of the artifact's [INFO] logging; RATEL_STUB_HANG stops it in a backward, beside a
-# helper process of its own.
+# beside itself. RATEL_STUB_ITERS and RATEL_STUB_EXIT change the loop count and the exit code;
+# RATEL_STUB_SEGV ends it by a segmentation fault after a screenful of the artifact's [INFO] logging;
+# RATEL_STUB_HANG stops it in a backward, beside a helper process of its own.
 STUB_MAIN = """
 import json, os, subprocess, sys, time
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
