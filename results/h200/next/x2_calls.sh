@@ -66,7 +66,7 @@ case $1 in
     # GPU was busy 7.62 s a step against 7.92 with the library's experts: about 74 ms a layer pass
     # against the probe's 58.9. The same model on 6 layers at 8 x 4096 tokens, one micro-batch, each
     # expert kernel with the engine's trace; then the traced step's forward, recompute and backward
-    # spans a layer. Prediction: the lean layer's spans add up to about 74 ms (the library's about
+    # spans of each layer. Prediction: the lean layer's spans add up to about 74 ms (the library's about
     # 77), so the difference from the probe lies in the layer as the engine runs it; if they add
     # up to the probe's 59, the time is outside the layers' spans.
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -79,15 +79,20 @@ case $1 in
     done
     python3 - $OUT/lean <<'PY'
 import collections, json, pathlib, sys
+# each layer's forward + recompute + backward (spans "forward L3" ...): a depth trend would say routing
 for k in ("library", "lean"):
-    events = json.loads((pathlib.Path(sys.argv[1]) / f"trace_{k}.json").read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    ms = collections.Counter()
-    for e in events:
+    f = pathlib.Path(sys.argv[1]) / f"trace_{k}.json"
+    if not f.exists():
+        print(k, "no trace")
+        continue
+    ms, kinds = collections.Counter(), collections.Counter()
+    for e in json.loads(f.read_text())["traceEvents"]:
         if e.get("ph") == "X":
-            ms[e.get("cat")] += e.get("dur", 0) / 1e3
-    print(k, {c: round(v, 1) for c, v in sorted(ms.items())}, "ms in the step; a layer pass:",
-          round(sum(ms[c] for c in ("forward", "recompute", "backward")) / 6, 1), "ms")
+            kinds[e["cat"]] += e["dur"] / 1e3
+            if e["cat"] in ("forward", "recompute", "backward"):
+                ms[e["name"].split()[-1]] += e["dur"] / 1e3
+    print(k, "ms by kind:", {c: round(v, 1) for c, v in sorted(kinds.items())})
+    print(k, "ms a layer:", {layer: round(v, 1) for layer, v in sorted(ms.items(), key=lambda x: int(x[0][1:]))})
 PY
     python3 -m suite table $OUT/lean ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
