@@ -135,17 +135,19 @@ def test_points_on_fewer_layers_get_lines_of_their_own(tmp_path):
 
 
 def test_ratels_offload_routes_are_lines_of_their_own(tmp_path):
-    """Ratel's host-memory and disk routes are two systems in effect: each its own line and legend
-    entry, and a route without a value is named as such in the figure's note."""
+    """Ratel's host-memory and disk routes are two systems in effect, and so is the disk route with
+    its optimizer in main.py's process (`args.is_mp`): each its own line and legend entry, and a
+    route without a value is named as such in the figure's note."""
     points = {"cpu": _result("ratel", options={"approximate_model": True, "offload": "cpu"}),
-              "disk": _result("ratel", status="timeout", options={"approximate_model": True, "offload": "disk"})}
+              "disk": _result("ratel", status="timeout", options={"approximate_model": True, "offload": "disk"}),
+              "disk_mp0": _result("ratel", options={"approximate_model": True, "offload": "disk", "args": {"is_mp": 0}})}
     paths = []
     for pid, r in points.items():
         (tmp_path / f"{pid}.json").write_text(json.dumps(r))
         paths.append(tmp_path / f"{pid}.json")
     spec = aggregate.experiment("ratel")
     df = aggregate.table(paths, "ratel", paper=[])
-    assert list(plot._series(df, spec)) == ["ratel offload=cpu", "ratel offload=disk"]
+    assert list(plot._series(df, spec)) == ["ratel offload=cpu", "ratel offload=disk", "ratel offload=disk args.is_mp=0"]
     assert "ratel offload=disk timeout at" in plot._failed_note(df, spec)
 
 

@@ -159,12 +159,12 @@ EXPERIMENTS: dict[str, Experiment] = {
     # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
     "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
                         panels=("model_tflops",), paper_x=lambda r: r["model"].map(model_params_b),
-                        paper_y={"model_tflops": "tflops"}, series_by=("offload",),
-                        note="Ratel's disk route (`offload=disk`) times the route's work, but after its first "
-                             "step the gradients do not reach its optimizer process: they land in a pinned copy "
-                             "of a buffer the queue moved into shared memory, and the optimizer steps on the "
-                             "first step's (baselines/ratel.md). Its host peak counts that process's shared "
-                             "buffers twice, once in each process."),
+                        paper_y={"model_tflops": "tflops"}, series_by=("offload", "args.is_mp"),
+                        note="Ratel's disk route (`offload=disk`) with run.sh's optimizer process (`--is_mp 1`) "
+                             "times the route's work, but after its first step the gradients do not reach that "
+                             "process: they land in a pinned copy of a buffer the queue moved into shared "
+                             "memory, and the optimizer steps on the first step's (baselines/ratel.md). Its "
+                             "host peak counts that process's shared buffers twice, once in each process."),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
     "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
                           paper_x=lambda r: _label(r, ["gpu", "model", "method"]),
