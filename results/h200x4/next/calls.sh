@@ -17,7 +17,8 @@
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
-#   devices' four Gemini points again; 60 are left (scale 15, depth 18, width 27). Only the missing
+#   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain; 53 are left
+#   (scale 10, depth 16, width 27). Only the missing
 #   points are named, so an experiment with none left costs no Snakemake start.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
