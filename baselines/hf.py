@@ -3,7 +3,6 @@ their data-parallel ranks (RunSpec.gpus under torchrun: each rank one GPU, rows 
 of every global micro-batch, as MegaTrain's ranks take them)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -32,16 +31,24 @@ DISK_RESERVE = 2 * GiB
 def build_model(spec, device: torch.device | str | None = None):
     """The spec's model in float32: random init from spec.seed, or a local pretrained checkpoint.
     With no `device` it is built where torch's defaults put it and never moved (a ZeRO-3 model,
-    partitioned as it is built, must not be moved)."""
-    from transformers import AutoModelForCausalLM
+    partitioned as it is built, must not be moved; `transformers` initialises it once itself).
+    On a device, the modules are built without torch's own init, which `transformers`' init (normal
+    matrices, ones and zeros) overwrites anyway: one pass over the weights instead of two, a third
+    less time on the CPU (Qwen2.5-3B: 58.8 -> 38.7 s on 2 cores), the same distributions."""
+    from transformers import AutoModelForCausalLM, initialization
     mc = spec.model_config()
     if mc.pretrained:
         model = AutoModelForCausalLM.from_pretrained(mc.pretrained, dtype=torch.float32,
                                                      attn_implementation=spec.hf_config()._attn_implementation)
         return model.to(device) if device is not None else model
     torch.manual_seed(spec.seed)
-    with torch.device(device) if device is not None else contextlib.nullcontext():
+    if device is None:
         return AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    with torch.device(device):
+        with initialization.no_init_weights():
+            model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+        model.init_weights()
+    return model
 
 
 def enable_checkpointing(model) -> None:

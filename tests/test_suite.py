@@ -54,6 +54,33 @@ def test_spec_round_trips_and_refuses_unknown_keys():
     assert RunSpec.stored(old) == RunSpec.stored(json.loads(json.dumps(spec.to_dict())))
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_the_baselines_model_is_initialised_as_transformers_initialises_it(preset):
+    """hf.build_model skips torch's own init of each module (transformers' init overwrites it): every
+    weight is still set, with transformers' distributions, its constants and ties, and the same seed
+    builds the same model (every rank of a data-parallel baseline builds its own)."""
+    from transformers import AutoModelForCausalLM
+    from baselines import hf
+    spec = tiny(model={"preset": preset})
+    built = hf.build_model(spec, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), hf.build_model(spec, "cpu").parameters()))
+    torch.manual_seed(spec.seed)
+    library = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    ours, theirs = dict(built.named_parameters()), dict(library.named_parameters())
+    assert ours.keys() == theirs.keys()
+    std = spec.hf_config().initializer_range
+    for name, theirs_p in theirs.items():
+        p = ours[name].detach()
+        assert torch.isfinite(p).all(), name
+        if theirs_p.unique().numel() == 1:  # ones and zeros: exactly
+            assert torch.equal(p, theirs_p.detach()), name
+        elif p.numel() >= 1000:  # a random matrix: N(0, initializer_range)
+            assert abs(p.std().item() - std) < 0.1 * std and abs(p.mean().item()) < 0.1 * std, name
+    assert (built.get_output_embeddings().weight is built.get_input_embeddings().weight) == \
+        (library.get_output_embeddings().weight is library.get_input_embeddings().weight)
+    assert all(torch.equal(a, b) for a, b in zip(built.buffers(), library.buffers()))
+
+
 def test_each_system_takes_adamw_settings_from_the_spec():
     import torch
     from baselines import hf
@@ -366,7 +393,7 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     trained = {}
     for where in ("host", "device"):
         spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=3,
-                       options={"accumulate": where})
+                       repeat_batch=True, options={"accumulate": where})  # one batch: its loss falls
         system = FSDP2(spec, torch.device("cpu"))
         syncs = []
         sync = system.model.set_requires_gradient_sync

@@ -48,7 +48,9 @@ case $1 in
     if [ "$2" = 9 ]; then
       # h200-scale's gpus experiment's FSDP2 points again with `accumulate: auto` (stale: made with
       # FSDP2's own accumulation; prediction: 7b_g1 near depth L28's 321 model TFLOP/s, 7b_g2 above
-      # its 320; about 4 minutes each)
+      # its 320; about 4 minutes each). Their set-up: the baselines' model is now built without torch's
+      # own init, which transformers' overwrites (baselines/hf.py; a third less time on the 2-core CPU
+      # machine at 3B); 7B FSDP2 took 110-152 s of set-up on this host before, so about 80-120 s now
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
     else
