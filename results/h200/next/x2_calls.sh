@@ -21,9 +21,9 @@
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
-# Estimated walls (results/h200/README.md, "What is left"): batches 3-6 made (sessions 33-38); 7
-# about 10 minutes, so `start 7` and one attach; 9 about 8 (14b's FSDP2 points are host refusals);
-# `lean` about 5, a call of its own.
+# Estimated walls (results/h200/README.md, "What is left"): batches 3-7 made (7's point: 483 s wall,
+# within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); `lean` about 5, a
+# call of its own.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -57,9 +57,8 @@ case $1 in
       for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9 runs alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 7: 7b_ratel, Ratel's disk route at the 7B shape (its GPT: 4.88 B parameters) with
-      # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why, and predicts it: about 5 minutes of
-      # set-up, 70-80 s an iteration, about 11 model TFLOP/s, or a timeout in a backward), under a
-      # 900 s limit: `start 7` and one attach
+      # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why), under a 900 s limit: made, 86.3 s an
+      # iteration, 9.8 model TFLOP/s (results/h200/README.md)
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200.yaml)
     fi
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200 $T 2>&1 | tail -40 ;;
