@@ -9,7 +9,7 @@
 #   threads per rank at 4 GPUs.
 # 5 (about 4 minutes, detached): the three points every machine's grid shares.
 # 6 (about 8 minutes, detached): the whole MoE models with the lean experts.
-# 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers.
+# 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers; made in session 40 (`../README.md`).
 # 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
 # grid (detached, attached until the session's device time ends; each later session starts it again
@@ -17,8 +17,8 @@
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
-#   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain; 53 are left
-#   (scale 10, depth 16, width 27). Only the missing
+#   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, session 40
+#   FSDP2's 14B; 52 are left (scale 9, depth 16, width 27). Only the missing
 #   points are named, so an experiment with none left costs no Snakemake start.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
@@ -120,11 +120,21 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # free; kept as a probe, not a point) before native grew expandable segments; with them the
          # two-GPU host's point trained (session 36, 128.4 GiB). Prediction: it trains, 121-135 GiB.
          points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
-         # ZeRO-Infinity's points last: its 7B swaps about 400 GB a step to the VM's disk (15-20 minutes
-         # for the point by the H100 machine's 1.6 GB/s), its larger ones are refused by the disk
-         T=$(for e in shared ablations context devices scale depth width; do
-               echo "$points" | grep "^$e/" | grep -v "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done
-             echo "$points" | grep "_zero_infinity\$" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -) ;;
+         # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
+         # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
+         # sums its micro-batches on the host where their sum on the GPU does not fit (scale/14b_fsdp2,
+         # session 40: 162.2 s a step, 924 s for the point), 15-21 B parameters here (by parameters:
+         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18). A point the session's end cuts off is
+         # lost, so one long point goes first, while a session's device time is whole, and the others
+         # after every short one: the cut falls on a short point.
+         long="width/w3.5_fsdp2 width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
+         first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
+         later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
+         rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
+         T=$(echo "$first" | sed "/^$/d; s#^#$R/#; s#\$#.json#"
+             for e in shared ablations context devices scale depth width; do
+               echo "$rest" | grep "^$e/" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done
+             echo "$later" | sed "/^$/d; s#^#$R/#; s#\$#.json#" | paste -sd, -) ;;
     esac
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
   attach)
