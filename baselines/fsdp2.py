@@ -94,15 +94,18 @@ class FSDP2(System):
 
     def __init__(self, spec, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        lap = hf.Laps()
         self.device = device
         _accumulate(spec.options)  # refused before the process group
         self.ranks = hf.join(device)
         self.accumulate = accumulation(spec, device, self.ranks)
         hf.require_host(spec, self.HOST_BYTES_PER_PARAM, "FSDP2 CPU offload", self.RANK_BYTES_PER_PARAM, self.ranks)
         hf.require_device(spec, device, lambda: device_need(spec, self.accumulate), "FSDP2 CPU offload", self.ranks)
+        lap("join_and_admission")
         self.model = hf.build_model(spec, "cpu")  # the same seeded weights on every rank
         hf.enable_checkpointing(self.model)
         self.model.train()
+        lap("build")
         compute = torch.bfloat16 if device.type == "cuda" else torch.float32
         kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
                       offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))
@@ -110,8 +113,11 @@ class FSDP2(System):
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(self.model, mesh=mesh, **kwargs)
+        lap("shard")  # each rank's shard copied into (pinned) host memory
         self.opt = torch.optim.AdamW(hf.adamw_params(self.model, spec.weight_decay), **hf.adamw_kwargs(spec),
-                                     fused=True)
+                                     fused=True)  # its state is made at the first step, not here
+        lap("optimizer")
+        self.setup_s = lap.seconds
 
     def step(self, microbatches) -> dict:
         before = self.model.set_requires_gradient_sync if self.accumulate == "device" else None
@@ -130,7 +136,7 @@ class FSDP2(System):
         return {"master_dtype": "float32", "compute_dtype": "bfloat16" if self.device.type == "cuda" else "float32",
                 "optimizer": "torch.optim.AdamW(fused=True) on the CPU", "offload": "CPUOffloadPolicy",
                 "accumulate": self.accumulate,
-                "activation_checkpointing": True}
+                "activation_checkpointing": True, "setup_s": self.setup_s}
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -410,6 +410,22 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     torch.testing.assert_close(trained["device"][1], trained["host"][1], rtol=1e-6, atol=1e-7)
 
 
+def test_fsdp2_names_the_parts_of_its_set_up(monkeypatch):
+    """info.setup_s: the seconds of each part of the build, in order, which together are its set-up."""
+    from baselines.fsdp2 import FSDP2
+    from baselines.hf import free_port
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2)
+    clock = time.perf_counter()
+    system = FSDP2(spec, torch.device("cpu"))
+    whole = time.perf_counter() - clock
+    parts = system.info()["setup_s"]
+    system.close()
+    assert list(parts) == ["join_and_admission", "build", "shard", "optimizer"]
+    assert all(s >= 0 for s in parts.values()) and 0.9 * whole <= sum(parts.values()) <= whole
+
+
 def test_fsdp2_auto_accumulates_on_the_device_where_its_count_leaves_the_slack(monkeypatch):
     """`accumulate: auto` (the default) sums on the device where the count with the float32 unsharded
     gradients leaves AUTO_SLACK free: the 7B at 8 x 4 x 4096 on an H200's free memory, not on an
