@@ -12,6 +12,7 @@
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers; made in session 40 (`../README.md`).
 # 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
+# 10, 11 (one call each, about 7 and 4 minutes): FSDP2 with expandable segments, first in the next session.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
@@ -113,6 +114,32 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          done
          # (the worker writes its own log beside its result, 3b_gemini_$name.log)
          grep -H "minor faults" $OUT/*.txt; python3 -m suite table $OUT; exit 0 ;;
+      10|11) # FSDP2 with expandable segments and 6 GiB of slack for `auto` (next/fsdp2_expandable.patch),
+         # first in the next session, two calls (10: about 7 minutes, 11: about 4): FSDP2's 14B summed on
+         # the host at 162.2 s a step (session 40) because `auto` left 12 GiB free for a cache of fixed
+         # segments (11.6-28.4 GiB above the allocated peak on every FSDP2 point). 10: scale/14b_fsdp2's
+         # spec with the patch. 11: width/w1.0_fsdp2 from the committed tree (the grid's point, kept
+         # where the grid keeps it), then with the patch. Predictions: 10 sums on the GPU (129.1 GiB
+         # counted + 6 against 139.3 free), 129.5-131 GiB allocated, NVML at most 135, about 40 s a step
+         # (7B's 19.9 by parameters), about 300 model TFLOP/s against the host sum's 77.6. 11: the
+         # patched step within 2% of the other, its NVML peak within 3 GiB of its allocated one (the
+         # other's about 12 above). If both hold, the patch lands, scale/14b_fsdp2 runs again through
+         # the grid, and width's w3.5 sums on the GPU too (127.9 GiB counted).
+         mkdir -p $OUT/ab $OUT/$R/width
+         point() { timeout $(( 585 - SECONDS )) python3 -m suite run $(python3 -m workflows.scripts.grid \
+           workflows/grids/h200x4.yaml $1) --out $2 > ${2%.json}.txt 2>&1; }
+         # (this copy has no .git: a patched run's commit names the patch)
+         P=$MEGATRAIN_GIT_COMMIT+fsdp2_expandable.patch
+         if [ $2 = 10 ]; then
+           git apply results/h200x4/next/fsdp2_expandable.patch
+           MEGATRAIN_GIT_COMMIT=$P point scale/14b_fsdp2 $OUT/ab/14b_fsdp2_expandable.json
+         else
+           point width/w1.0_fsdp2 $OUT/$R/width/w1.0_fsdp2.json
+           git apply results/h200x4/next/fsdp2_expandable.patch
+           MEGATRAIN_GIT_COMMIT=$P point width/w1.0_fsdp2 $OUT/ab/w1.0_fsdp2_expandable.json
+         fi
+         git apply -R results/h200x4/next/fsdp2_expandable.patch
+         python3 -m suite table $OUT/ab $OUT/$R/width; exit 0 ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
