@@ -151,7 +151,8 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
          # sums its micro-batches on the host where their sum on the GPU does not fit (scale/14b_fsdp2,
          # session 40: 162.2 s a step, 924 s for the point), 15-21 B parameters here (by parameters:
-         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18). A point the session's end cuts off is
+         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18; w3.5 leaves the list if batch 10's patch
+         # lands: it then sums on the GPU). A point the session's end cuts off is
          # lost, so one long point goes first, while a session's device time is whole, and the others
          # after every short one: the cut falls on a short point.
          long="width/w3.5_fsdp2 width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
