@@ -151,11 +151,12 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
          # sums its micro-batches on the host where their sum on the GPU does not fit (scale/14b_fsdp2,
          # session 40: 162.2 s a step, 924 s for the point), 15-21 B parameters here (by parameters:
-         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18; w3.5 leaves the list if batch 10's patch
-         # lands: it then sums on the GPU). A point the session's end cuts off is
-         # lost, so one long point goes first, while a session's device time is whole, and the others
-         # after every short one: the cut falls on a short point.
-         long="width/w3.5_fsdp2 width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
+         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18; w3.5 sums on the GPU once batch 10's
+         # patch has landed). A point the session's end cuts off is lost, so one long point goes
+         # first, while a session's device time is whole, and the others after every short one: the
+         # cut falls on a short point.
+         long="width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
+         grep -q grow_expandable_segments baselines/fsdp2.py || long="width/w3.5_fsdp2 $long"
          first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
          later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
          rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
