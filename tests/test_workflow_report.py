@@ -104,6 +104,30 @@ def test_scale_table_lists_the_mixtures_of_experts_measured_beside_it(tmp_path):
                                                         "131072", "ok", "178"]
 
 
+@pytest.mark.parametrize("zero3, says", [
+    ({"tflops": 143.0}, "| 3.24 | 464 / 143 |"),  # both ran with one spec: their ratio
+    ({"status": "oom_host"}, "| none | zero3: oom_host |"),  # the second was refused: its status
+    ({"tflops": 143.0, "batch": 4}, "| none | no two points with the same spec |"),
+])
+def test_the_paper_s_ratios_sit_beside_the_same_ratios_measured(zero3, says, tmp_path):
+    """Figure 1's 1.84x (MegaTrain over ZeRO-3 Offload at 14B) beside this machine's two 14B points'
+    ratio, made only of points that ran with the same spec; otherwise what stopped it."""
+    folder = tmp_path / "points" / "scale"
+    folder.mkdir(parents=True)
+    batch = zero3.pop("batch", 2)
+    for name, point in (("14b_megatrain", _result("megatrain", "qwen2.5-14b", params=14_770_033_664, tflops=463.5)),
+                        ("14b_zero3", _result("zero3", "qwen2.5-14b", params=14_770_033_664, **zero3))):
+        if name == "14b_zero3":
+            point["spec"]["batch_size"] = batch
+        (folder / f"{name}.json").write_text(json.dumps(point))
+    csv, md = tmp_path / "scale.csv", tmp_path / "scale.md"
+    assert aggregate.main(["--experiment", "scale", "--hardware", "cpu", "--csv", str(csv), "--md", str(md),
+                           *map(str, sorted(folder.glob("*.json")))]) == 0
+    section = md.read_text().split("## The paper's ratios beside the same ratios measured on cpu")[1].split("\n## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| 14B |"))
+    assert row.startswith("| 14B | MegaTrain | ZeRO-3 Offload | model_tflops | 1.84 (Figure 1) ") and row.endswith(says)
+
+
 def test_x_coordinates(tmp_path):
     width = aggregate.table(_write(tmp_path, "width"), "width")
     assert sorted(width[width["source"] == "measured"]["x"]) == [1.0, 2.0, 3.0]  # hidden 64k / tiny-llama's 64

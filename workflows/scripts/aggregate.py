@@ -308,6 +308,57 @@ def md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+# the paper's names of the systems it compares, as the suite names them
+PAPER_SYSTEMS = {"MegaTrain": "megatrain", "ZeRO-3 Offload": "zero3", "FSDP Offload": "fsdp2",
+                 "PyTorch Native": "native", "ZeRO-Infinity": "zero_infinity", "ColossalAI Gemini": "gemini"}
+# a stated ratio's quantity: its panel's where a figure has two (Figures 5 and 6: (a) throughput,
+# (b) host memory), else throughput
+RATIO_QUANTITY = {"a": "model_tflops", "b": "peak_host_GiB"}
+SAME_SPEC = ["batch", "accum", "seq", "gpus"]
+
+
+def _side(rows: pd.DataFrame) -> str:
+    """What a system's rows at a ratio's x say where none ran to the end: their statuses, or that none is there."""
+    return ", ".join(sorted(set(rows["status"].astype(str)))) if len(rows) else "no point"
+
+
+def ratios(df: pd.DataFrame, experiment: str, hardware: str) -> list[str]:
+    """Each ratio the paper states (its system's value over `versus`'s at one x) beside the same
+    ratio of this machine's points at that x: the two systems' points that ran, with the same batch,
+    accumulation, sequence and GPU count; where either has none, what its points there say."""
+    paper = df[df["source"] == "paper"]
+    if not {"versus", "ratio"} <= set(paper.columns):
+        return []
+    claims = paper[paper["versus"].notna() & paper["ratio"].notna()]
+    if claims.empty:
+        return []
+    ours = df[df["source"] == "measured"]
+    label = EXPERIMENTS.get(experiment, GENERIC).label
+    out = ["", f"## The paper's ratios beside the same ratios measured on {hardware}", "",
+           "A ratio is the first system's value over the second's at the same x, both on the paper's hardware "
+           f"(its section above) or both on {hardware}; a measured ratio pairs two points that ran with the "
+           "same batch, accumulation, sequence and GPU count.", "",
+           f"| {label} | system | versus | quantity | paper | measured | values measured |", "|---|---|---|---|---|---|---|"]
+    for _, c in claims.iterrows():
+        quantity = RATIO_QUANTITY.get(c.get("panel"), "model_tflops")
+        at = ours[pd.to_numeric(ours["x"], errors="coerce").sub(float(c["x"])).abs() <= 1e-3 * abs(float(c["x"]))] \
+            if pd.notna(c["x"]) else ours.iloc[:0]
+        first, second = (at[at["system"] == PAPER_SYSTEMS.get(name)] for name in (c["system"], c["versus"]))
+        pairs = first[first["status"] == "ok"].merge(second[second["status"] == "ok"], on=SAME_SPEC)
+        if len(pairs):
+            a, b = pairs.iloc[0][f"{quantity}_x"], pairs.iloc[0][f"{quantity}_y"]
+            measured, values = f"{a / b:.2f}", f"{_cell(a)} / {_cell(b)}"
+        else:
+            measured = "none"
+            values = "; ".join(f"{PAPER_SYSTEMS.get(n, n)}: {_side(rows)}" for n, rows in
+                               ((c["system"], first), (c["versus"], second)) if not (rows["status"] == "ok").any())
+            values = values or "no two points with the same spec"
+        x = c["model"] if "model" in c and pd.notna(c["model"]) else _cell(c["x"])
+        out.append(f"| {x} | {c['system']} | {c['versus']} | {quantity} | {_cell(c['ratio'])} ({c['artefact']}) "
+                   f"| {measured} | {values} |")
+    return out
+
+
 def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str | Path] = (),
              moe: list[str | Path] = ()) -> str:
     """The measured rows, then each paper artefact's rows, as separate Markdown tables (a paper table
@@ -322,6 +373,7 @@ def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
         out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols])]
+    out += ratios(df, experiment, hardware)
     if moe:
         rows = measured(moe, "moe")
         rows = rows.assign(tokens=rows["batch"] * rows["accum"] * rows["seq"])
