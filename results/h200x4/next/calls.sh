@@ -147,6 +147,10 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # free; kept as a probe, not a point) before native grew expandable segments; with them the
          # two-GPU host's point trained (session 36, 128.4 GiB). Prediction: it trains, 121-135 GiB.
          points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
+         # depth/L180_megatrain (43.0 B parameters) plans 491.4 GiB of host with split masters (`megatrain
+         # plan`), the closest yet to this host's 503.8 GiB (the 12-layer GPT-OSS-120B shape ran at 479.0,
+         # the 88-layer 32B at 469.7, each within 0.3% of its plan). Prediction: it trains, its host
+         # peak within 0.5% of the plan; if the OOM killer stops it, its result says so (oom_host).
          # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
          # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
          # sums its micro-batches on the host where their sum on the GPU does not fit (scale/14b_fsdp2,
