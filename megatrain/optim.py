@@ -248,8 +248,14 @@ class OptimizerWorker:
                     with self.timeline.host(Track.OPTIMIZER, kind, label):
                         handlers[type(task)](task)
                     self.busy_s += time.perf_counter() - start
+                elif isinstance(task, _Dense):
+                    task.release()  # skipped: its slab goes back all the same
             except BaseException as e:  # surfaced on the main thread's next call
                 self._error = e
+                # what the main thread may be blocked on until this worker publishes: it wakes,
+                # reaches its next call here and raises this error (a stale tile is never trained on)
+                for tile in self.tiles:
+                    tile.ready.set()
             finally:
                 self._tasks.task_done()
         self._tasks.task_done()
@@ -261,13 +267,15 @@ class OptimizerWorker:
 
     def _do_dense(self, task: _Dense) -> None:
         tile = task.tile
-        if not math.isfinite(float(task.norm_sq)):  # a NaN or an infinity in the tile's gradient
-            pass  # never applied: the engine stops the run at the step's end
-        elif self.cfg.max_grad_norm is None:  # update this range now, from the slab
-            self._update(tile, task.lo, task.hi, task.grad, 1.0)
-        else:  # each element's one contribution of the step (a unit returns once per step)
-            tile.grad[task.lo:task.hi].copy_(task.grad)
-        task.release()
+        try:
+            if not math.isfinite(float(task.norm_sq)):  # a NaN or an infinity in the tile's gradient
+                pass  # never applied: the engine stops the run at the step's end
+            elif self.cfg.max_grad_norm is None:  # update this range now, from the slab
+                self._update(tile, task.lo, task.hi, task.grad, 1.0)
+            else:  # each element's one contribution of the step (a unit returns once per step)
+                tile.grad[task.lo:task.hi].copy_(task.grad)
+        finally:
+            task.release()  # the slab back, also when the update fails (the main thread may wait for one)
         self._received[tile] += 1
         if self._received[tile] == self._left[tile] and self.cfg.max_grad_norm is None:
             self._done(tile)

@@ -137,15 +137,26 @@ def test_a_run_with_the_one_pass_update_tracks_the_eager_one(tmp_path):
         torch.testing.assert_close(params[name], eager[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_an_update_that_fails_names_its_cause_on_the_main_thread(tmp_path, monkeypatch):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late, settings", [
+    (0.0, {}),
+    (1.0, {}),  # the next step's forward waits for a tile the failed update never publishes
+    (1.0, {"optim": {"max_grad_norm": None}, "engine": {"grad_slabs": 1}}),  # the backward waits for the one slab
+])
+def test_an_update_that_fails_names_its_cause_on_the_main_thread(tmp_path, monkeypatch, late, settings):
     """The worker's exception reaches the step with its own type and message in the error's text
-    (a harness that records only the message still says what failed)."""
+    (a harness that records only the message still says what failed), also when it comes `late`,
+    while the main thread waits for what the failed worker would have given back."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
 
     def broken(*args, **kwargs):
+        time.sleep(late)
         raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
     monkeypatch.setattr(optim, "adamw", broken)
-    trainer = Trainer(load_config(base=tree(tmp_path, "eager")))
+    base = tree(tmp_path, "eager")
+    for section, values in settings.items():
+        base[section] = {**base[section], **values}
+    trainer = Trainer(load_config(base=base))
     try:
         batches = random_batches(2, 2, 2, 16, trainer.shape.vocab, pad=True)
         with pytest.raises(RuntimeError, match="the optimizer worker failed: RuntimeError: Detected that you are using FX"):
