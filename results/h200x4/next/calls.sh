@@ -14,6 +14,7 @@
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
 # 10, 11 (one call each, about 7 and 4 minutes): FSDP2 with expandable segments, first in the next session.
 # grid (detached, attached until the session's device time ends; each later session starts it again
+#   (LONG_FIRST=0 in a session that has spent part of its device time before it: below)
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
@@ -163,6 +164,9 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          grep -q grow_expandable_segments baselines/fsdp2.py || long="width/w3.5_fsdp2 $long"
          first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
          later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
+         # LONG_FIRST=0: a session whose device time is partly spent already (after batches 10 and
+         # 11) takes every long point last
+         if [ "${LONG_FIRST:-1}" = 0 ]; then later=$(printf '%s\n%s\n' "$first" "$later" | sed '/^$/d'); first=""; fi
          rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
          T=$(echo "$first" | sed "/^$/d; s#^#$R/#; s#\$#.json#"
              for e in shared ablations context devices scale depth width; do
