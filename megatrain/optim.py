@@ -253,7 +253,8 @@ class OptimizerWorker:
             except BaseException as e:  # surfaced on the main thread's next call
                 self._error = e
                 # what the main thread may be blocked on until this worker publishes: it wakes,
-                # reaches its next call here and raises this error (a stale tile is never trained on)
+                # reaches its next call here and raises this error (no step that read a tile
+                # this worker left un-updated completes)
                 for tile in self.tiles:
                     tile.ready.set()
             finally:

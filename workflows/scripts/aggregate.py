@@ -338,7 +338,8 @@ def ratios(df: pd.DataFrame, experiment: str, hardware: str) -> list[str]:
            "A ratio is the first system's value over the second's at the same x, both on the paper's hardware "
            f"(its section above) or both on {hardware}; a measured ratio pairs two points that ran with the "
            "same batch, accumulation, sequence and GPU count.", "",
-           f"| {label} | system | versus | quantity | paper | measured | values measured |", "|---|---|---|---|---|---|---|"]
+           f"| {label} | system | versus | quantity | paper | measured | values measured |",
+           "|---|---|---|---|---|---|---|"]
     for _, c in claims.iterrows():
         quantity = RATIO_QUANTITY.get(c.get("panel"), "model_tflops")
         at = ours[pd.to_numeric(ours["x"], errors="coerce").sub(float(c["x"])).abs() <= 1e-3 * abs(float(c["x"]))] \
