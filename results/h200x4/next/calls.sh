@@ -12,15 +12,14 @@
 # 7 (about 6 minutes, detached): 7B at 1M tokens on 4 layers; made in session 40 (`../README.md`).
 # 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
-# 10, 11 (one call each, about 7 and 4 minutes): FSDP2 with expandable segments, first in the next session.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   (LONG_FIRST=0 in a session that has spent part of its device time before it: below)
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
-#   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, session 40
-#   FSDP2's 14B; 52 are left (scale 9, depth 16, width 27). Only the missing
+#   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
+#   and 41 the other 14B points and width's w1.0_fsdp2; 49 are left (scale 7, depth 16, width 26). Only the missing
 #   points are named, so an experiment with none left costs no Snakemake start.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
@@ -115,38 +114,16 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          done
          # (the worker writes its own log beside its result, 3b_gemini_$name.log)
          grep -H "minor faults" $OUT/*.txt; python3 -m suite table $OUT; exit 0 ;;
-      10|11) # FSDP2 with expandable segments and 6 GiB of slack for `auto` (next/fsdp2_expandable.patch),
-         # first in the next session, two calls (10: about 7 minutes, 11: about 4): FSDP2's 14B summed on
-         # the host at 162.2 s a step (session 40) because `auto` left 12 GiB free for a cache of fixed
-         # segments (11.6-28.4 GiB above the allocated peak on every FSDP2 point). 10: scale/14b_fsdp2's
-         # spec with the patch. 11: width/w1.0_fsdp2 from the committed tree (the grid's point, kept
-         # where the grid keeps it), then with the patch. Predictions: 10 sums on the GPU (129.1 GiB
-         # counted + 6 against 139.3 free), 129.5-131 GiB allocated, NVML at most 135, about 40 s a step
-         # (7B's 19.9 by parameters), about 300 model TFLOP/s against the host sum's 77.6. 11: the
-         # patched step within 2% of the other, its NVML peak within 3 GiB of its allocated one (the
-         # other's about 12 above). If both hold, the patch lands, scale/14b_fsdp2 runs again through
-         # the grid, and width's w3.5 sums on the GPU too (127.9 GiB counted).
-         mkdir -p $OUT/ab $OUT/$R/width
-         point() { timeout $(( 585 - SECONDS )) python3 -m suite run $(python3 -m workflows.scripts.grid \
-           workflows/grids/h200x4.yaml $1) --out $2 > ${2%.json}.txt 2>&1; }
-         # (this copy has no .git: a patched run's commit names the patch)
-         P=$MEGATRAIN_GIT_COMMIT+fsdp2_expandable.patch
-         if [ $2 = 10 ]; then
-           git apply results/h200x4/next/fsdp2_expandable.patch
-           MEGATRAIN_GIT_COMMIT=$P point scale/14b_fsdp2 $OUT/ab/14b_fsdp2_expandable.json
-         else
-           point width/w1.0_fsdp2 $OUT/$R/width/w1.0_fsdp2.json
-           git apply results/h200x4/next/fsdp2_expandable.patch
-           MEGATRAIN_GIT_COMMIT=$P point width/w1.0_fsdp2 $OUT/ab/w1.0_fsdp2_expandable.json
-         fi
-         git apply -R results/h200x4/next/fsdp2_expandable.patch
-         python3 -m suite table $OUT/ab $OUT/$R/width; exit 0 ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
+         # first, while the next/ folder has it: the GPU test of FSDP2's expandable segments (its
+         # change landed on session 41's runs; the test lands once it has passed here), under a minute
+         if [ -f results/h200x4/next/fsdp2_segments_test.patch ]; then
+           git apply results/h200x4/next/fsdp2_segments_test.patch
+           timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k expandable_segments 2>&1 | tail -4 | tee $OUT/fsdp2_segments_test.txt
+           git apply -R results/h200x4/next/fsdp2_segments_test.patch
+         fi
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
-         # scale/7b_native ran out at its second step (session 34: 111.7 GiB allocated, 22.0 reserved but
-         # free; kept as a probe, not a point) before native grew expandable segments; with them the
-         # two-GPU host's point trained (session 36, 128.4 GiB). Prediction: it trains, 121-135 GiB.
          points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
          # depth/L180_megatrain (43.0 B parameters) plans 491.4 GiB of host with split masters (`megatrain
          # plan`), the closest yet to this host's 503.8 GiB (the 12-layer GPT-OSS-120B shape ran at 479.0,
@@ -154,18 +131,14 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # peak within 0.5% of the plan; if the OOM killer stops it, its result says so (oom_host).
          # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
          # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
-         # sums its micro-batches on the host where their sum on the GPU does not fit (scale/14b_fsdp2,
-         # session 40: 162.2 s a step, 924 s for the point), 15-21 B parameters here (by parameters:
-         # w3.5 about 14 minutes, w4.0 about 17, L84 about 18; w3.5 sums on the GPU once batch 10's
-         # patch has landed). A point the session's end cuts off is lost, so one long point goes
-         # first, while a session's device time is whole, and the others after every short one: the
-         # cut falls on a short point.
+         # sums its micro-batches on the host where their sum on the GPU does not fit (above about 15 B
+         # parameters: w4.0 about 17 minutes, L84 about 18, by session 40's 14B on the host, 924 s). A
+         # point the session's end cuts off is lost, so one long point goes first, while a session's
+         # device time is whole, and the others after every short one: the cut falls on a short point.
          long="width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
-         grep -q grow_expandable_segments baselines/fsdp2.py || long="width/w3.5_fsdp2 $long"
          first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
          later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
-         # LONG_FIRST=0: a session whose device time is partly spent already (after batches 10 and
-         # 11) takes every long point last
+         # LONG_FIRST=0: a session whose device time is partly spent already takes every long point last
          if [ "${LONG_FIRST:-1}" = 0 ]; then later=$(printf '%s\n%s\n' "$first" "$later" | sed '/^$/d'); first=""; fi
          rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
          T=$(echo "$first" | sed "/^$/d; s#^#$R/#; s#\$#.json#"
