@@ -18,10 +18,11 @@ spec.options (anything else is refused):
 On a GPU its CUDA allocator grows expandable segments, as native's and the engine's do (a user's
 PYTORCH_CUDA_ALLOC_CONF wins). The cache keeps what it frees and, where no kept block fits, takes
 free memory before it gives any back (NVML saw 10 to 28 GiB above the allocated peak with either
-kind of segment), so that gap is no measure of a step's need; what fails with fixed segments is a large block while the free
-memory lies in pieces (native's 7B at 4 x 4096 on an H200), and an expandable segment maps a block
-wherever pages are free. At 14B on an H200, 8 x 4 x 4096, `auto` then sums on the GPU (129.9 GiB
-allocated of 139.3) at 43.0 s a step, where the host's sum took 162.2 (results/h200x4/README.md).
+kind of segment), so that gap is no measure of a step's need; what fails with fixed segments is a
+large block while the free memory lies in pieces (native's 7B at 4 x 4096 on an H200), and an
+expandable segment maps a block wherever pages are free. At 14B on an H200, 8 x 4 x 4096, `auto`
+then sums on the GPU (129.9 GiB allocated of 139.3) at 43.0 s a step, where the host's sum took
+162.2 (results/h200x4/README.md).
 
 On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,
 gradients and optimizer state are sharded over the N ranks (a 1-D mesh), each rank computes on its
