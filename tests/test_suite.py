@@ -54,16 +54,26 @@ def test_spec_round_trips_and_refuses_unknown_keys():
     assert RunSpec.stored(old) == RunSpec.stored(json.loads(json.dumps(spec.to_dict())))
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-gpt-oss", "tiny-qwen3-moe"])
-def test_the_baselines_model_is_initialised_as_transformers_initialises_it(preset):
+def test_the_baselines_model_is_initialised_as_transformers_initialises_it(preset, chunk, monkeypatch):
     """hf.build_model skips torch's own init of each module (transformers' init overwrites it): every
     weight is still set, with transformers' distributions, its constants and ties, and the same seed
-    builds the same model (every rank of a data-parallel baseline builds its own)."""
+    builds the same model (every rank of a data-parallel baseline builds its own), at one thread as
+    at two. chunk 64: every matrix drawn in parallel chunks (a tiny model's are below the default)."""
     from transformers import AutoModelForCausalLM
     from baselines import hf
+    if chunk:
+        monkeypatch.setattr(hf, "NORMAL_CHUNK", chunk)
     spec = tiny(model={"preset": preset})
     built = hf.build_model(spec, "cpu")
-    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), hf.build_model(spec, "cpu").parameters()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        again = hf.build_model(spec, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), again.parameters()))
     torch.manual_seed(spec.seed)
     library = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
     ours, theirs = dict(built.named_parameters()), dict(library.named_parameters())
@@ -79,6 +89,22 @@ def test_the_baselines_model_is_initialised_as_transformers_initialises_it(prese
     assert (built.get_output_embeddings().weight is built.get_input_embeddings().weight) == \
         (library.get_output_embeddings().weight is library.get_input_embeddings().weight)
     assert all(torch.equal(a, b) for a, b in zip(built.buffers(), library.buffers()))
+
+
+def test_parallel_normals_end_before_the_init_goes_on(monkeypatch):
+    """An embedding with a padding index: transformers draws it, then zeroes the padding row; drawn
+    in parallel chunks, the row is still zero after the build and the other rows are drawn, and a
+    matrix's chunks are not copies of one another (each its own generator)."""
+    from baselines import hf
+    monkeypatch.setattr(hf, "NORMAL_CHUNK", 64)
+    model = hf.build_model(tiny(model={"preset": "tiny-llama", "overrides": {"pad_token_id": 3}}), "cpu")
+    embed = model.get_input_embeddings()
+    assert embed.padding_idx == 3
+    weight = embed.weight.detach()
+    assert torch.equal(weight[3], torch.zeros_like(weight[3]))
+    assert (weight[:3] != 0).all() and (weight[4:] != 0).all()
+    flat = weight.flatten()
+    assert not torch.equal(flat[:64], flat[64:128])
 
 
 def test_each_system_takes_adamw_settings_from_the_spec():
