@@ -67,7 +67,12 @@ def accumulation(spec, device: torch.device, ranks: hf.Ranks) -> str:
         return where
     if device.type != "cuda":
         return "device"
-    free = hf.agreed(ranks, torch.cuda.mem_get_info(device)[0])
+    return auto_accumulation(spec, hf.agreed(ranks, torch.cuda.mem_get_info(device)[0]))
+
+
+def auto_accumulation(spec, free: int) -> str:
+    """`auto`'s choice with `free` bytes of the device free: "device" where its count leaves
+    AUTO_SLACK, else "host"."""
     return "device" if device_need(spec, "device")[0] + AUTO_SLACK <= free else "host"
 
 

@@ -19,7 +19,7 @@
 # Work longer than one call (a call lasts at most 10 minutes) runs detached, in its own session, and
 # outlives the call while the machine stays held, i.e. while the next call comes within the machine's
 # idle release (30 s here):
-#   experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET ...   start it, wait until SECONDS after this script's start, pack
+#   [DEADLINE=S] experiments/workflow_gpu.sh --detach SECONDS PROFILE TARGET[@SECONDS] ...   start it, wait until SECONDS after this script's start, pack
 #   experiments/workflow_gpu.sh --attach SECONDS PROFILE              wait until SECONDS after this script's start, pack
 # (the set-up, the wheels' install and the tree's copy, counts within SECONDS: the caller's call limit is
 # SECONDS plus the table and the pack, a few seconds)
@@ -27,6 +27,11 @@
 # options after the targets passed to every one), cheapest first as the caller lists them. A target
 # may be several joined by commas, made by one snakemake (a group's one start instead of one a
 # point), which runs them in the grid's order (the point rule's priority).
+# A target may end in @SECONDS, what it is expected to take (python -m workflows.scripts.estimate):
+# with DEADLINE set (the seconds after this script's start at which the machine is expected to go),
+# a detached run starts no target that would not end by then, and names it in its log as skipped,
+# so that a session's end does not cut a point off (its time lost: Snakemake removes it) where a
+# shorter one after it fits. Without DEADLINE the estimates are ignored.
 # A new --detach is refused while the last one's run still goes; the results and logs a finished one
 # wrote join the new tree (a pack of them may not have come back).
 # Each packs what is written so far (results are written whole or not at all), prints the run's log
@@ -97,10 +102,17 @@ case $mode in
     echo "snakemake exit $?" ;;
   detach)
     targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
-    echo "${targets[*]}" > "$state/targets"
-    setsid bash -c 's=$1 p=$2 n=$3; shift 3; rc=0
-      for t in "${@:1:n}"; do python3 -m snakemake --profile "$p" ${t//,/ } "${@:n+1}" || rc=$?; done
-      echo $rc > "$s/rc"' _ "$state" "$profile" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
+    echo "${targets[*]}" | sed 's/@[0-9]*//g' > "$state/targets"
+    left=${DEADLINE:+$((DEADLINE - SECONDS))}  # the deadline, in the detached run's own seconds
+    setsid bash -c 's=$1 p=$2 left=$3 n=$4; shift 4; rc=0
+      for t in "${@:1:n}"; do
+        e=; case $t in *@*) e=${t##*@} t=${t%@*} ;; esac
+        if [ -n "$left" ] && [ -n "$e" ] && [ $((SECONDS + e)) -gt "$left" ]; then
+          echo "skipped, about $e s with $((left - SECONDS)) s left before the deadline: $t"; continue
+        fi
+        python3 -m snakemake --profile "$p" ${t//,/ } "${@:n+1}" || rc=$?
+      done
+      echo $rc > "$s/rc"' _ "$state" "$profile" "$left" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
     echo $! > "$state/pid"
     echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac

@@ -95,3 +95,33 @@ def test_a_second_detach_leaves_a_running_one_alone(tmp_path):
         running.kill()
     assert done.returncode == 1 and "--attach to it" in done.stdout
     assert (state / "log").read_text() == "the running one's log\n"
+
+
+def test_a_detached_run_starts_no_target_that_would_pass_its_deadline(tmp_path):
+    """With DEADLINE, a target whose estimate (@SECONDS) would end past it is skipped and named in the
+    log, and the targets after it still run where they fit; the table of the point folders names
+    the targets without their estimates."""
+    hw = f"deadline{tmp_path.name[-6:]}".replace("_", "")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
+                    "experiments:\n  quick:\n    points:\n      - {id: long, system: native, preset: tiny-llama}\n"
+                    "      - {id: short, system: native, preset: tiny-llama, seq: 16}\n")
+    long, short = (f"results/{hw}/points/quick/{i}.json" for i in ("long", "short"))
+    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DEADLINE": "600"}
+    try:
+        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "180", "cpu", f"{long}@3600",
+                               f"{short}@60", "--config", f"grid={grid}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        tree = tmp_path / "state" / "tree"
+        assert (tree / short).is_file() and not (tree / long).exists()
+        log = (tmp_path / "detached.log").read_text()
+        assert "skipped, about 3600 s with" in log and f"before the deadline: {long}" in log
+        assert (tmp_path / "state" / "targets").read_text().split() == [long, short]
+    finally:
+        pid = tmp_path / "state" / "pid"
+        if pid.exists():
+            subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
+        for kind in ("results", "logs", "plots"):
+            subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])

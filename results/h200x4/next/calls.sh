@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared in sessions 21-23 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
-#   C=<commit> bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
+#   C=<commit> [DEADLINE=S] bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach [SECONDS]      (extract each reply's workflow.tgz first; default 540)
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
 # 2 (one call, no points, about 4 minutes): the split masters' update rate by thread count; the
@@ -15,7 +15,7 @@
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   (LONG_FIRST=0 in a session that has spent part of its device time before it: below)
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
-#   an experiment, the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
+#   a point, each with its estimate for DEADLINE (below), the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
@@ -141,11 +141,20 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # LONG_FIRST=0: a session whose device time is partly spent already takes every long point last
          if [ "${LONG_FIRST:-1}" = 0 ]; then later=$(printf '%s\n%s\n' "$first" "$later" | sed '/^$/d'); first=""; fi
          rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
-         T=$(echo "$first" | sed "/^$/d; s#^#$R/#; s#\$#.json#"
-             for e in shared ablations context devices scale depth width; do
-               echo "$rest" | grep "^$e/" | sed "s#^#$R/#; s#\$#.json#" | paste -sd, -; done
-             echo "$later" | sed "/^$/d; s#^#$R/#; s#\$#.json#" | paste -sd, -) ;;
+         # every point its own target with its estimate (workflows/scripts/estimate.py), which DEADLINE
+         # (seconds after this call's start at which the session's device time ends) holds back where
+         # it would be cut off: session 41 lost its last point, 32B MegaTrain, to the end after 6 of
+         # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s;
+         # the others are FSDP2's refusals above about 21.5 B parameters and ZeRO-Infinity's 32B,
+         # refused for the disk: 60 s
+         est=$(python3 -m workflows.scripts.estimate workflows/grids/h200x4.yaml 2>/dev/null)
+         T=$(for p in $first $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done) $later; do
+               s=$(echo "$est" | awk -v p=$p '$1 == p {print $2}')
+               [ "${s:--}" = - ] && { echo "$long" | grep -qw "$p" && s=1500 || s=60; }
+               echo "$R/$p.json@$s"
+             done) ;;
     esac
+    [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
   attach)
     experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;

@@ -1,0 +1,57 @@
+"""A grid's points without a result, estimated from the results made on its hardware (CPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workflows.scripts import estimate
+
+GiB = 1 << 30
+
+
+def _grid(points: list[dict]) -> dict:
+    return {"hardware": "est", "defaults": {"seq": 32, "batch": 2, "accum": 2, "steps": 3, "warmup": 1, "timeout": 60},
+            "experiments": {"e": {"points": points}}}
+
+
+def _result(root: Path, point_id: str, system: str, grid: dict, wall: float, steps: list[float], **extra) -> None:
+    point = {**grid["defaults"], **next(p for p in grid["experiments"]["e"]["points"] if p["id"] == point_id)}
+    path = root / "results" / "est" / "points" / "e" / f"{point_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"system": system, "status": "ok", "params": estimate.grids.params(point),
+                                "model_flops_per_step": estimate._flops(point), "wall_s": wall,
+                                "steps": [{"step_time_s": s} for s in steps],
+                                "env": {"gpu_memory_bytes": 140 * GiB}, **extra}))
+
+
+def test_a_point_is_estimated_from_its_systems_nearest_result(tmp_path):
+    """The nearest result's wall less its steps, scaled by parameters, and its mean step, scaled by
+    the model FLOPs, for the point's steps; a point with a result is not listed; a refusal the grid
+    expects is short; a system with no result on the hardware is unknown."""
+    grid = _grid([{"id": "ran", "system": "native", "preset": "tiny-llama"},
+                  {"id": "longer", "system": "native", "preset": "tiny-llama", "seq": 64, "steps": 5},
+                  {"id": "refused", "system": "native", "preset": "tiny-llama", "expect": "oom_host"},
+                  {"id": "other", "system": "zero3", "preset": "tiny-llama"}])
+    _result(tmp_path, "ran", "native", grid, wall=100.0, steps=[20.0, 10.0, 10.0, 10.0])
+    left = estimate.missing(grid, tmp_path)
+    assert list(left) == ["e/longer", "e/refused", "e/other"]
+    points = {p["id"]: {**grid["defaults"], **p} for p in grid["experiments"]["e"]["points"]}
+    ratio = estimate._flops(points["longer"]) / estimate._flops(points["ran"])
+    assert ratio > 2  # twice the tokens, and attention's square
+    assert left["e/longer"] == pytest.approx(50.0 + 12.5 * ratio * 6 + estimate.JOB_OVERHEAD_S)
+    assert left["e/refused"] == estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S
+    assert left["e/other"] is None
+
+
+def test_an_fsdp2_point_is_estimated_from_one_that_summed_where_it_will(tmp_path, monkeypatch):
+    """FSDP2's `auto` sums on the GPU or on the host (steps fourfold apart): a point is estimated from
+    a result that summed where its own `auto` will on the hardware's GPU, else unknown."""
+    from baselines import fsdp2
+    grid = _grid([{"id": "ran", "system": "fsdp2", "preset": "tiny-llama"},
+                  {"id": "new", "system": "fsdp2", "preset": "tiny-llama", "seq": 64}])
+    _result(tmp_path, "ran", "fsdp2", grid, wall=100.0, steps=[10.0] * 4, info={"accumulate": "host"})
+    assert estimate.missing(grid, tmp_path) == {"e/new": None}  # a tiny model sums on a 140 GiB GPU
+    monkeypatch.setattr(fsdp2, "AUTO_SLACK", 200 * GiB)  # as if it did not fit
+    assert estimate.missing(grid, tmp_path)["e/new"] > estimate.JOB_OVERHEAD_S + 60

@@ -1,0 +1,111 @@
+"""How long the points of a grid without a result will take on its hardware, from the results made
+there: to plan a session on a machine held for a fixed time, and to start no point that would be
+cut off at its end (experiments/workflow_gpu.sh's DEADLINE).
+
+    python -m workflows.scripts.estimate GRID    # experiment/id and seconds (- unknown) a line; the total on stderr
+
+A point's estimate comes from the measured point of its system nearest in parameters and in model
+FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters, and its mean
+step (the warm-up's included) scaled by the FLOPs, for as many steps as this point runs, plus
+JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
+(`accumulate`: on the GPU or on the host, whose steps differ fourfold). A point the grid expects
+refused (`expect`) takes REFUSAL_S; another refusal is not foreseen: it is estimated as if it ran.
+Unknown where no point of its system (and summing) has run on the hardware.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatrain.units import GiB
+from workflows.scripts import grid as grids
+
+# What a point takes beyond its harness wall (the result's wall_s): Snakemake's start and its job's
+# round, the point process's start. The four-GPU host, session 41: a refusal of 19 s in a 39 s job.
+JOB_OVERHEAD_S = 30.0
+# The GPU memory a point's process finds in use before it allocates (its CUDA context), which FSDP2's
+# `auto` does not see free: 0.6 GiB by NVML on the H200s
+CONTEXT_BYTES = GiB * 6 // 10
+# a refusal's harness wall: 13-21 s on the four-GPU host
+REFUSAL_S = 20.0
+
+
+def _spec(point: dict[str, Any]):
+    from suite.spec import RunSpec
+    return RunSpec.from_dict({"system": point["system"], "model": grids.model(point), "seq_len": point["seq"],
+                              "batch_size": point["batch"], "grad_accum": point["accum"],
+                              "options": point.get("options", {}), "gpus": point.get("gpus", 1)})
+
+
+def summing(point: dict[str, Any], gpu_bytes: int | None) -> str | None:
+    """Where an FSDP2 point will sum its micro-batches on a GPU of `gpu_bytes` (None: not FSDP2, or
+    the GPU unknown)."""
+    if point["system"] != "fsdp2":
+        return None
+    where = point.get("options", {}).get("accumulate", "auto")
+    if where != "auto" or gpu_bytes is None:
+        return where if where != "auto" else None
+    from baselines.fsdp2 import auto_accumulation
+    return auto_accumulation(_spec(point), gpu_bytes - CONTEXT_BYTES)
+
+
+def measured(hardware: str, root: Path = Path(".")) -> list[dict[str, Any]]:
+    """The results that trained under results/<hardware>/points."""
+    out = []
+    for path in sorted((root / "results" / hardware / "points").glob("*/*.json")):
+        r = json.loads(path.read_text(encoding="utf-8"))
+        if r.get("status") == "ok" and r.get("wall_s") and r.get("params"):
+            out.append(r)
+    return out
+
+
+def _flops(point: dict[str, Any]) -> float:
+    from megatrain.metrics import model_flops
+    from megatrain.shapes import ModelShape
+    shape = ModelShape(_spec(point).hf_config())
+    return model_flops(shape.matmul_params(), shape.attention(), [point["seq"]] * (point["batch"] * point["accum"]))
+
+
+def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
+    """Seconds the point is expected to take (module docstring); None: unknown."""
+    if point.get("expect"):
+        return REFUSAL_S + JOB_OVERHEAD_S
+    gpu = next((r["env"]["gpu_memory_bytes"] for r in results if (r.get("env") or {}).get("gpu_memory_bytes")), None)
+    where = summing(point, gpu)
+    same = [r for r in results if r["system"] == point["system"] and r.get("steps") and r.get("model_flops_per_step")
+            and (where is None or (r.get("info") or {}).get("accumulate") == where)]
+    if not same:
+        return None
+    n, flops = grids.params(point), _flops(point)
+    ref = min(same, key=lambda r: abs(math.log(r["params"] / n)) + abs(math.log(r["model_flops_per_step"] / flops)))
+    steps = [s["step_time_s"] for s in ref["steps"]]
+    rest = ref["wall_s"] - sum(steps)
+    step = sum(steps) / len(steps) * flops / ref["model_flops_per_step"]
+    return rest * n / ref["params"] + step * (point["steps"] + point["warmup"]) + JOB_OVERHEAD_S
+
+
+def missing(grid: dict[str, Any], root: Path = Path(".")) -> dict[str, float | None]:
+    """experiment/id -> estimate of each point of the grid without a result, in the grid's order."""
+    results = measured(grid["hardware"], root)
+    return {f"{e}/{i}": estimate(p, results) for (e, i), p in grids.points(grid).items()
+            if not (root / "results" / grid["hardware"] / "points" / e / f"{i}.json").exists()}
+
+
+def main(cli: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workflows.scripts.estimate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("grid", help="a workflows/grids/*.yaml")
+    args = ap.parse_args(cli)
+    left = missing(grids.check(grids.load(args.grid)))
+    for point, seconds in left.items():
+        print(f"{point} {'-' if seconds is None else round(seconds)}")
+    known = [s for s in left.values() if s is not None]
+    print(f"{round(sum(known))} s for {len(known)} points, {len(left) - len(known)} unknown", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
