@@ -29,20 +29,21 @@ def _result(root: Path, point_id: str, system: str, grid: dict, wall: float, ste
 def test_a_point_is_estimated_from_its_systems_nearest_result(tmp_path):
     """The nearest result's wall less its steps, scaled by parameters, and its mean step, scaled by
     the model FLOPs, for the point's steps; a point with a result is not listed; a refusal the grid
-    expects is short; a system with no result on the hardware is unknown."""
+    expects is short; a system (or GPU count) with no result on the hardware is unknown."""
     grid = _grid([{"id": "ran", "system": "native", "preset": "tiny-llama"},
                   {"id": "longer", "system": "native", "preset": "tiny-llama", "seq": 64, "steps": 5},
                   {"id": "refused", "system": "native", "preset": "tiny-llama", "expect": "oom_host"},
-                  {"id": "other", "system": "zero3", "preset": "tiny-llama"}])
+                  {"id": "other", "system": "zero3", "preset": "tiny-llama"},
+                  {"id": "two", "system": "native", "preset": "tiny-llama", "gpus": 2}])
     _result(tmp_path, "ran", "native", grid, wall=100.0, steps=[20.0, 10.0, 10.0, 10.0])
     left = estimate.missing(grid, tmp_path)
-    assert list(left) == ["e/longer", "e/refused", "e/other"]
+    assert list(left) == ["e/longer", "e/refused", "e/other", "e/two"]
     points = {p["id"]: {**grid["defaults"], **p} for p in grid["experiments"]["e"]["points"]}
     ratio = estimate._flops(points["longer"]) / estimate._flops(points["ran"])
     assert ratio > 2  # twice the tokens, and attention's square
     assert left["e/longer"] == pytest.approx(50.0 + 12.5 * ratio * 6 + estimate.JOB_OVERHEAD_S)
     assert left["e/refused"] == estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S
-    assert left["e/other"] is None
+    assert left["e/other"] is None and left["e/two"] is None  # no result of its system, or on its GPU count
 
 
 def test_an_fsdp2_point_is_estimated_from_one_that_summed_where_it_will(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ cut off at its end (experiments/workflow_gpu.sh's DEADLINE).
 
     python -m workflows.scripts.estimate GRID    # experiment/id and seconds (- unknown) a line; the total on stderr
 
-A point's estimate comes from the measured point of its system nearest in parameters and in model
-FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters, and its mean
+A point's estimate comes from the measured point of its system and GPU count nearest in parameters
+and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters, and its mean
 step (the warm-up's included) scaled by the FLOPs, for as many steps as this point runs, plus
 JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
 (`accumulate`: on the GPU or on the host, whose steps differ fourfold). A point the grid expects
@@ -77,6 +77,7 @@ def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | No
     gpu = next((r["env"]["gpu_memory_bytes"] for r in results if (r.get("env") or {}).get("gpu_memory_bytes")), None)
     where = summing(point, gpu)
     same = [r for r in results if r["system"] == point["system"] and r.get("steps") and r.get("model_flops_per_step")
+            and ((r.get("spec") or {}).get("gpus") or 1) == point.get("gpus", 1)
             and (where is None or (r.get("info") or {}).get("accumulate") == where)]
     if not same:
         return None
