@@ -56,3 +56,26 @@ def test_an_fsdp2_point_is_estimated_from_one_that_summed_where_it_will(tmp_path
     assert estimate.missing(grid, tmp_path) == {"e/new": None}  # a tiny model sums on a 140 GiB GPU
     monkeypatch.setattr(fsdp2, "AUTO_SLACK", 200 * GiB)  # as if it did not fit
     assert estimate.missing(grid, tmp_path)["e/new"] > estimate.JOB_OVERHEAD_S + 60
+
+
+def test_a_point_its_systems_host_admission_refuses_is_short(tmp_path):
+    """A ZeRO-3 Offload point over the host its results were stated with (its 29 B a parameter,
+    counted as its admission counts them) is a refusal; under it, or with admission off, it is
+    estimated as if it ran; a system without a host rate (native) is never refused so."""
+    from baselines import hf
+    grid = _grid([{"id": "ran", "system": "zero3", "preset": "tiny-llama"},
+                  {"id": "big", "system": "zero3", "preset": "tiny-llama", "seq": 64},
+                  {"id": "tried", "system": "zero3", "preset": "tiny-llama", "seq": 64, "options": {"admission": False}},
+                  {"id": "native", "system": "native", "preset": "tiny-llama", "seq": 64}])
+    points = {p["id"]: {**grid["defaults"], **p} for p in grid["experiments"]["e"]["points"]}
+    need = hf.host_need(estimate._spec(points["big"]), 29)[0]
+    for stated, refused in [(need * 0.99 / GiB, True), (need * 1.01 / GiB, False)]:
+        _result(tmp_path, "ran", "zero3", grid, wall=100.0, steps=[10.0] * 4)
+        path = tmp_path / "results" / "est" / "points" / "e" / "ran.json"
+        result = json.loads(path.read_text())
+        result["env"]["host_memory_stated_gb"] = stated
+        path.write_text(json.dumps(result))
+        left = estimate.missing(grid, tmp_path)
+        assert (left["e/big"] == estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S) == refused
+        assert left["e/tried"] > estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S
+        assert left["e/native"] is None

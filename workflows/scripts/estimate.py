@@ -9,8 +9,10 @@ and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled
 step (the warm-up's included) scaled by the FLOPs, for as many steps as this point runs, plus
 JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
 (`accumulate`: on the GPU or on the host, whose steps differ fourfold). A point the grid expects
-refused (`expect`) takes REFUSAL_S; another refusal is not foreseen: it is estimated as if it ran.
-Unknown where no point of its system (and summing) has run on the hardware.
+refused (`expect`), or that its system's host admission refuses at the host size its results were
+stated (`refused_for_host`), takes REFUSAL_S; another refusal (the device's, the disk's) is not
+foreseen: it is estimated as if it ran. Unknown where no point of its system (and summing) has run
+on the hardware.
 """
 from __future__ import annotations
 
@@ -63,6 +65,21 @@ def measured(hardware: str, root: Path = Path(".")) -> list[dict[str, Any]]:
     return out
 
 
+def refused_for_host(point: dict[str, Any], stated_gb: float | None) -> bool:
+    """Whether the point's system refuses it for a host of `stated_gb` (None: unknown, no): its own
+    bytes a parameter (HOST_BYTES_PER_PARAM, where its admission reads one) through the count its
+    admission makes (hf.host_need)."""
+    from baselines import hf
+    from megatrain.resolve import host_available_bytes
+    from suite.system import load
+    system = load(point["system"])
+    rate = getattr(system, "HOST_BYTES_PER_PARAM", None)
+    if stated_gb is None or rate is None or not point.get("options", {}).get("admission", True):
+        return False
+    need, _ = hf.host_need(_spec(point), rate, getattr(system, "RANK_BYTES_PER_PARAM", 0.0))
+    return need > host_available_bytes(stated_gb)
+
+
 def _flops(point: dict[str, Any]) -> float:
     from megatrain.metrics import model_flops
     from megatrain.shapes import ModelShape
@@ -72,9 +89,10 @@ def _flops(point: dict[str, Any]) -> float:
 
 def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
     """Seconds the point is expected to take (module docstring); None: unknown."""
-    if point.get("expect"):
+    env = next((r["env"] for r in results if r.get("env")), {})
+    if point.get("expect") or refused_for_host(point, env.get("host_memory_stated_gb")):
         return REFUSAL_S + JOB_OVERHEAD_S
-    gpu = next((r["env"]["gpu_memory_bytes"] for r in results if (r.get("env") or {}).get("gpu_memory_bytes")), None)
+    gpu = env.get("gpu_memory_bytes")
     where = summing(point, gpu)
     same = [r for r in results if r["system"] == point["system"] and r.get("steps") and r.get("model_flops_per_step")
             and ((r.get("spec") or {}).get("gpus") or 1) == point.get("gpus", 1)

@@ -20,7 +20,7 @@
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
 #   and 41 the other 14B points and width's w1.0_fsdp2; 49 are left (scale 7, depth 16, width 26). Only the missing
-#   points are named, so an experiment with none left costs no Snakemake start.
+#   points are named.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
@@ -145,8 +145,7 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # (seconds after this call's start at which the session's device time ends) holds back where
          # it would be cut off: session 41 lost its last point, 32B MegaTrain, to the end after 6 of
          # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s;
-         # the others are FSDP2's refusals above about 21.5 B parameters and ZeRO-Infinity's 32B,
-         # refused for the disk: 60 s
+         # the other, ZeRO-Infinity's 32B, is refused for the disk: 60 s
          est=$(python3 -m workflows.scripts.estimate workflows/grids/h200x4.yaml 2>/dev/null)
          T=$(for p in $first $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done) $later; do
                s=$(echo "$est" | awk -v p=$p '$1 == p {print $2}')
