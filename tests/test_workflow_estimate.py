@@ -23,7 +23,8 @@ def _result(root: Path, point_id: str, system: str, grid: dict, wall: float, ste
     path.write_text(json.dumps({"system": system, "status": "ok", "params": estimate.grids.params(point),
                                 "model_flops_per_step": estimate._flops(point), "wall_s": wall,
                                 "steps": [{"step_time_s": s} for s in steps],
-                                "env": {"gpu_memory_bytes": 140 * GiB}, **extra}))
+                                "env": {"gpu_memory_bytes": 140 * GiB}, "spec": estimate._spec(point).to_dict(),
+                                **extra}))
 
 
 def test_a_point_is_estimated_from_its_systems_nearest_result(tmp_path):
@@ -79,3 +80,20 @@ def test_a_point_its_systems_host_admission_refuses_is_short(tmp_path):
         assert (left["e/big"] == estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S) == refused
         assert left["e/tried"] > estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S
         assert left["e/native"] is None
+
+
+def test_each_result_is_checked_against_its_estimate_from_the_others(tmp_path):
+    """--check: a trained point's wall beside its estimate from the other results of the hardware
+    (less the job's overhead), never from itself; a point alone for its system has none."""
+    grid = _grid([{"id": "a", "system": "native", "preset": "tiny-llama"},
+                  {"id": "b", "system": "native", "preset": "tiny-llama", "seq": 64},
+                  {"id": "c", "system": "zero3", "preset": "tiny-llama"}])
+    _result(tmp_path, "a", "native", grid, wall=100.0, steps=[10.0] * 4)
+    _result(tmp_path, "b", "native", grid, wall=300.0, steps=[50.0] * 4)
+    _result(tmp_path, "c", "zero3", grid, wall=50.0, steps=[5.0] * 4)
+    checked = estimate.held_out(grid, tmp_path)
+    results = estimate.measured("est", tmp_path)
+    assert checked["e/a"] == (100.0, estimate.estimate({**grid["defaults"], **grid["experiments"]["e"]["points"][0]},
+                                                      [results[1]]) - estimate.JOB_OVERHEAD_S)
+    assert checked["e/a"][1] != 100.0 and checked["e/b"][1] != 300.0
+    assert checked["e/c"] == (50.0, None)

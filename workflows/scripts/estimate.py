@@ -2,7 +2,8 @@
 there: to plan a session on a machine held for a fixed time, and to start no point that would be
 cut off at its end (experiments/workflow_gpu.sh's DEADLINE).
 
-    python -m workflows.scripts.estimate GRID    # experiment/id and seconds (- unknown) a line; the total on stderr
+    python -m workflows.scripts.estimate GRID           # experiment/id and seconds (- unknown) a line; the total on stderr
+    python -m workflows.scripts.estimate GRID --check   # each result's wall beside its estimate from the others
 
 A point's estimate comes from the measured point of its system and GPU count nearest in parameters
 and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters, and its mean
@@ -114,11 +115,42 @@ def missing(grid: dict[str, Any], root: Path = Path(".")) -> dict[str, float | N
             if not (root / "results" / grid["hardware"] / "points" / e / f"{i}.json").exists()}
 
 
+def held_out(grid: dict[str, Any], root: Path = Path(".")) -> dict[str, tuple[float, float | None]]:
+    """experiment/id -> (its harness wall, its estimate from the hardware's other results, less
+    JOB_OVERHEAD_S) for each point of the grid that trained: the estimate's measured error."""
+    results = {path: json.loads(path.read_text(encoding="utf-8"))
+               for path in sorted((root / "results" / grid["hardware"] / "points").glob("*/*.json"))}
+    trained = measured(grid["hardware"], root)
+    out = {}
+    for (e, i), point in grids.points(grid).items():
+        r = results.get(root / "results" / grid["hardware"] / "points" / e / f"{i}.json")
+        if r is None or r.get("status") != "ok" or not r.get("wall_s"):
+            continue
+        same = grids.identity(grids.ran(r))  # a same_as copy is the same run
+        others = [o for o in trained if grids.identity(grids.ran(o)) != same]
+        guess = estimate(point, others)
+        out[f"{e}/{i}"] = (r["wall_s"], None if guess is None else guess - JOB_OVERHEAD_S)
+    return out
+
+
 def main(cli: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workflows.scripts.estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("grid", help="a workflows/grids/*.yaml")
+    ap.add_argument("--check", action="store_true", help="each result's wall beside its estimate from the others")
     args = ap.parse_args(cli)
-    left = missing(grids.check(grids.load(args.grid)))
+    grid = grids.check(grids.load(args.grid))
+    if args.check:
+        errors = []
+        for point, (wall, guess) in held_out(grid).items():
+            if guess is not None:
+                errors.append(guess / wall - 1)
+            print(f"{point} {wall:.0f} {'-' if guess is None else f'{guess:.0f} {guess / wall - 1:+.0%}'}")
+        if errors:
+            errors.sort()
+            print(f"{len(errors)} estimated: median error {errors[len(errors) // 2]:+.0%}, from {errors[0]:+.0%} "
+                  f"to {errors[-1]:+.0%}", file=sys.stderr)
+        return 0
+    left = missing(grid)
     for point, seconds in left.items():
         print(f"{point} {'-' if seconds is None else round(seconds)}")
     known = [s for s in left.values() if s is not None]
