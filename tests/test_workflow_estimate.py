@@ -66,7 +66,8 @@ def test_a_point_its_systems_host_admission_refuses_is_short(tmp_path):
     from baselines import hf
     grid = _grid([{"id": "ran", "system": "zero3", "preset": "tiny-llama"},
                   {"id": "big", "system": "zero3", "preset": "tiny-llama", "seq": 64},
-                  {"id": "tried", "system": "zero3", "preset": "tiny-llama", "seq": 64, "options": {"admission": False}},
+                  {"id": "tried", "system": "zero3", "preset": "tiny-llama", "seq": 64,
+                   "options": {"admission": False}},
                   {"id": "native", "system": "native", "preset": "tiny-llama", "seq": 64}])
     points = {p["id"]: {**grid["defaults"], **p} for p in grid["experiments"]["e"]["points"]}
     need = hf.host_need(estimate._spec(points["big"]), 29)[0]

@@ -2,13 +2,15 @@
 there: to plan a session on a machine held for a fixed time, and to start no point that would be
 cut off at its end (experiments/workflow_gpu.sh's DEADLINE).
 
-    python -m workflows.scripts.estimate GRID           # experiment/id and seconds (- unknown) a line; the total on stderr
-    python -m workflows.scripts.estimate GRID --check   # each result's wall beside its estimate from the others
+    python -m workflows.scripts.estimate GRID           # experiment/id and seconds (- unknown) a line
+    python -m workflows.scripts.estimate GRID --check   # each result's wall beside its estimate
+
+(the total and the check's summary on stderr)
 
 A point's estimate comes from the measured point of its system and GPU count nearest in parameters
-and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters, and its mean
-step (the warm-up's included) scaled by the FLOPs, for as many steps as this point runs, plus
-JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
+and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters,
+and its mean step (the warm-up's included) scaled by the FLOPs, for as many steps as this point
+runs, plus JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
 (`accumulate`: on the GPU or on the host, whose steps differ fourfold). A point the grid expects
 refused (`expect`), or that its system's host admission refuses at the host size its results were
 stated (`refused_for_host`), takes REFUSAL_S; another refusal (the device's, the disk's) is not
