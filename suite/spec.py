@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain.shapes import load_hf_config
+from megatrain.metrics import model_flops
+from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.config import DataConfig, ModelConfig
 from suite.system import DATA_PARALLEL, SYSTEMS
 
@@ -118,6 +119,13 @@ class RunSpec:
         if unknown or set(self.data) & set(common) or "source" in self.data:
             raise ValueError(f"data: give the file's fields (path, format, tokenizer, ...); not {sorted(self.data)}")
         return DataConfig(source="file", **self.data, **common)
+
+    def model_flops_per_step(self) -> float:
+        """The model FLOPs of one step, every sequence seq_len long (the one formula:
+        megatrain.metrics.model_flops)."""
+        shape = ModelShape(self.hf_config())
+        sequences = [self.seq_len] * (self.batch_size * self.grad_accum)
+        return model_flops(shape.matmul_params(), shape.attention(), sequences)
 
     @property
     def total_steps(self) -> int:

@@ -62,7 +62,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
     local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device() if torch.cuda.is_available() else 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     shape = ModelShape(spec.hf_config())
-    flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * (spec.batch_size * spec.grad_accum))
+    flops = spec.model_flops_per_step()
     clock = time.perf_counter()
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,

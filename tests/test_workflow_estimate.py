@@ -21,7 +21,7 @@ def _result(root: Path, point_id: str, system: str, grid: dict, wall: float, ste
     path = root / "results" / "est" / "points" / "e" / f"{point_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"system": system, "status": "ok", "params": estimate.grids.params(point),
-                                "model_flops_per_step": estimate._flops(point), "wall_s": wall,
+                                "model_flops_per_step": estimate._spec(point).model_flops_per_step(), "wall_s": wall,
                                 "steps": [{"step_time_s": s} for s in steps],
                                 "env": {"gpu_memory_bytes": 140 * GiB}, "spec": estimate._spec(point).to_dict(),
                                 **extra}))
@@ -40,7 +40,8 @@ def test_a_point_is_estimated_from_its_systems_nearest_result(tmp_path):
     left = estimate.missing(grid, tmp_path)
     assert list(left) == ["e/longer", "e/refused", "e/other", "e/two"]
     points = {p["id"]: {**grid["defaults"], **p} for p in grid["experiments"]["e"]["points"]}
-    ratio = estimate._flops(points["longer"]) / estimate._flops(points["ran"])
+    flops = {i: estimate._spec(points[i]).model_flops_per_step() for i in ("longer", "ran")}
+    ratio = flops["longer"] / flops["ran"]
     assert ratio > 2  # twice the tokens, and attention's square
     assert left["e/longer"] == pytest.approx(50.0 + 12.5 * ratio * 6 + estimate.JOB_OVERHEAD_S)
     assert left["e/refused"] == estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S

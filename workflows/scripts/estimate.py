@@ -30,7 +30,7 @@ from megatrain.units import GiB
 from workflows.scripts import grid as grids
 
 # What a point takes beyond its harness wall (the result's wall_s): Snakemake's start and its job's
-# round, the point process's start. The four-GPU host, session 41: a refusal of 19 s in a 39 s job.
+# round, the point process's start: on the four-GPU host a refusal of 19 s took a 39 s job.
 JOB_OVERHEAD_S = 30.0
 # The GPU memory a point's process finds in use before it allocates (its CUDA context), which FSDP2's
 # `auto` does not see free: 0.6 GiB by NVML on the H200s
@@ -41,9 +41,7 @@ REFUSAL_S = 20.0
 
 def _spec(point: dict[str, Any]):
     from suite.spec import RunSpec
-    return RunSpec.from_dict({"system": point["system"], "model": grids.model(point), "seq_len": point["seq"],
-                              "batch_size": point["batch"], "grad_accum": point["accum"],
-                              "options": point.get("options", {}), "gpus": point.get("gpus", 1)})
+    return RunSpec.from_dict({"system": point["system"], **grids.not_run(point)["spec"]})
 
 
 def summing(point: dict[str, Any], gpu_bytes: int | None) -> str | None:
@@ -83,13 +81,6 @@ def refused_for_host(point: dict[str, Any], stated_gb: float | None) -> bool:
     return need > host_available_bytes(stated_gb)
 
 
-def _flops(point: dict[str, Any]) -> float:
-    from megatrain.metrics import model_flops
-    from megatrain.shapes import ModelShape
-    shape = ModelShape(_spec(point).hf_config())
-    return model_flops(shape.matmul_params(), shape.attention(), [point["seq"]] * (point["batch"] * point["accum"]))
-
-
 def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
     """Seconds the point is expected to take (module docstring); None: unknown."""
     env = next((r["env"] for r in results if r.get("env")), {})
@@ -102,7 +93,7 @@ def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | No
             and (where is None or (r.get("info") or {}).get("accumulate") == where)]
     if not same:
         return None
-    n, flops = grids.params(point), _flops(point)
+    n, flops = grids.params(point), _spec(point).model_flops_per_step()
     ref = min(same, key=lambda r: abs(math.log(r["params"] / n)) + abs(math.log(r["model_flops_per_step"] / flops)))
     steps = [s["step_time_s"] for s in ref["steps"]]
     rest = ref["wall_s"] - sum(steps)
@@ -120,13 +111,12 @@ def missing(grid: dict[str, Any], root: Path = Path(".")) -> dict[str, float | N
 def held_out(grid: dict[str, Any], root: Path = Path(".")) -> dict[str, tuple[float, float | None]]:
     """experiment/id -> (its harness wall, its estimate from the hardware's other results, less
     JOB_OVERHEAD_S) for each point of the grid that trained: the estimate's measured error."""
-    results = {path: json.loads(path.read_text(encoding="utf-8"))
-               for path in sorted((root / "results" / grid["hardware"] / "points").glob("*/*.json"))}
     trained = measured(grid["hardware"], root)
     out = {}
     for (e, i), point in grids.points(grid).items():
-        r = results.get(root / "results" / grid["hardware"] / "points" / e / f"{i}.json")
-        if r is None or r.get("status") != "ok" or not r.get("wall_s"):
+        path = root / "results" / grid["hardware"] / "points" / e / f"{i}.json"
+        r = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        if r.get("status") != "ok" or not r.get("wall_s"):
             continue
         same = grids.identity(grids.ran(r))  # a same_as copy is the same run
         others = [o for o in trained if grids.identity(grids.ran(o)) != same]
