@@ -11,7 +11,10 @@ A point's estimate comes from the measured point of its system and GPU count nea
 and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters,
 and its mean step (the warm-up's included) scaled by the FLOPs, for as many steps as this point
 runs, plus JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
-(`accumulate`: on the GPU or on the host, whose steps differ fourfold). A point the grid expects
+(`accumulate`: on the GPU or on the host, whose steps differ fourfold); summed on the host, its step
+is scaled by the parameters: it is mostly every micro-batch's gradients copied to the host and added
+there (on the four-GPU host, 14B to width's w4.0: 1.31x the parameters, 1.10x the FLOPs, 1.46x the
+step). A point the grid expects
 refused (`expect`), or that its system's host admission refuses at the host size its results were
 stated (`refused_for_host`), takes REFUSAL_S; another refusal (the device's, the disk's) is not
 foreseen: it is estimated as if it ran. Unknown where no point of its system (and summing) has run
@@ -97,7 +100,8 @@ def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | No
     ref = min(same, key=lambda r: abs(math.log(r["params"] / n)) + abs(math.log(r["model_flops_per_step"] / flops)))
     steps = [s["step_time_s"] for s in ref["steps"]]
     rest = ref["wall_s"] - sum(steps)
-    step = sum(steps) / len(steps) * flops / ref["model_flops_per_step"]
+    scale = n / ref["params"] if where == "host" else flops / ref["model_flops_per_step"]
+    step = sum(steps) / len(steps) * scale
     return rest * n / ref["params"] + step * (point["steps"] + point["warmup"]) + JOB_OVERHEAD_S
 
 
