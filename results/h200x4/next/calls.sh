@@ -19,7 +19,8 @@
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
-#   and 41 the other 14B points and width's w1.0_fsdp2; 49 are left (scale 7, depth 16, width 26). Only the missing
+#   and 41 the other 14B points and width's w1.0_fsdp2, session 42 width's w4.0_fsdp2 and scale's
+#   32B FSDP2 and ZeRO-Infinity (refused); 46 are left (scale 5, depth 16, width 25). Only the missing
 #   points are named.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
@@ -132,9 +133,10 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
          # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
          # sums its micro-batches on the host where their sum on the GPU does not fit (above about 15 B
-         # parameters: w4.0 about 17 minutes, L84 about 18, by session 40's 14B on the host, 924 s). A
-         # point the session's end cuts off is lost, so one long point goes first, while a session's
-         # device time is whole, and the others after every short one: the cut falls on a short point.
+         # parameters: w4.0 took 1397 s in session 42; L84, one measured step after two, is estimated
+         # from it at about 20 minutes). A point the session's end cuts off is lost, so one long point
+         # goes first, while a session's device time is whole, and the others after every short one:
+         # the cut falls on a short point.
          long="width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
          first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
          later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
