@@ -146,16 +146,24 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # every point its own target with its estimate (workflows/scripts/estimate.py), which DEADLINE
          # (seconds after this call's start at which the session's device time ends) holds back where
          # it would be cut off: session 41 lost its last point, 32B MegaTrain, to the end after 6 of
-         # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s;
-         # the other, ZeRO-Infinity's 32B, is refused for the disk: 60 s. Each known one 1.25x and
+         # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s
+         # (ZeRO-Infinity's 7B), another 60 s. Each known one 1.25x and
          # 30 s more: the estimates of this host's 33 results from the others (`estimate --check`)
          # were 4% short at the median, and more than that margin short on 3 (-44 to -57%)
+         # The points the estimate foresees refused by admission (50 s: estimate.REFUSAL_S and its
+         # JOB_OVERHEAD_S) go as one group after the first, one snakemake for all: each apart took a
+         # 40 s job and about 18 s more to start its snakemake (session 42's log), for a 22 s result.
          est=$(python3 -m workflows.scripts.estimate workflows/grids/h200x4.yaml 2>/dev/null)
-         T=$(for p in $first $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done) $later; do
-               s=$(echo "$est" | awk -v p=$p '$1 == p {print $2}')
-               if [ "${s:--}" = - ]; then echo "$long" | grep -qw "$p" && s=1500 || s=60; else s=$((s * 5 / 4 + 30)); fi
-               echo "$R/$p.json@$s"
-             done) ;;
+         refused=$(echo "$rest" | while read -r p; do echo "$est" | awk -v p="$p" '$1 == p && $2 == 50 {print $1}'; done)
+         target() {
+           s=$(echo "$est" | awk -v p=$1 '$1 == p {print $2}')
+           if [ "${s:--}" = - ]; then echo "$long" | grep -qw "$1" && s=1500 || s=60; else s=$((s * 5 / 4 + 30)); fi
+           echo "$R/$1.json@$s"
+         }
+         T=$(for p in $first; do target $p; done
+             [ -z "$refused" ] || echo "$(for p in $refused; do echo $R/$p.json; done | paste -sd,)@$(($(echo $refused | wc -w) * 50 + 30))"
+             for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done
+             for p in $later; do target $p; done) ;;
     esac
     [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
