@@ -14,11 +14,10 @@ runs, plus JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches 
 (`accumulate`: on the GPU or on the host, whose steps differ fourfold); summed on the host, its step
 is scaled by the parameters: it is mostly every micro-batch's gradients copied to the host and added
 there (on the four-GPU host, 14B to width's w4.0: 1.31x the parameters, 1.10x the FLOPs, 1.46x the
-step). A point the grid expects
-refused (`expect`), or that its system's host admission refuses at the host size its results were
-stated (`refused_for_host`), takes REFUSAL_S; another refusal (the device's, the disk's) is not
-foreseen: it is estimated as if it ran. Unknown where no point of its system (and summing) has run
-on the hardware.
+step). A point the grid expects refused (`expect`), or that its system's host admission refuses at
+the host size its results were stated (`refused_for_host`), takes REFUSAL_S; another refusal (the
+device's, the disk's) is not foreseen: it is estimated as if it ran. Unknown where no point of its
+system (and summing) has run on the hardware.
 """
 from __future__ import annotations
 
