@@ -161,6 +161,9 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
            echo "$R/$1.json@$s"
          }
          T=$(for p in $first; do target $p; done
+             # this host's bandwidth probe (Table 1 of the end-to-end run; its disk's rate foretells
+             # ZeRO-Infinity's 7B), about a minute: the other hosts' 1 GiB a tier and 4 GiB of disk
+             [ -f results/h200x4/probes/bandwidth.json ] || echo results/h200x4/probes/bandwidth.json@120
              [ -z "$refused" ] || echo "$(for p in $refused; do echo $R/$p.json; done | paste -sd,)@$(($(echo $refused | wc -w) * 50 + 30))"
              for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done
              for p in $later; do target $p; done) ;;
