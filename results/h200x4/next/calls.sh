@@ -116,12 +116,16 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # (the worker writes its own log beside its result, 3b_gemini_$name.log)
          grep -H "minor faults" $OUT/*.txt; python3 -m suite table $OUT; exit 0 ;;
       grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
-         # first, while the next/ folder has it: the GPU test of FSDP2's expandable segments (its
-         # change landed on session 41's runs; the test lands once it has passed here), under a minute
+         # while the next/ folder has it: the GPU test of FSDP2's expandable segments (its change
+         # landed on session 41's runs; the test lands once it has passed here), under a minute, on
+         # the host's last GPU beside the grid's first point (on the first), so that it takes none of
+         # the session's time from the grid. The patch stays applied in this call's copy of the tree
+         # (the detached run's copy has the test file patched; nothing there runs it); the next call's
+         # copy replaces it.
          if [ -f results/h200x4/next/fsdp2_segments_test.patch ]; then
            git apply results/h200x4/next/fsdp2_segments_test.patch
-           timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k expandable_segments 2>&1 | tail -4 | tee $OUT/fsdp2_segments_test.txt
-           git apply -R results/h200x4/next/fsdp2_segments_test.patch
+           (CUDA_VISIBLE_DEVICES=3 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+              -k expandable_segments 2>&1 | tail -4 > $OUT/fsdp2_segments_test.txt) &
          fi
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
