@@ -46,6 +46,10 @@ def device_need(spec) -> tuple[int, str]:
 
 
 class Native(System):
+    @classmethod
+    def device_need(cls, spec) -> tuple[int, str]:
+        return device_need(spec)
+
     def __init__(self, spec, device: torch.device):
         hf.require_device(spec, device, lambda: device_need(spec), "native training")
         if device.type == "cuda":

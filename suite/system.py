@@ -54,6 +54,14 @@ class System(ABC):
     # options changed only in these (workflows/scripts/grid.stale)
     host_blind_options: frozenset[str] = frozenset()
 
+    @classmethod
+    def device_need(cls, spec: RunSpec) -> tuple[int, str] | None:
+        """A rank's device bytes for `spec`, counted from the spec alone as the system's device
+        admission counts them, and what they are made of; None where its admission counts at run
+        time (FSDP2's `auto` on the free memory) or by a plan of its own. A planner (the
+        workflow's estimate) foresees a refusal with it."""
+        return None
+
     @abstractmethod
     def __init__(self, spec: RunSpec, device: torch.device) -> None:
         """Build the model and the optimizer; refuse (Unsupported, DoesNotFit) before allocating."""

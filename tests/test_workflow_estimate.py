@@ -85,6 +85,26 @@ def test_a_point_its_systems_host_admission_refuses_is_short(tmp_path):
         assert left["e/native"] is None
 
 
+def test_a_point_its_systems_device_admission_refuses_is_short(tmp_path, monkeypatch):
+    """Native counts its device need from the spec alone: a point over the results' GPU (less the
+    CUDA context) is a refusal, one under it or with admission off is estimated as if it ran; a
+    system whose admission counts at run time (FSDP2) is not foreseen so."""
+    from baselines import native
+    grid = _grid([{"id": "ran", "system": "native", "preset": "tiny-llama"},
+                  {"id": "big", "system": "native", "preset": "tiny-llama", "seq": 64},
+                  {"id": "tried", "system": "native", "preset": "tiny-llama", "seq": 64,
+                   "options": {"admission": False}}])
+    _result(tmp_path, "ran", "native", grid, wall=100.0, steps=[10.0] * 4)  # on a 140 GiB GPU
+    refusal = estimate.REFUSAL_S + estimate.JOB_OVERHEAD_S
+    for need, refused in [(140 * GiB, True), (139 * GiB, False)]:
+        monkeypatch.setattr(native, "device_need", lambda spec, need=need: (need, "counted"))
+        left = estimate.missing(grid, tmp_path)
+        assert (left["e/big"] == refusal) == refused
+        assert left["e/tried"] > refusal
+    from baselines.fsdp2 import FSDP2
+    assert FSDP2.device_need(estimate._spec({**grid["defaults"], "system": "fsdp2", "preset": "tiny-llama"})) is None
+
+
 def test_each_result_is_checked_against_its_estimate_from_the_others(tmp_path):
     """--check: a trained point's wall beside its estimate from the other results of the hardware
     (less the job's overhead), never from itself; a point alone for its system has none."""

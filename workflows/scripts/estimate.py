@@ -15,9 +15,10 @@ runs, plus JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches 
 is scaled by the parameters: it is mostly every micro-batch's gradients copied to the host and added
 there (on the four-GPU host, 14B to width's w4.0: 1.31x the parameters, 1.10x the FLOPs, 1.46x the
 step). A point the grid expects refused (`expect`), or that its system's host admission refuses at
-the host size its results were stated (`refused_for_host`), takes REFUSAL_S; another refusal (the
-device's, the disk's) is not foreseen: it is estimated as if it ran. Unknown where no point of its
-system (and summing) has run on the hardware.
+the host size its results were stated (`refused_for_host`), or that its device admission refuses on
+the results' GPU where it counts from the spec alone (`refused_for_device`: native's), takes
+REFUSAL_S; another refusal (the disk's) is not foreseen: it is estimated as if it ran. Unknown
+where no point of its system (and summing) has run on the hardware.
 """
 from __future__ import annotations
 
@@ -83,12 +84,26 @@ def refused_for_host(point: dict[str, Any], stated_gb: float | None) -> bool:
     return need > host_available_bytes(stated_gb)
 
 
+def refused_for_device(point: dict[str, Any], gpu_bytes: int | None) -> bool:
+    """Whether the point's system refuses it for a GPU of `gpu_bytes` (None: unknown, no), where
+    its admission counts the need from the spec alone (System.device_need)."""
+    from suite.system import load
+    if gpu_bytes is None or not point.get("options", {}).get("admission", True):
+        return False
+    try:
+        need = load(point["system"]).device_need(_spec(point))
+    except ValueError:  # a spec the harness refuses (its message says why when it runs)
+        return False
+    return need is not None and need[0] > gpu_bytes - CONTEXT_BYTES
+
+
 def estimate(point: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
     """Seconds the point is expected to take (module docstring); None: unknown."""
     env = next((r["env"] for r in results if r.get("env")), {})
-    if point.get("expect") or refused_for_host(point, env.get("host_memory_stated_gb")):
-        return REFUSAL_S + JOB_OVERHEAD_S
     gpu = env.get("gpu_memory_bytes")
+    if (point.get("expect") or refused_for_host(point, env.get("host_memory_stated_gb"))
+            or refused_for_device(point, gpu)):
+        return REFUSAL_S + JOB_OVERHEAD_S
     where = summing(point, gpu)
     same = [r for r in results if r["system"] == point["system"] and r.get("steps") and r.get("model_flops_per_step")
             and ((r.get("spec") or {}).get("gpus") or 1) == point.get("gpus", 1)
