@@ -2,6 +2,7 @@
 # Prepared in sessions 21-23 for the next `nvidia-h200-x4` calls, carrying [".whl"]:
 #   C=<commit> [DEADLINE=S] bash results/h200x4/next/calls.sh start N    then, where a batch detaches, within 30 s of each reply:
 #   bash results/h200x4/next/calls.sh attach [SECONDS]      (extract each reply's workflow.tgz first; default 540)
+#   PATH=$PWD/.venv/bin:$PATH bash results/h200x4/next/calls.sh plan   here, on the CPU machine, before `start grid`
 # Batches 1 and 3 ran in sessions 22 and 23, batch 2's probes in session 23 (`../README.md`):
 # 2 (one call, no points, about 4 minutes): the split masters' update rate by thread count; the
 #   vector-ISA check, inductor's way and the engine's.
@@ -15,7 +16,8 @@
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   (LONG_FIRST=0 in a session that has spent part of its device time before it: below)
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
-#   a point, each with its estimate for DEADLINE (below), the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
+#   a point (the foreseen refusals one for all), each with its estimate for DEADLINE (below), as
+#   `plan` listed them here (results/h200x4/next/grid.plan, carried), the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
 #   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
@@ -23,7 +25,7 @@
 #   32B FSDP2 and ZeRO-Infinity (refused); 46 are left (scale 5, depth 16, width 25). Only the missing
 #   points are named.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
-#   Carry [".whl", ".libaio"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
+#   Carry [".whl", ".libaio", "results/h200x4/next/grid.plan"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
 #   colossalai 0.5.0, galore-torch 1.0 and bitsandbytes 0.50.2 in .whl (baselines/gemini.md); the
 #   bitsandbytes wheel there is repacked with only its CUDA 13.0 and CPU libraries (3.9 MB, not 43),
 #   so that the tree and its carried folders stay within a call's 64 MiB: unzip it, delete the other
@@ -32,6 +34,7 @@ set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 G="--config grid=workflows/grids/h200x4-scale.yaml"
 R=results/h200x4/points
+PLAN=results/h200x4/next/grid.plan
 case $1 in
   start)
     # this grid is sized for H200s; a call that comes on H100s stops here
@@ -115,7 +118,9 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          done
          # (the worker writes its own log beside its result, 3b_gemini_$name.log)
          grep -H "minor faults" $OUT/*.txt; python3 -m suite table $OUT; exit 0 ;;
-      grid) G="" points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
+      grid) G=""
+         # the targets as `plan` wrote them here on the CPU machine, less those made since
+         [ -f $PLAN ] || { echo "no $PLAN: run 'calls.sh plan' on the CPU machine and carry it"; exit 2; }
          # while the next/ folder has it: the GPU test of FSDP2's expandable segments (its change
          # landed on session 41's runs; the test lands once it has passed here), under a minute, on
          # the host's last GPU beside the grid's first point (on the first), so that it takes none of
@@ -128,52 +133,65 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
               -k expandable_segments 2>&1 | tail -4 > $OUT/fsdp2_segments_test.txt) &
          fi
          # the stale results, removed in the device's copy so that they run again (none since session 34)
-         rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml)
-         points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
-         # depth/L180_megatrain (43.0 B parameters) plans 491.4 GiB of host with split masters (`megatrain
-         # plan`), the closest yet to this host's 503.8 GiB (the 12-layer GPT-OSS-120B shape ran at 479.0,
-         # the 88-layer 32B at 469.7, each within 0.3% of its plan). Prediction: it trains, its host
-         # peak within 0.5% of the plan; if the OOM killer stops it, its result says so (oom_host).
-         # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
-         # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
-         # sums its micro-batches on the host where their sum on the GPU does not fit (above about 15 B
-         # parameters: w4.0 took 1397 s in session 42; L84, one measured step after two, is estimated
-         # from it at about 20 minutes). A point the session's end cuts off is lost, so one long point
-         # goes first, while a session's device time is whole, and the others after every short one:
-         # the cut falls on a short point.
-         long="width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
-         first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
-         later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
-         # LONG_FIRST=0: a session whose device time is partly spent already takes every long point last
-         if [ "${LONG_FIRST:-1}" = 0 ]; then later=$(printf '%s\n%s\n' "$first" "$later" | sed '/^$/d'); first=""; fi
-         rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
-         # every point its own target with its estimate (workflows/scripts/estimate.py), which DEADLINE
-         # (seconds after this call's start at which the session's device time ends) holds back where
-         # it would be cut off: session 41 lost its last point, 32B MegaTrain, to the end after 6 of
-         # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s
-         # (ZeRO-Infinity's 7B), another 60 s. Each known one 1.25x and
-         # 30 s more: the estimates of this host's 33 results from the others (`estimate --check`)
-         # were 4% short at the median, and more than that margin short on 3 (-44 to -57%)
-         # The points the estimate foresees refused by admission (50 s: estimate.REFUSAL_S and its
-         # JOB_OVERHEAD_S) go as one group after the first, one snakemake for all: each apart took a
-         # 40 s job and about 18 s more to start its snakemake (session 42's log), for a 22 s result.
-         est=$(python3 -m workflows.scripts.estimate workflows/grids/h200x4.yaml 2>/dev/null)
-         refused=$(echo "$rest" | while read -r p; do echo "$est" | awk -v p="$p" '$1 == p && $2 == 50 {print $1}'; done)
-         target() {
-           s=$(echo "$est" | awk -v p=$1 '$1 == p {print $2}')
-           if [ "${s:--}" = - ]; then echo "$long" | grep -qw "$1" && s=1500 || s=60; else s=$((s * 5 / 4 + 30)); fi
-           echo "$R/$1.json@$s"
-         }
-         T=$(for p in $first; do target $p; done
-             # this host's bandwidth probe (Table 1 of the end-to-end run; its disk's rate foretells
-             # ZeRO-Infinity's 7B), about a minute: the other hosts' 1 GiB a tier and 4 GiB of disk
-             [ -f results/h200x4/probes/bandwidth.json ] || echo results/h200x4/probes/bandwidth.json@120
-             [ -z "$refused" ] || echo "$(for p in $refused; do echo $R/$p.json; done | paste -sd,)@$(($(echo $refused | wc -w) * 50 + 30))"
-             for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done
-             for p in $later; do target $p; done) ;;
+         rm -f $(sed -n 's/^stale //p' $PLAN)
+         T=$(sed -n 's/^target //p' $PLAN | while read -r t; do
+               left=$(echo "${t%@*}" | tr , '\n' | while read -r f; do [ -f "$f" ] || echo "$f"; done | paste -sd,)
+               [ -z "$left" ] || echo "$left@${t##*@}"
+             done) ;;
     esac
     [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
     experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
+  plan)
+    # On the CPU machine, before a session's `start grid` (in .venv: PATH=$PWD/.venv/bin:$PATH): the
+    # grid's targets in order, each with its estimate, and the stale results, into $PLAN, which the
+    # call carries (git-ignored): the three listings take about 40 s of device time there (each a
+    # Python that imports torch and transformers) and the same tree gives the same answer here.
+    points=$(python3 -m workflows.scripts.grid workflows/grids/h200x4.yaml)
+    points=$(for p in $points; do [ -f $R/$p.json ] || echo $p; done)
+    # depth/L180_megatrain (43.0 B parameters) plans 491.4 GiB of host with split masters (`megatrain
+    # plan`), the closest yet to this host's 503.8 GiB (the 12-layer GPT-OSS-120B shape ran at 479.0,
+    # the 88-layer 32B at 469.7, each within 0.3% of its plan). Prediction: it trains, its host
+    # peak within 0.5% of the plan; if the OOM killer stops it, its result says so (oom_host).
+    # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
+    # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
+    # sums its micro-batches on the host where their sum on the GPU does not fit (above about 15 B
+    # parameters: w4.0 took 1397 s in session 42; L84, one measured step after two, is estimated
+    # from it at about 20 minutes). A point the session's end cuts off is lost, so one long point
+    # goes first, while a session's device time is whole, and the others after every short one:
+    # the cut falls on a short point.
+    long="width/w4.0_fsdp2 depth/L84_fsdp2 scale/7b_zero_infinity"
+    first=$(for p in $long; do echo "$points" | grep -x "$p"; done | head -1)
+    later=$(for p in $long; do echo "$points" | grep -x "$p"; done | tail -n +2)
+    # LONG_FIRST=0: a session whose device time is partly spent already takes every long point last
+    if [ "${LONG_FIRST:-1}" = 0 ]; then later=$(printf '%s\n%s\n' "$first" "$later" | sed '/^$/d'); first=""; fi
+    rest=$(echo "$points" | grep -vxF "$(echo $long | tr ' ' '\n')")
+    # every point its own target with its estimate (workflows/scripts/estimate.py), which DEADLINE
+    # (seconds after this call's start at which the session's device time ends) holds back where
+    # it would be cut off: session 41 lost its last point, 32B MegaTrain, to the end after 6 of
+    # its 6.5 minutes. Unknown (no result of its system and summing here): a long point 1500 s
+    # (ZeRO-Infinity's 7B), another 60 s. Each known one 1.25x and
+    # 30 s more: the estimates of this host's 33 results from the others (`estimate --check`)
+    # were 4% short at the median, and more than that margin short on 3 (-44 to -57%)
+    # The points the estimate foresees refused by admission (50 s: estimate.REFUSAL_S and its
+    # JOB_OVERHEAD_S) go as one group after the first, one snakemake for all: each apart took a
+    # 40 s job and about 18 s more to start its snakemake (session 42's log), for a 22 s result.
+    est=$(python3 -m workflows.scripts.estimate workflows/grids/h200x4.yaml 2>/dev/null)
+    refused=$(echo "$rest" | while read -r p; do echo "$est" | awk -v p="$p" '$1 == p && $2 == 50 {print $1}'; done)
+    target() {
+      s=$(echo "$est" | awk -v p=$1 '$1 == p {print $2}')
+      if [ "${s:--}" = - ]; then echo "$long" | grep -qw "$1" && s=1500 || s=60; else s=$((s * 5 / 4 + 30)); fi
+      echo "$R/$1.json@$s"
+    }
+    T=$(for p in $first; do target $p; done
+        # this host's bandwidth probe (Table 1 of the end-to-end run; its disk's rate foretells
+        # ZeRO-Infinity's 7B), about a minute: the other hosts' 1 GiB a tier and 4 GiB of disk
+        [ -f results/h200x4/probes/bandwidth.json ] || echo results/h200x4/probes/bandwidth.json@120
+        [ -z "$refused" ] || echo "$(for p in $refused; do echo $R/$p.json; done | paste -sd,)@$(($(echo $refused | wc -w) * 50 + 30))"
+        for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done
+        for p in $later; do target $p; done)
+    { python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml | sed '/^$/d; s/^/stale /'
+      for t in $T; do echo "target $t"; done; } > $PLAN
+    grep -c '^target' $PLAN | sed "s|$| targets in $PLAN|" ;;
   attach)
     experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;
 esac
