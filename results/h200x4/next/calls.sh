@@ -14,7 +14,7 @@
 # 8 (one call, no points, about 8 minutes): Gemini's CPU update on this host, first in the next session.
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
 # grid (detached, attached until the session's device time ends; each later session starts it again
-#   (LONG_FIRST=0 in a session that has spent part of its device time before it: below)
+#   (LONG_FIRST=0 to `plan` in a session that has spent part of its device time before it: below)
 #   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
 #   a point (the foreseen refusals one for all), each with its estimate for DEADLINE (below), as
 #   `plan` listed them here (results/h200x4/next/grid.plan, carried), the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
@@ -153,7 +153,8 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
     # the 88-layer 32B at 469.7, each within 0.3% of its plan). Prediction: it trains, its host
     # peak within 0.5% of the plan; if the OOM killer stops it, its result says so (oom_host).
     # The long points, 15-20 minutes each: ZeRO-Infinity's 7B swaps about 400 GB a step to the VM's
-    # disk (by the H100 machine's 1.6 GB/s; its larger ones are refused by the disk), and FSDP2
+    # disk (about 17 minutes at the H100 machine's disk rate, ../README.md; its larger ones are
+    # refused by the disk), and FSDP2
     # sums its micro-batches on the host where their sum on the GPU does not fit (above about 15 B
     # parameters: w4.0 took 1397 s in session 42; L84, one measured step after two, is estimated
     # from it at about 20 minutes). A point the session's end cuts off is lost, so one long point
