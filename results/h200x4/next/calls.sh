@@ -121,17 +121,23 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       grid) G=""
          # the targets as `plan` wrote them here on the CPU machine, less those made since
          [ -f $PLAN ] || { echo "no $PLAN: run 'calls.sh plan' on the CPU machine and carry it"; exit 2; }
-         # while the next/ folder has it: the GPU test of FSDP2's expandable segments (its change
-         # landed on session 41's runs; the test lands once it has passed here), under a minute, on
-         # the host's last GPU beside the grid's first point (on the first), so that it takes none of
-         # the session's time from the grid. The patch stays applied in this call's copy of the tree
-         # (the detached run's copy has the test file patched; nothing there runs it); the next call's
-         # copy replaces it.
-         if [ -f results/h200x4/next/fsdp2_segments_test.patch ]; then
-           git apply results/h200x4/next/fsdp2_segments_test.patch
-           (CUDA_VISIBLE_DEVICES=3 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-              -k expandable_segments 2>&1 | tail -4 > $OUT/fsdp2_segments_test.txt) &
-         fi
+         # The pending GPU tests, on the host's last GPU beside the grid's first point (during its
+         # set-up on the first GPU), in a copy of the tree with the pending patches applied, so that
+         # the grid runs the committed code: FSDP2's expandable segments (its change landed on
+         # session 41's runs; the test lands once it has passed here), and the kernels asked of
+         # torch.compile at their first call (lazy_kernels.patch: the compiled kernels' GPU tests
+         # and the CPU ones beside them; it lands once they pass). Each patch's tests print their
+         # last lines into $OUT.
+         rm -rf /tmp/pending && mkdir -p /tmp/pending && cp -a $(ls -A | grep -vx -e .whl -e .libaio) /tmp/pending/
+         pending() {  # NAME PYTEST-ARGS...: the patch applied in the copy, then its tests
+           [ -f results/h200x4/next/$1.patch ] && git apply results/h200x4/next/$1.patch || return 0
+           local name=$1; shift
+           CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -6 > $OUT/$name.txt
+         }
+         (cd /tmp/pending
+          pending fsdp2_segments_test tests/test_gpu.py -k expandable_segments
+          pending lazy_kernels tests/test_fused_adamw.py tests/test_gpu.py \
+            -k "not gpu or compiled_kernels or bf16_gpu_tracks or lean_experts or closed_trainer") &
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(sed -n 's/^stale //p' $PLAN)
          T=$(sed -n 's/^target //p' $PLAN | while read -r t; do
