@@ -158,22 +158,26 @@ def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
     assert segments and segments[0]["is_expandable"]
 
 
-def test_native_grows_expandable_segments(cuda_only, monkeypatch):
-    """PyTorch native's allocator grows expandable segments too, unless the user's
-    PYTORCH_CUDA_ALLOC_CONF says otherwise (its fixed ones refused 7B's logits at 4 x 4096 on an H200
-    with 22 GiB of the cache free in pieces)."""
-    from baselines.native import Native
+@pytest.mark.parametrize("system", ["native", "fsdp2"])
+def test_baselines_grow_expandable_segments(cuda_only, monkeypatch, system):
+    """PyTorch native's and FSDP2's allocators grow expandable segments too, unless the user's
+    PYTORCH_CUDA_ALLOC_CONF says otherwise (native's fixed ones refused 7B's logits at 4 x 4096 on an
+    H200 with 22 GiB of the cache free in pieces; FSDP2's `auto` leaves less slack for them)."""
     from suite.spec import RunSpec
+    from suite.system import load
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     with warnings.catch_warnings():  # torch 2.11 names a newer private twin of this call
         warnings.simplefilter("ignore", FutureWarning)
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")  # as a fresh process has it
-    spec = RunSpec.from_dict({"system": "native", "model": {"preset": "tiny-llama"}, "seq_len": 16, "batch_size": 1})
-    Native(spec, torch.device("cuda"))
-    torch.cuda.empty_cache()
-    x = torch.empty(64 << 20, device="cuda")
-    segments = [s for s in torch.cuda.memory_snapshot() if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
-    assert segments and segments[0]["is_expandable"]
+    spec = RunSpec.from_dict({"system": system, "model": {"preset": "tiny-llama"}, "seq_len": 16, "batch_size": 1})
+    run = load(system)(spec, torch.device("cuda", torch.cuda.current_device()))  # FSDP2 joins its group on it
+    try:
+        torch.cuda.empty_cache()
+        x = torch.empty(64 << 20, device="cuda")
+        segments = [s for s in torch.cuda.memory_snapshot() if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+        assert segments and segments[0]["is_expandable"]
+    finally:
+        run.close()
 
 
 def test_free_bytes_count_what_a_closed_run_left_cached(cuda_only):

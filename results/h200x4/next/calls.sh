@@ -35,6 +35,7 @@ export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITO
 G="--config grid=workflows/grids/h200x4-scale.yaml"
 R=results/h200x4/points
 PLAN=results/h200x4/next/grid.plan
+PEND=/tmp/pending-out  # the pending patches' test output (start grid)
 case $1 in
   start)
     # this grid is sized for H200s; a call that comes on H100s stops here
@@ -121,23 +122,25 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       grid) G=""
          # the targets as `plan` wrote them here on the CPU machine, less those made since
          [ -f $PLAN ] || { echo "no $PLAN: run 'calls.sh plan' on the CPU machine and carry it"; exit 2; }
-         # The pending GPU tests, on the host's last GPU beside the grid's first point (during its
-         # set-up on the first GPU), in a copy of the tree with the pending patches applied, so that
-         # the grid runs the committed code: FSDP2's expandable segments (its change landed on
-         # session 41's runs; the test lands once it has passed here), and the kernels asked of
-         # torch.compile at their first call (lazy_kernels.patch: the compiled kernels' GPU tests
-         # and the CPU ones beside them; it lands once they pass). Each patch's tests print their
-         # last lines into $OUT.
-         rm -rf /tmp/pending && mkdir -p /tmp/pending && cp -a $(ls -A | grep -vx -e .whl -e .libaio) /tmp/pending/
-         pending() {  # NAME PYTEST-ARGS...: the patch applied in the copy, then its tests
-           [ -f results/h200x4/next/$1.patch ] && git apply results/h200x4/next/$1.patch || return 0
-           local name=$1; shift
-           CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -6 > $OUT/$name.txt
-         }
-         (cd /tmp/pending
-          pending fsdp2_segments_test tests/test_gpu.py -k expandable_segments
-          pending lazy_kernels tests/test_fused_adamw.py tests/test_gpu.py \
-            -k "not gpu or compiled_kernels or bf16_gpu_tracks or lean_experts or closed_trainer") &
+         # The pending GPU tests, on the host's last GPU and its last 8 cores (the grid's points take
+         # the first GPU and all 64 cores; a host-bound FSDP2 point is slowed by at most an eighth), in
+         # a copy of the tree with the pending patch applied, so that the grid runs the committed code:
+         # the kernels asked of torch.compile at their first call (lazy_kernels.patch: the compiled
+         # kernels' GPU tests and the CPU ones beside them; it lands once they pass). In session 43
+         # they ran inside the call under a 300 s timeout and stopped after 17 of their 28 tests (the
+         # MoE and compiled ones build kernels): now in their own session like the grid, up to 20
+         # minutes, their whole output in $PEND, which this call and every attach copy into $OUT.
+         rm -rf /tmp/pending $PEND && mkdir -p /tmp/pending $PEND && cp -a $(ls -A | grep -vx -e .whl -e .libaio) /tmp/pending/
+         (cd /tmp/pending && PEND=$PEND setsid bash -c '
+            pending() {  # NAME PYTEST-ARGS...: the patch applied in the copy, then its tests
+              [ -f results/h200x4/next/$1.patch ] && git apply results/h200x4/next/$1.patch || return 0
+              local name=$1; shift
+              CUDA_VISIBLE_DEVICES=3 OMP_NUM_THREADS=8 timeout 1200 taskset -c 56-63 python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" > $PEND/$name.txt 2>&1
+              echo "exit status $?" >> $PEND/$name.txt
+            }
+            pending lazy_kernels tests/test_fused_adamw.py tests/test_gpu.py \
+              -k "not gpu or compiled_kernels or bf16_gpu_tracks or lean_experts or closed_trainer"' \
+            < /dev/null > /dev/null 2>&1 &)
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(sed -n 's/^stale //p' $PLAN)
          T=$(sed -n 's/^target //p' $PLAN | while read -r t; do
@@ -146,7 +149,8 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
              done) ;;
     esac
     [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
-    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
+    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40  # back 540 s after the call's start, then the table and the pack
+    cp $PEND/*.txt $OUT/ 2>/dev/null; true ;;
   plan)
     # On the CPU machine, before a session's `start grid` (in .venv: PATH=$PWD/.venv/bin:$PATH): the
     # grid's targets in order, each with its estimate, and the stale results, into $PLAN, which the
@@ -200,5 +204,6 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       for t in $T; do echo "target $t"; done; } > $PLAN
     grep -c '^target' $PLAN | sed "s|$| targets in $PLAN|" ;;
   attach)
-    experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;
+    experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40
+    cp $PEND/*.txt $OUT/ 2>/dev/null; true ;;  # the pending tests' output so far
 esac
