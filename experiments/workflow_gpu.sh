@@ -27,11 +27,12 @@
 # options after the targets passed to every one), cheapest first as the caller lists them. A target
 # may be several joined by commas, made by one snakemake (a group's one start instead of one a
 # point), which runs them in the grid's order (the point rule's priority).
-# A target may end in @SECONDS, what it is expected to take (python -m workflows.scripts.estimate):
-# with DEADLINE set (the seconds after this script's start at which the machine is expected to go),
-# a detached run starts no target that would not end by then, and names it in its log as skipped,
-# so that a session's end does not cut a point off (its time lost: Snakemake removes it) where a
-# shorter one after it fits. Without DEADLINE the estimates are ignored.
+# A target, or each target of a group, may end in @SECONDS, what it is expected to take (python -m
+# workflows.scripts.estimate): with DEADLINE set (the seconds after this script's start at which the
+# machine is expected to go), a detached run starts no target that would not end by then, and names
+# it in its log as skipped, so that a session's end does not cut a point off (its time lost:
+# Snakemake removes it) where a shorter one after it fits; of a group, it makes those that end by
+# then after the group's members before them. Without DEADLINE the estimates are ignored.
 # A new --detach is refused while the last one's run still goes; the results and logs a finished one
 # wrote join the new tree (a pack of them may not have come back).
 # Each packs what is written so far (results are written whole or not at all), prints the run's log
@@ -106,11 +107,15 @@ case $mode in
     left=${DEADLINE:+$((DEADLINE - SECONDS))}  # the deadline, in the detached run's own seconds
     setsid bash -c 's=$1 p=$2 left=$3 n=$4; shift 4; rc=0
       for t in "${@:1:n}"; do
-        e=; case $t in *@*) e=${t##*@} t=${t%@*} ;; esac
-        if [ -n "$left" ] && [ -n "$e" ] && [ $((SECONDS + e)) -gt "$left" ]; then
-          echo "skipped, about $e s with $((left - SECONDS)) s left before the deadline: $t"; continue
-        fi
-        python3 -m snakemake --profile "$p" ${t//,/ } "${@:n+1}" || rc=$?
+        made=() used=0
+        for m in ${t//,/ }; do  # a group member by member: each that ends before the deadline after those taken
+          e=; case $m in *@*) e=${m##*@} m=${m%@*} ;; esac
+          if [ -n "$left" ] && [ -n "$e" ] && [ $((SECONDS + used + e)) -gt "$left" ]; then
+            echo "skipped, about $e s with $((left - SECONDS - used)) s left before the deadline: $m"; continue
+          fi
+          made+=("$m") used=$((used + ${e:-0}))
+        done
+        [ ${#made[@]} -eq 0 ] || python3 -m snakemake --profile "$p" "${made[@]}" "${@:n+1}" || rc=$?
       done
       echo $rc > "$s/rc"' _ "$state" "$profile" "$left" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
     echo $! > "$state/pid"

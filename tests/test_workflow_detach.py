@@ -125,3 +125,35 @@ def test_a_detached_run_starts_no_target_that_would_pass_its_deadline(tmp_path):
             subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
+
+
+def test_a_group_makes_the_members_that_end_before_the_deadline_in_one_snakemake(tmp_path):
+    """Of a group whose members carry their estimates, one snakemake makes those that end by the
+    deadline after the members taken before them; the others are skipped and named."""
+    hw = f"group{tmp_path.name[-6:]}".replace("_", "")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 16, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
+                    "experiments:\n  quick:\n    points:\n"
+                    + "".join(f"      - {{id: p{i}, system: native, preset: tiny-llama, seq: {16 * (i + 1)}}}\n"
+                              for i in range(3)))
+    p0, p1, p2 = (f"results/{hw}/points/quick/p{i}.json" for i in range(3))
+    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DEADLINE": "600"}
+    try:
+        # p0 (250 s) and p1 (400 s) pass the 600 s deadline together; p0 and p2 (60 s) fit it
+        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "180", "cpu",
+                               f"{p0}@250,{p1}@400,{p2}@60", "--config", f"grid={grid}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        tree = tmp_path / "state" / "tree"
+        assert (tree / p0).is_file() and (tree / p2).is_file() and not (tree / p1).exists()
+        log = (tmp_path / "detached.log").read_text()
+        assert log.count("Building DAG of jobs") == 1, log[-3000:]
+        assert "skipped, about 400 s with" in log and f"before the deadline: {p1}" in log
+        assert (tmp_path / "state" / "targets").read_text().split() == [f"{p0},{p1},{p2}"]
+    finally:
+        pid = tmp_path / "state" / "pid"
+        if pid.exists():
+            subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
+        for kind in ("results", "logs", "plots"):
+            subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])

@@ -15,10 +15,11 @@
 # 9 (about 4 minutes, detached): FSDP2's 4-GPU point again with its micro-batches summed on the GPUs.
 # grid (detached, attached until the session's device time ends; each later session starts it again
 #   (LONG_FIRST=0 to `plan` in a session that has spent part of its device time before it: below)
-#   and the points made are skipped): every point of the h200x4 grid without a result, one snakemake
-#   a point (the foreseen refusals one for all), each with its estimate for DEADLINE (below), as
-#   `plan` listed them here (results/h200x4/next/grid.plan, carried), the cheapest experiments first (../README.md's estimate: shared 4, ablations 17,
-#   context 24, devices 52, scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
+#   and the points made are skipped): every point of the h200x4 grid without a result, the short
+#   ones one snakemake for up to 1200 s of their estimates, each with its estimate for DEADLINE
+#   (below), as `plan` listed them here (results/h200x4/next/grid.plan, carried), the cheapest
+#   experiments first (../README.md's estimate: shared 4, ablations 17, context 24, devices 52,
+#   scale 58, depth 84, width 92 device minutes at the old 5 + 2 steps).
 #   Sessions 28, 31 and 32 made shared, ablations, context, devices and one scale point, session 34
 #   devices' four Gemini points again, session 39 scale's 7B baselines and 14B MegaTrain, sessions 40
 #   and 41 the other 14B points and width's w1.0_fsdp2, session 42 width's w4.0_fsdp2 and scale's
@@ -145,8 +146,8 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(sed -n 's/^stale //p' $PLAN)
          T=$(sed -n 's/^target //p' $PLAN | while read -r t; do
-               left=$(echo "${t%@*}" | tr , '\n' | while read -r f; do [ -f "$f" ] || echo "$f"; done | paste -sd,)
-               [ -z "$left" ] || echo "$left@${t##*@}"
+               left=$(echo "$t" | tr , '\n' | while read -r m; do [ -f "${m%@*}" ] || echo "$m"; done | paste -sd,)
+               [ -z "$left" ] || echo "$left"
              done) ;;
     esac
     [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
@@ -198,8 +199,12 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
         # this host's bandwidth probe (Table 1 of the end-to-end run; its disk's rate foretells
         # ZeRO-Infinity's 7B), about a minute: the other hosts' 1 GiB a tier and 4 GiB of disk
         [ -f results/h200x4/probes/bandwidth.json ] || echo results/h200x4/probes/bandwidth.json@120
-        [ -z "$refused" ] || echo "$(for p in $refused; do echo $R/$p.json; done | paste -sd,)@$(($(echo $refused | wc -w) * 50 + 30))"
-        for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done
+        [ -z "$refused" ] || for p in $refused; do echo $R/$p.json@50; done | paste -sd,
+        # the short points in groups of up to 1200 s of estimates, each group one snakemake: each
+        # snakemake took about 18 s to build its DAG (session 42's log): 28 of them for the 28 points
+        # left after session 43; the run makes a group's members that end before the deadline
+        for p in $(for e in shared ablations context devices scale depth width; do echo "$rest" | grep "^$e/"; done | grep -vxF "${refused:-^}"); do target $p; done |
+          awk -F@ '{ if (n && sum + $2 > 1200) { print group; n = sum = 0 } group = (n ? group "," : "") $0; sum += $2; n++ } END { if (n) print group }'
         for p in $later; do target $p; done)
     { python3 -m workflows.scripts.grid --stale workflows/grids/h200x4.yaml | sed '/^$/d; s/^/stale /'
       for t in $T; do echo "target $t"; done; } > $PLAN
