@@ -5,7 +5,8 @@
 The result file is rewritten (atomically) after every step, so a point killed by its timeout or
 by the host's OOM killer still leaves the steps it measured. Beside the steps it records where the
 rest of the point's wall time went: `start_s` (the process's start, imports included; of it
-`env_s`, the probe of the machine and the code the result names), `setup_s` (the system's build)
+`imported_s`, the interpreter's start and this module's imports, and `env_s`, the probe of the
+machine and the code the result names), `setup_s` (the system's build)
 and `close_s` (its teardown). The parent (suite.runner) adds the process tree's host-memory and
 NVML peaks and the final status.
 """
@@ -67,7 +68,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
-              "start_s": _since_start(), "env_s": time.perf_counter() - clock}
+              "start_s": _since_start(), "imported_s": _IMPORTED_S, "env_s": time.perf_counter() - clock}
     _write(out, result)
     system = None
     try:
@@ -170,6 +171,8 @@ def main(argv: list[str]) -> int:
     _write(out, result)
     return 0
 
+
+_IMPORTED_S = _since_start()  # the imports above made (torch, transformers, the suite's)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

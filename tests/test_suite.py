@@ -156,7 +156,7 @@ def test_point_runs_in_its_own_process(tmp_path, system):
     # where the wall time went: the worker's start (its imports), the set-up, the steps, the close
     steps = sum(row["step_time_s"] for row in r["steps"])
     assert r["start_s"] > 0.5 and r["close_s"] >= 0  # torch's import alone takes longer
-    assert 0 < r["env_s"] < r["start_s"]
+    assert 0 < r["env_s"] < r["start_s"] and 0.5 < r["imported_s"] < r["start_s"]
     assert r["start_s"] + r["setup_s"] + steps + r["close_s"] < r["wall_s"]
     # the sampler watched the worker's tree, not this process
     assert r["peak"]["host_rss_bytes"] > 100 * 2**20
