@@ -15,10 +15,10 @@ pytest.importorskip("snakemake")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def workflow_gpu(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def workflow_gpu(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """experiments/workflow_gpu.sh in this checkout, its state and pack under `tmp_path`, no wheels."""
     env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **(env or {})}
     return subprocess.run(["bash", "experiments/workflow_gpu.sh", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=240)
 
@@ -97,63 +97,49 @@ def test_a_second_detach_leaves_a_running_one_alone(tmp_path):
     assert (state / "log").read_text() == "the running one's log\n"
 
 
-def test_a_detached_run_starts_no_target_that_would_pass_its_deadline(tmp_path):
-    """With DEADLINE, a target whose estimate (@SECONDS) would end past it is skipped and named in the
-    log, and the targets after it still run where they fit; the table of the point folders names
-    the targets without their estimates."""
-    hw = f"deadline{tmp_path.name[-6:]}".replace("_", "")
+def detached_grid(tmp_path: Path, name: str, points: dict[str, int], targets: str) -> tuple[dict, str]:
+    """A grid of tiny native points (id -> seq) under a hardware of its own, its `targets` made by a
+    detached run with DEADLINE 600 s (the points' paths {id} in `targets`); returns each point's
+    path, whether made, and the run's log. The run's results, logs and plots go afterwards."""
+    hw = f"{name}{tmp_path.name[-6:]}".replace("_", "")
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
-                    "experiments:\n  quick:\n    points:\n      - {id: long, system: native, preset: tiny-llama}\n"
-                    "      - {id: short, system: native, preset: tiny-llama, seq: 16}\n")
-    long, short = (f"results/{hw}/points/quick/{i}.json" for i in ("long", "short"))
-    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DEADLINE": "600"}
+                    "experiments:\n  quick:\n    points:\n"
+                    + "".join(f"      - {{id: {i}, system: native, preset: tiny-llama, seq: {seq}}}\n"
+                              for i, seq in points.items()))
+    paths = {i: f"results/{hw}/points/quick/{i}.json" for i in points}
     try:
-        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "180", "cpu", f"{long}@3600",
-                               f"{short}@60", "--config", f"grid={grid}"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=240)
+        done = workflow_gpu(tmp_path, "--detach", "180", "cpu", *targets.format(**paths).split(),
+                            "--config", f"grid={grid}", env={"DEADLINE": "600"})
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         tree = tmp_path / "state" / "tree"
-        assert (tree / short).is_file() and not (tree / long).exists()
-        log = (tmp_path / "detached.log").read_text()
-        assert "skipped, about 3600 s with" in log and f"before the deadline: {long}" in log
-        assert (tmp_path / "state" / "targets").read_text().split() == [long, short]
+        return {path: (tree / path).is_file() for path in paths.values()}, (tmp_path / "detached.log").read_text()
     finally:
         pid = tmp_path / "state" / "pid"
         if pid.exists():
             subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
+
+
+def test_a_detached_run_starts_no_target_that_would_pass_its_deadline(tmp_path):
+    """With DEADLINE, a target whose estimate (@SECONDS) would end past it is skipped and named in the
+    log, and the targets after it still run where they fit; the table of the point folders names
+    the targets without their estimates."""
+    made, log = detached_grid(tmp_path, "deadline", {"long": 32, "short": 16}, "{long}@3600 {short}@60")
+    (long, long_made), (short, short_made) = made.items()
+    assert short_made and not long_made
+    assert "skipped, about 3600 s with" in log and f"before the deadline: {long}" in log
+    assert (tmp_path / "state" / "targets").read_text().split() == [long, short]
 
 
 def test_a_group_makes_the_members_that_end_before_the_deadline_in_one_snakemake(tmp_path):
     """Of a group whose members carry their estimates, one snakemake makes those that end by the
     deadline after the members taken before them; the others are skipped and named."""
-    hw = f"group{tmp_path.name[-6:]}".replace("_", "")
-    grid = tmp_path / "grid.yaml"
-    grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 16, batch: 1, accum: 1, steps: 1, warmup: 0, timeout: 60}}\n"
-                    "experiments:\n  quick:\n    points:\n"
-                    + "".join(f"      - {{id: p{i}, system: native, preset: tiny-llama, seq: {16 * (i + 1)}}}\n"
-                              for i in range(3)))
-    p0, p1, p2 = (f"results/{hw}/points/quick/p{i}.json" for i in range(3))
-    env = {**os.environ, "WORKFLOW_GPU_STATE": str(tmp_path / "state"), "WHEELS": "none", "OUT": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DEADLINE": "600"}
-    try:
-        # p0 (250 s) and p1 (400 s) pass the 600 s deadline together; p0 and p2 (60 s) fit it
-        done = subprocess.run(["bash", "experiments/workflow_gpu.sh", "--detach", "180", "cpu",
-                               f"{p0}@250,{p1}@400,{p2}@60", "--config", f"grid={grid}"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        tree = tmp_path / "state" / "tree"
-        assert (tree / p0).is_file() and (tree / p2).is_file() and not (tree / p1).exists()
-        log = (tmp_path / "detached.log").read_text()
-        assert log.count("Building DAG of jobs") == 1, log[-3000:]
-        assert "skipped, about 400 s with" in log and f"before the deadline: {p1}" in log
-        assert (tmp_path / "state" / "targets").read_text().split() == [f"{p0},{p1},{p2}"]
-    finally:
-        pid = tmp_path / "state" / "pid"
-        if pid.exists():
-            subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], capture_output=True)
-        for kind in ("results", "logs", "plots"):
-            subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
+    # p0 (250 s) and p1 (400 s) pass the 600 s deadline together; p0 and p2 (60 s) fit it
+    made, log = detached_grid(tmp_path, "group", {"p0": 16, "p1": 32, "p2": 48}, "{p0}@250,{p1}@400,{p2}@60")
+    (p0, p0_made), (p1, p1_made), (p2, p2_made) = made.items()
+    assert p0_made and p2_made and not p1_made
+    assert log.count("Building DAG of jobs") == 1, log[-3000:]
+    assert "skipped, about 400 s with" in log and f"before the deadline: {p1}" in log
+    assert (tmp_path / "state" / "targets").read_text().split() == [f"{p0},{p1},{p2}"]
