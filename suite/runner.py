@@ -10,8 +10,9 @@ with it (the kernel signals a worker whose parent dies), though no result can th
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
 faulthandler) and then killed: the result says where it was (`stacks`, with each thread's wait in the
 kernel), a hang as well as a slow step. The host's disk traffic over the point is recorded (`disk_io`):
-a system that swaps to the disk shows there how much it moved. The worker's temporary files live in
-the run's own folder, removed however the worker ends (worker_env).
+a system that swaps to the disk shows there how much it moved; and so is this runner's own start
+before the worker's (`launch_s`: its interpreter, imports and the spec's checks). The worker's
+temporary files live in the run's own folder, removed however the worker ends (worker_env).
 An interrupt while a worker is being killed (its exit can take tens of seconds where it pinned much
 host memory) waits until the result is written, and is raised then.
 """
@@ -35,7 +36,7 @@ from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite.spec import RunSpec
 from suite.system import DATA_PARALLEL
-from suite.worker import medians
+from suite.worker import medians, since_start
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -97,7 +98,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         spec_file, partial, scratch = Path(tmp) / "spec.json", Path(tmp) / "result.json", Path(tmp) / "tmp"
         spec_file.write_text(json.dumps(spec.to_dict()))
         scratch.mkdir()
-        start, disk_before = time.perf_counter(), _disk_io()
+        start, disk_before, launched = time.perf_counter(), _disk_io(), since_start()
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
             torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
@@ -158,6 +159,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
     if disk_before and disk_after:  # every process's, the point's own among them (it runs alone)
         result["disk_io"] = {"read_bytes": disk_after[0] - disk_before[0], "written_bytes": disk_after[1] - disk_before[1]}
     result["wall_s"] = wall
+    result["launch_s"] = launched  # this process's own start before the worker's: its imports, the spec's checks
     write_json(out, result)
     if interrupted is not None:
         raise interrupted

@@ -68,7 +68,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
-              "start_s": _since_start(), "imported_s": _IMPORTED_S, "env_s": time.perf_counter() - clock}
+              "start_s": since_start(), "imported_s": _IMPORTED_S, "env_s": time.perf_counter() - clock}
     _write(out, result)
     system = None
     try:
@@ -134,7 +134,7 @@ def run(spec: RunSpec, out: str | None) -> dict:
     return result
 
 
-def _since_start() -> float | None:
+def since_start() -> float | None:
     """Seconds from this process's start to now: the interpreter, the imports, the environment's
     probe. Both ends from /proc on the boot clock, in hundredths (psutil's start time adds the
     boot time, a whole second); None where there is no /proc."""
@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-_IMPORTED_S = _since_start()  # the imports above made (torch, transformers, the suite's)
+_IMPORTED_S = since_start()  # the imports above made (torch, transformers, the suite's)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
