@@ -126,9 +126,11 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          [ -f $PLAN ] || { echo "no $PLAN: run 'calls.sh plan' on the CPU machine and carry it"; exit 2; }
          # The pending GPU tests, on the host's last GPU and its last 8 cores (the grid's points take
          # the first GPU and all 64 cores; a host-bound FSDP2 point is slowed by at most an eighth), in
-         # a copy of the tree with the pending patch applied, so that the grid runs the committed code:
-         # the kernels asked of torch.compile at their first call (lazy_kernels.patch: the compiled
-         # kernels' GPU tests and the CPU ones beside them; it lands once they pass). In session 43
+         # a copy of the tree with the pending patches applied one after the other, so that the grid
+         # runs the committed code: the kernels asked of torch.compile at their first call
+         # (lazy_kernels.patch: the compiled kernels' GPU tests and the CPU ones beside them), then
+         # the worker forked from `suite run`'s imports (fork_worker.patch: its GPU test, the
+         # harness's tests, an A/B); each lands once its tests pass. In session 43
          # they ran inside the call under a 300 s timeout and stopped after 17 of their 28 tests (the
          # MoE and compiled ones build kernels): now in their own session like the grid, up to 20
          # minutes, their whole output in $PEND, which this call and every attach copy into $OUT.
