@@ -136,10 +136,11 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
          # minutes, their whole output in $PEND, which this call and every attach copy into $OUT.
          rm -rf /tmp/pending $PEND && mkdir -p /tmp/pending $PEND && cp -a $(ls -A | grep -vx -e .whl -e .libaio) /tmp/pending/
          (cd /tmp/pending && PEND=$PEND setsid bash -c '
+            pin=; command -v taskset > /dev/null && pin="taskset -c 56-63"  # the host'"'"'s last 8 cores
             pending() {  # NAME PYTEST-ARGS...: the patch applied in the copy, then its tests
               [ -f results/h200x4/next/$1.patch ] && git apply results/h200x4/next/$1.patch || return 0
               local name=$1; shift
-              CUDA_VISIBLE_DEVICES=3 OMP_NUM_THREADS=8 timeout 1200 taskset -c 56-63 python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" > $PEND/$name.txt 2>&1
+              CUDA_VISIBLE_DEVICES=3 OMP_NUM_THREADS=8 timeout 1200 $pin python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" > $PEND/$name.txt 2>&1
               echo "exit status $?" >> $PEND/$name.txt
             }
             pending lazy_kernels tests/test_fused_adamw.py tests/test_gpu.py \
@@ -152,7 +153,7 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
             # 3.0 -> 0.01 s, 7.6 -> 4.0 s a command)
             [ -f results/h200x4/next/fork_worker.patch ] && P=$(command -v python3) && for i in 1 2 3; do
               for py in "$P" "${P%/*}//${P##*/}"; do s=$EPOCHREALTIME
-                CUDA_VISIBLE_DEVICES=3 taskset -c 56-63 python3 -m suite run --system megatrain --preset tiny-llama \
+                CUDA_VISIBLE_DEVICES=3 $pin python3 -m suite run --system megatrain --preset tiny-llama \
                   --seq 32 --batch 2 --steps 2 --warmup 1 --python "$py" --out /tmp/ab.json > /dev/null 2>&1
                 python3 -c "import json, sys, time; d = json.load(open(\"/tmp/ab.json\")); print(round(time.time() - float(sys.argv[1]), 2), d.get(\"forked\"), d[\"status\"], *(round(d.get(k) or 0, 2) for k in (\"launch_s\", \"start_s\", \"imported_s\", \"wall_s\")), [round(r[\"loss\"], 6) for r in d[\"steps\"]])" \
                   "$s" >> $PEND/fork_worker_ab.txt
