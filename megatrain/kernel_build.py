@@ -43,13 +43,13 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch._inductor.config as inductor
 import torch.fx._symbolic_trace as fx_trace
 
 
@@ -59,11 +59,21 @@ _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 def compiled(fn: Callable, **options) -> Callable:
     """`fn` built by torch.compile (dynamic shapes, inductor's deterministic mode and `options`)
-    in this process."""
-    kernel = torch.compile(fn, dynamic=True, options={"deterministic": True, **options})
+    in this process. torch.compile is asked at the first call, not here: dynamo and inductor
+    take about a second to import (the 2-core CPU machine), which a process that never calls a
+    kernel (the workflow's planning, a harness's parent, a baseline's worker) then does not pay."""
+    made = None  # the compiled function and inductor's config, once the first call made them
+    lock = threading.Lock()
 
     @functools.wraps(fn)
     def run(*args):
+        nonlocal made
+        if made is None:
+            with lock:  # the main thread and the optimizer worker may both call first
+                if made is None:
+                    import torch._inductor.config as inductor
+                    made = torch.compile(fn, dynamic=True, options={"deterministic": True, **options}), inductor
+        kernel, inductor = made
         # every caller differentiates by hand (an autograd.Function's forward and backward, the
         # optimizer's update): detached, whether an input requires gradients is not one more form
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -101,6 +111,7 @@ def check_vector_isas() -> None:
     host AdamW's build after a kept answer). A failed check is never written: such a machine
     checks every time. Where a torch has no such check, nothing runs."""
     try:
+        import torch._inductor.config as inductor
         from torch._inductor import cpu_vec_isa
         if platform.machine() not in ("x86_64", "AMD64") or inductor.cpp.vec_isa_ok is not None:
             cpu_vec_isa.valid_vec_isa_list()

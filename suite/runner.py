@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import psutil
-from torch._inductor.runtime import cache_dir_utils
 
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
@@ -80,7 +79,9 @@ def worker_env(spec: RunSpec, scratch: str | Path | None = None) -> dict:
     Compiled kernels stay cached where torch keeps them without it, across points."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if scratch is not None:
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir_utils.default_cache_dir())
+        if "TORCHINDUCTOR_CACHE_DIR" not in env:  # (asked only then: importing inductor takes a second)
+            from torch._inductor.runtime import cache_dir_utils
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir_utils.default_cache_dir()
         env["TMPDIR"] = str(scratch)
     env.setdefault("MEGATRAIN_GIT_COMMIT", environment()["git_commit"] or "")
     if spec.gpus > 1:

@@ -115,6 +115,21 @@ def test_an_update_called_while_another_thread_builds_a_kernel_waits_for_it(monk
     assert not torch.equal(args[0], master)
 
 
+def test_planning_imports_no_compiler_and_a_kernel_builds_at_its_first_call():
+    """The modules that plan (shapes, the harness's spec, the workflow's grid) import neither dynamo nor
+    inductor, about a second each on the 2-core machine: each kernel asks torch.compile at its first
+    call, and the first call computes what the eager function does."""
+    code = ("import sys; import megatrain.shapes, suite.spec, workflows.scripts.grid, megatrain.swiglu\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+            "import torch; from megatrain.kernel_build import compiled\n"
+            "k = compiled(lambda a, b: a * torch.sigmoid(b)); a, b = torch.randn(64), torch.randn(64)\n"
+            "print(torch.allclose(k(a, b), a * torch.sigmoid(b)), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True True"]
+
+
 def tree(tmp_path, kernel: str) -> dict:
     return {"model": {"pretrained": str(tmp_path / "init")},
             "engine": {"device": "cpu", "compute_dtype": "bfloat16", "optimizer_kernel": kernel},
@@ -232,11 +247,12 @@ class FakeISA:
 def fake_isas(monkeypatch, tmp_path, names, check, extra=None):
     """A fresh process's candidates (`names`; the CPU's flags admit each but "neon"), their checks
     by `check`, the answers kept under `tmp_path`; returns them and the calls of inductor's list."""
+    import torch._inductor.config as inductor
     import torch._inductor.cpu_vec_isa as vec_isa
     from megatrain import kernel_build
     fakes, listed, flags = [FakeISA(n, check, (extra or {}).get(n)) for n in names], [], ["avx2", "avx512", "amx_tile"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_build.inductor.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(inductor.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(vec_isa, "x86_isa_checker", lambda: flags)
     monkeypatch.setattr(vec_isa, "supported_vec_isa_list", fakes)
