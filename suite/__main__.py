@@ -45,6 +45,9 @@ def _run(args) -> int:
     from suite.runner import die_with_parent, run_point
     if args.workflow_job:
         die_with_parent(signal.SIGTERM)  # unwinds as an interruption: the worker goes, the point is recorded
+    # the spec's checks count the GPUs with NVML, not CUDA: the worker is forked from this process,
+    # which must not have touched CUDA (suite.launch)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     model = {"preset": args.preset} if args.preset else {"config": args.config}
     try:
         overrides = dict(parse_overrides(args.override))
@@ -66,7 +69,7 @@ def _run(args) -> int:
         print(f"error: the worker's log is written to {log}, and so is this command's output: the two would "
               f"overwrite each other's bytes; send the command's output elsewhere", file=sys.stderr)
         return 2
-    r = run_point(spec, args.out, python=args.python or sys.executable)
+    r = run_point(spec, args.out, python=args.python or sys.executable, fork=True)
     med = r.get("median", {})
     print(f"{args.out}: {r['status']} {med.get('model_tflops') or 0:.1f} TFLOP/s "
           f"host {r['peak']['host_rss_bytes'] / GiB:.1f} GiB {r.get('reason') or ''}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Run one point in its own process, watched from outside: timeout, memory peaks, final status.
 
-The worker (suite.worker) runs in a new session so that the whole process tree it starts (DeepSpeed
+The worker (suite.worker, started by suite.launch) runs in a new session so that the whole process tree it starts (DeepSpeed
 and FSDP spawn helpers; compilers run in children) can be killed as one. While it runs, a background
 sampler here reads the tree's resident memory (psutil) and the GPU's used memory (NVML). The parent
-waits with `Popen.wait(timeout)`: no polling loop. Whatever happens, one JSON result is written
+waits on the worker with a timeout. Whatever happens, one JSON result is written
 atomically to `out`, with the worker's steps so far: an interrupted runner (SIGTERM, Ctrl-C) kills
 the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
 with it (the kernel signals a worker whose parent dies), though no result can then be written.
@@ -33,6 +33,8 @@ import psutil
 from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
+from suite import launch
+from suite.launch import Forked
 from suite.spec import RunSpec
 from suite.system import DATA_PARALLEL
 from suite.worker import medians, since_start
@@ -90,8 +92,10 @@ def worker_env(spec: RunSpec, scratch: str | Path | None = None) -> dict:
 
 
 def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
-              python: str = sys.executable, gpu_index: int | None = 0) -> dict:
-    """Run `spec` in a fresh process; write and return its result. `log` keeps the worker's output."""
+              python: str = sys.executable, gpu_index: int | None = 0, fork: bool = False) -> dict:
+    """Run `spec` in a process of its own; write and return its result. `log` keeps the worker's
+    output. `fork`: a caller that ran no tensor work has its imports reused, the worker forked
+    from it where it can be (suite.launch); else, and for another `python`, a fresh interpreter."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = Path(log) if log else out.with_suffix(".log")
@@ -103,16 +107,13 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         with open(log, "w") as log_file:
             # several GPUs: torchrun starts one worker per GPU (in the same session, killed with it)
             torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.gpus}"]
-            launch = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker"]
+            command = [*(torchrun if spec.gpus > 1 else [python]), "-m", "suite.worker", str(spec_file), str(partial)]
             # a SIGTERM or Ctrl-C while the worker starts (git is asked for the commit first) waits
             # for the `try` below, which records it
             signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
             try:
-                proc = subprocess.Popen([*launch, str(spec_file), str(partial)],
-                                        stdout=log_file, stderr=subprocess.STDOUT, env=worker_env(spec, scratch),
-                                        start_new_session=True,
-                                        preexec_fn=_dies_with(os.getpid()),
-                                        cwd=Path(__file__).resolve().parent.parent)
+                proc = launch.start(command, log_file, worker_env(spec, scratch), Path(__file__).resolve().parent.parent,
+                                    _dies_with(os.getpid()), fork=fork and spec.gpus == 1 and python == sys.executable)
             except BaseException:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
                 raise
@@ -198,7 +199,7 @@ def _dies_with(parent: int):
     return preexec
 
 
-def _reap(proc: subprocess.Popen, log: Path | None = None) -> tuple[str | None, BaseException | None]:
+def _reap(proc: subprocess.Popen | Forked, log: Path | None = None) -> tuple[str | None, BaseException | None]:
     """Kill the worker's tree, first asking for its stacks where `log` is given, and wait until it
     has gone. Returns the stacks and an interrupt (`timeout`'s SIGTERM, a Ctrl-C) that came
     meanwhile, which the runner raises once the result is written: a worker holding tens of GiB of
@@ -217,7 +218,7 @@ def _reap(proc: subprocess.Popen, log: Path | None = None) -> tuple[str | None, 
             pending = pending or e
 
 
-def _stacks(proc: subprocess.Popen, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
+def _stacks(proc: subprocess.Popen | Forked, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
     """Where the worker tree's processes were: the Python stacks faulthandler writes to the log on
     SIGUSR1 (suite.worker registers it, and Ratel's run-time layer for Ratel's processes; a helper
     without it just ends early), then each thread as the kernel saw it just before the signal (a

@@ -6,7 +6,8 @@ The result file is rewritten (atomically) after every step, so a point killed by
 by the host's OOM killer still leaves the steps it measured. Beside the steps it records where the
 rest of the point's wall time went: `start_s` (the process's start, imports included; of it
 `imported_s`, the interpreter's start and this module's imports, and `env_s`, the probe of the
-machine and the code the result names), `setup_s` (the system's build)
+machine and the code the result names; a worker forked from the runner's imports, `forked`, starts
+at the fork), `setup_s` (the system's build)
 and `close_s` (its teardown). The parent (suite.runner) adds the process tree's host-memory and
 NVML peaks and the final status.
 """
@@ -52,7 +53,7 @@ def medians(rows: list[dict]) -> dict:
     return out
 
 
-def run(spec: RunSpec, out: str | None) -> dict:
+def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked: bool = False) -> dict:
     """Under torchrun (spec.gpus > 1) every rank runs this, on the GPU of its LOCAL_RANK, given the
     same global micro-batches; the first rank alone writes the result."""
     ranks = Ranks.from_env()
@@ -68,7 +69,8 @@ def run(spec: RunSpec, out: str | None) -> dict:
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
-              "start_s": since_start(), "imported_s": _IMPORTED_S, "env_s": time.perf_counter() - clock}
+              "start_s": since_start(), "imported_s": imported_s, "forked": forked,
+              "env_s": time.perf_counter() - clock}
     _write(out, result)
     system = None
     try:
@@ -156,14 +158,17 @@ def _write(out: str | None, result: dict) -> None:
 _OOM_STATUS = {"host": "oom_host", "disk": "oom_host", "device": "oom_device"}  # swap space is the host's
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], forked: bool = False) -> int:
+    """`forked`: this process is the runner's child (suite.launch), its imports the runner's, its
+    `start_s` from the fork."""
+    imported = since_start() if forked else _IMPORTED_S
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks where a late point is
     spec_path, out = argv
     spec = RunSpec.from_dict(json.loads(open(spec_path).read()))
     if int(os.environ.get("RANK", 0)) != 0:
         out = None  # the first rank writes the result
     try:
-        result = run(spec, out)
+        result = run(spec, out, imported, forked)
     except Exception as e:  # a failed point is a result: keep what was measured, say why
         result = json.loads(open(out).read()) if out and os.path.exists(out) else {"system": spec.system,
                                                                                  "spec": spec.to_dict()}

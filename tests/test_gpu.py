@@ -146,6 +146,21 @@ def test_unread_down_projection_keeps_numerics(tmp_path, cuda_only, monkeypatch)
     torch.testing.assert_close(skipped, train(tmp_path, {}), rtol=0, atol=0)
 
 
+def test_suite_run_forks_a_worker_that_trains_on_the_gpu(cuda_only, tmp_path):
+    """`suite run` asks NVML, not CUDA, whether there is a GPU, so its worker is forked from its
+    imports and still takes the GPU (a runner that touched CUDA would leave it a fresh worker)."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "suite", "run", "--system", "megatrain", "--preset", "tiny-llama",
+                           "--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert done.returncode == 0 and r["status"] == "ok", (done.stderr + r.get("log_tail", ""))[-3000:]
+    assert r["forked"] and r["env"]["gpu"] and r["imported_s"] < 0.5
+
+
 def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
     """Without the user's PYTORCH_CUDA_ALLOC_CONF the engine's device grows expandable segments (the
     fixed ones fragmented by 10 GiB at 128K tokens)."""

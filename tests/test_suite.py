@@ -1,6 +1,7 @@
 """The harness on CPU: spec validation, one process per point, statuses, atomic results, sampler."""
 import inspect
 import json
+import os
 import re
 import signal
 import subprocess
@@ -264,10 +265,10 @@ def _runner_with_its_worker(out):
     import psutil
     cli = subprocess.Popen([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
                             "--seq", "64", "--steps", "100000", "--out", str(out)])
-    def worker(p) -> bool:
+    def worker(p) -> bool:  # the runner's child in a session of its own (forked or not)
         try:
-            return "suite.worker" in " ".join(p.cmdline())
-        except psutil.Error:  # gone between listing and asking (git, which the runner asks first)
+            return os.getsid(p.pid) == p.pid
+        except OSError:  # gone between listing and asking (git, which the runner asks first)
             return False
 
     def started() -> list:  # the worker itself, not a helper the runner runs before it
@@ -278,6 +279,36 @@ def _runner_with_its_worker(out):
         time.sleep(0.2)
     assert workers, "the worker never started"
     return cli, workers
+
+
+def _suite_run(out, *python_code: str) -> None:
+    """`suite run` of a tiny megatrain point to `out`, with `python_code` run before it in its process."""
+    code = "; ".join([*python_code, "import sys; from suite.__main__ import main; sys.exit(main(sys.argv[1:]))"])
+    done = subprocess.run([sys.executable, "-c", code, "run", "--system", "megatrain", "--preset", "tiny-llama",
+                           "--seq", "32", "--batch", "2", "--accum", "2", "--steps", "3", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_suite_run_forks_its_worker_from_its_imports(tmp_path):
+    """`suite run` forks the worker from its own imports: the point trains as a fresh worker's does
+    (the same losses, bit for bit), its start without the imports (start_s counted from the fork)."""
+    _suite_run(tmp_path / "forked.json")
+    forked = json.loads((tmp_path / "forked.json").read_text())
+    fresh = run_point(tiny("megatrain"), tmp_path / "fresh.json")
+    assert forked["status"] == fresh["status"] == "ok", forked.get("log_tail")
+    assert forked["forked"] and not fresh["forked"]
+    assert [s["loss"] for s in forked["steps"]] == [s["loss"] for s in fresh["steps"]]
+    assert forked["imported_s"] < 0.5 < fresh["imported_s"] and forked["start_s"] < fresh["start_s"]
+    assert forked["launch_s"] > 0.5  # the imports the fork spared the worker, made by the runner
+
+
+def test_a_runner_that_touched_cuda_starts_a_fresh_worker(tmp_path):
+    """A child torch marks as forked after its parent's first CUDA call replaces itself by the fresh
+    interpreter: the point trains all the same, its worker not forked."""
+    _suite_run(tmp_path / "r.json", "import torch", "torch.cuda._is_in_bad_fork = lambda: True")
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["status"] == "ok" and not r["forked"] and r["imported_s"] > 0.5
 
 
 def test_a_terminated_runner_takes_its_worker_down(tmp_path):
@@ -339,8 +370,11 @@ def test_check_passes_when_systems_track_native(tmp_path):
     summary = check(["megatrain", "fsdp2"], tmp_path, steps=4)
     assert passed(summary)
     rows = {r["system"]: r for r in summary["systems"]}
-    for system in ("megatrain", "fsdp2"):  # float32 on the CPU: the same numbers
-        assert rows[system]["status"] == "ok" and rows[system]["max_relative_gap"] < 1e-4
+    # float32 on the CPU: the same numbers; on a GPU the systems' bf16 compute differs within the
+    # check's tolerance (megatrain 1.2e-4 from native on an H200)
+    bound = 1e-4 if summary["device"] == "cpu" else summary["tolerance"]
+    for system in ("megatrain", "fsdp2"):
+        assert rows[system]["status"] == "ok" and rows[system]["max_relative_gap"] < bound
     assert rows["native"]["losses"][-1] < rows["native"]["losses"][0]  # it learns the batch
 
 

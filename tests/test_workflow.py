@@ -187,10 +187,11 @@ def test_overrides_reach_the_harness_spec(tmp_path, monkeypatch):
          "warmup": 0, "timeout": 10, "options": {}, "overrides": {"hidden_size": 128, "num_attention_heads": 8}}
     seen = {}
 
-    def fake_run_point(spec, out, python):
+    def fake_run_point(spec, out, python, fork):
         seen["model"] = spec.model
         return {"status": "ok", "median": {}, "peak": {"host_rss_bytes": 0}}
     monkeypatch.setattr(suite.runner, "run_point", fake_run_point)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # `suite run` sets it; gone afterwards
     assert cli.main(["run", *grid.argv(p), "--out", str(tmp_path / "r.json")]) == 0
     assert seen["model"] == grid.model(p) == {
         "preset": "tiny-llama", "overrides": {"hidden_size": 128, "num_attention_heads": 8, "num_hidden_layers": 2}}

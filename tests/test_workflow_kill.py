@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -51,9 +52,10 @@ def test_a_killed_workflow_stops_its_points_and_resumes(tmp_path):
 
 
 def _is_worker(process: psutil.Process) -> bool:
+    """A point's worker: the runner's child in a session of its own, forked or not (suite.launch)."""
     try:
-        return "suite.worker" in " ".join(process.cmdline())
-    except psutil.Error:  # gone, or a zombie, between listing and asking (a job's short-lived helpers)
+        return os.getsid(process.pid) == process.pid and "-m suite run" in " ".join(process.parent().cmdline())
+    except (OSError, psutil.Error, AttributeError):  # gone, or a zombie, between listing and asking
         return False
 
 

@@ -37,7 +37,6 @@ export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITO
 G="--config grid=workflows/grids/h200x4-scale.yaml"
 R=results/h200x4/points
 PLAN=results/h200x4/next/grid.plan
-PEND=/tmp/pending-out  # the pending patches' test output (start grid)
 case $1 in
   start)
     # this grid is sized for H200s; a call that comes on H100s stops here
@@ -124,37 +123,6 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       grid) G=""
          # the targets as `plan` wrote them here on the CPU machine, less those made since
          [ -f $PLAN ] || { echo "no $PLAN: run 'calls.sh plan' on the CPU machine and carry it"; exit 2; }
-         # The pending GPU tests, on the host's last GPU and its last 8 cores (the grid's points take
-         # the first GPU and all 64 cores; a host-bound FSDP2 point is slowed by at most an eighth), in
-         # a copy of the tree with the pending patches applied one after the other, so that the grid
-         # runs the committed code; each lands once its tests pass. They run in their own session
-         # like the grid, up to 20 minutes, their whole output in $PEND, which this call and every
-         # attach copy into $OUT (the kernels asked of torch.compile at their first call passed their
-         # 28 tests this way in session 44 and landed).
-         rm -rf /tmp/pending $PEND && mkdir -p /tmp/pending $PEND && cp -a $(ls -A | grep -vx -e .whl -e .libaio) /tmp/pending/
-         (cd /tmp/pending && PEND=$PEND setsid bash -c '
-            pin=; command -v taskset > /dev/null && pin="taskset -c 56-63"  # the host'"'"'s last 8 cores
-            pending() {  # NAME PYTEST-ARGS...: the patch applied in the copy, then its tests
-              [ -f results/h200x4/next/$1.patch ] && git apply results/h200x4/next/$1.patch || return 0
-              local name=$1; shift
-              CUDA_VISIBLE_DEVICES=3 OMP_NUM_THREADS=8 timeout 1200 $pin python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" > $PEND/$name.txt 2>&1
-              echo "exit status $?" >> $PEND/$name.txt
-            }
-            pending fork_worker tests/test_suite.py tests/test_workflow_kill.py \
-              tests/test_gpu.py::test_suite_run_forks_a_worker_that_trains_on_the_gpu
-            # its A/B on that GPU: a tiny point by `suite run`, forked and fresh (another spelling of
-            # the same interpreter starts the fresh worker). Prediction: the fresh start_s about this
-            # host'"'"'s 13-18 s, the forked one under 2 s, the same losses (on the 2-core CPU machine
-            # 3.0 -> 0.01 s, 7.6 -> 4.0 s a command)
-            [ -f results/h200x4/next/fork_worker.patch ] && P=$(command -v python3) && for i in 1 2 3; do
-              for py in "$P" "${P%/*}//${P##*/}"; do s=$EPOCHREALTIME
-                CUDA_VISIBLE_DEVICES=3 $pin python3 -m suite run --system megatrain --preset tiny-llama \
-                  --seq 32 --batch 2 --steps 2 --warmup 1 --python "$py" --out /tmp/ab.json > /dev/null 2>&1
-                python3 -c "import json, sys, time; d = json.load(open(\"/tmp/ab.json\")); print(round(time.time() - float(sys.argv[1]), 2), d.get(\"forked\"), d[\"status\"], *(round(d.get(k) or 0, 2) for k in (\"launch_s\", \"start_s\", \"imported_s\", \"wall_s\")), [round(r[\"loss\"], 6) for r in d[\"steps\"]])" \
-                  "$s" >> $PEND/fork_worker_ab.txt
-              done
-            done' \
-            < /dev/null > /dev/null 2>&1 &)
          # the stale results, removed in the device's copy so that they run again (none since session 34)
          rm -f $(sed -n 's/^stale //p' $PLAN)
          T=$(sed -n 's/^target //p' $PLAN | while read -r t; do
@@ -163,8 +131,7 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
              done) ;;
     esac
     [ -n "${DEADLINE:-}" ] && export DEADLINE=$((DEADLINE - SECONDS))  # in workflow_gpu.sh's own seconds
-    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40  # back 540 s after the call's start, then the table and the pack
-    cp $PEND/*.txt $OUT/ 2>/dev/null; true ;;
+    experiments/workflow_gpu.sh --detach $((540 - SECONDS)) h200x4 $T $G 2>&1 | tail -40 ;;  # back 540 s after the call's start, then the table and the pack
   plan)
     # On the CPU machine, before a session's `start grid` (in .venv: PATH=$PWD/.venv/bin:$PATH): the
     # grid's targets in order, each with its estimate, and the stale results, into $PLAN, which the
@@ -222,6 +189,5 @@ rc = subprocess.call(sys.argv[1:]); print("minor faults", resource.getrusage(res
       for t in $T; do echo "target $t"; done; } > $PLAN
     grep -c '^target' $PLAN | sed "s|$| targets in $PLAN|" ;;
   attach)
-    experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40
-    cp $PEND/*.txt $OUT/ 2>/dev/null; true ;;  # the pending tests' output so far
+    experiments/workflow_gpu.sh --attach ${2:-540} h200x4 2>&1 | tail -40 ;;
 esac
