@@ -1,7 +1,7 @@
 """The worker's start: forked from the runner's imports where it can be, else a fresh interpreter.
 
 A point's worker imports torch, transformers and the suite before it does anything (3 s on the
-2-core CPU machine, 13-18 s on the four-GPU host), all of which `suite run` has imported already
+2-core CPU machine, 10-12 s on the four-GPU host), all of which `suite run` has imported already
 to check the spec. There, one worker on one GPU is forked from the runner instead: the child
 takes its own session, environment, output and working directory as the fresh process would, and
 runs suite.worker. A fork is only as good as the parent's state:
