@@ -1,11 +1,11 @@
 """Run one point in its own process, watched from outside: timeout, memory peaks, final status.
 
-The worker (suite.worker, started by suite.launch) runs in a new session so that the whole process tree it starts (DeepSpeed
-and FSDP spawn helpers; compilers run in children) can be killed as one. While it runs, a background
-sampler here reads the tree's resident memory (psutil) and the GPU's used memory (NVML). The parent
-waits on the worker with a timeout. Whatever happens, one JSON result is written
-atomically to `out`, with the worker's steps so far: an interrupted runner (SIGTERM, Ctrl-C) kills
-the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
+The worker (suite.worker, started by suite.launch) runs in a new session so that the whole process
+tree it starts (DeepSpeed and FSDP spawn helpers; compilers run in children) can be killed as one.
+While it runs, a background sampler here reads the tree's resident memory (psutil) and the GPU's
+used memory (NVML). The parent waits on the worker with a timeout. Whatever happens, one JSON
+result is written atomically to `out`, with the worker's steps so far: an interrupted runner
+(SIGTERM, Ctrl-C) kills the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
 with it (the kernel signals a worker whose parent dies), though no result can then be written.
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
 faulthandler) and then killed: the result says where it was (`stacks`, with each thread's wait in the
@@ -34,7 +34,6 @@ from megatrain.io import write_json
 from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite import launch
-from suite.launch import Forked
 from suite.spec import RunSpec
 from suite.system import DATA_PARALLEL
 from suite.worker import medians, since_start
@@ -199,7 +198,7 @@ def _dies_with(parent: int):
     return preexec
 
 
-def _reap(proc: subprocess.Popen | Forked, log: Path | None = None) -> tuple[str | None, BaseException | None]:
+def _reap(proc: subprocess.Popen | launch.Forked, log: Path | None = None) -> tuple[str | None, BaseException | None]:
     """Kill the worker's tree, first asking for its stacks where `log` is given, and wait until it
     has gone. Returns the stacks and an interrupt (`timeout`'s SIGTERM, a Ctrl-C) that came
     meanwhile, which the runner raises once the result is written: a worker holding tens of GiB of
@@ -218,7 +217,7 @@ def _reap(proc: subprocess.Popen | Forked, log: Path | None = None) -> tuple[str
             pending = pending or e
 
 
-def _stacks(proc: subprocess.Popen | Forked, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
+def _stacks(proc: subprocess.Popen | launch.Forked, log: Path, wait_s: float = 2.0, limit: int = 20000) -> str:
     """Where the worker tree's processes were: the Python stacks faulthandler writes to the log on
     SIGUSR1 (suite.worker registers it, and Ratel's run-time layer for Ratel's processes; a helper
     without it just ends early), then each thread as the kernel saw it just before the signal (a
