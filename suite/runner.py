@@ -5,8 +5,9 @@ tree it starts (DeepSpeed and FSDP spawn helpers; compilers run in children) can
 While it runs, a background sampler here reads the tree's resident memory (psutil) and the GPU's
 used memory (NVML). The parent waits on the worker with a timeout. Whatever happens, one JSON
 result is written atomically to `out`, with the worker's steps so far: an interrupted runner
-(SIGTERM, Ctrl-C) kills the worker's tree and records the point as `interrupted`; a runner killed outright takes the worker
-with it (the kernel signals a worker whose parent dies), though no result can then be written.
+(SIGTERM, Ctrl-C) kills the worker's tree and records the point as `interrupted`; a runner killed
+outright takes the worker with it (the kernel signals a worker whose parent dies), though no result
+can then be written.
 A point past its timeout is first asked for its Python stacks (SIGUSR1, which suite.worker hands to
 faulthandler) and then killed: the result says where it was (`stacks`, with each thread's wait in the
 kernel), a hang as well as a slow step. The host's disk traffic over the point is recorded (`disk_io`):
