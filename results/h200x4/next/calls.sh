@@ -25,7 +25,8 @@
 #   and 41 the other 14B points and width's w1.0_fsdp2, session 42 width's w4.0_fsdp2 and scale's
 #   32B FSDP2 and ZeRO-Infinity (refused), session 43 17 points (32B MegaTrain, depth's L28 and L42
 #   MegaTrain, width's w1.0 MegaTrain, 13 refusals) and the bandwidth probe, session 44 depth's L84
-#   FSDP2 and L42 ZeRO-3 and width's w1.5 MegaTrain; 26 are left (scale 1, depth 7, width 18).
+#   FSDP2 and L42 ZeRO-3 and width's w1.5 MegaTrain, session 45 scale's ZeRO-Infinity 7B (the last of
+#   scale), depth's L42 FSDP2 and width's w2.0 MegaTrain; 23 are left (depth 6, width 17).
 #   Only the missing points are named.
 #   Ask for the call with needs_h200 (session 31: an H200 host came at once).
 #   Carry [".whl", ".libaio", "results/h200x4/next/grid.plan"]: ZeRO-Infinity needs libaio, and the devices experiment's Gemini needs
