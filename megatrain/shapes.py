@@ -93,6 +93,7 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
     except Exception as e:  # transformers validates the architecture: say which setting it refused
         cause = e.__cause__ or e
         raise ValueError(f"model: transformers refuses this {model_type} config: {cause}") from None
+    check_sizes(hf)
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
     attn = cfg.attn_implementation
@@ -108,6 +109,28 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
         # the library's model trained as it is built and the templates compute the same sums
         hf._experts_implementation = "grouped_mm"
     return hf
+
+
+def check_sizes(c: PretrainedConfig) -> None:
+    """The sizes the layers are built from, where the library takes them as they are and fails deep in
+    the model's construction or its first forward (a hand-written config.json, model.overrides)."""
+    sizes = ["num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"]
+    sizes += [k for k in ("num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim")
+              if getattr(c, k, None) is not None]
+    if bad := [f"{k} {getattr(c, k)!r}" for k in sizes if not (isinstance(getattr(c, k), int) and getattr(c, k) >= 1)]:
+        raise ValueError(f"model: sizes must be whole numbers of at least 1: {', '.join(bad)}")
+    heads, kv_heads = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if heads % kv_heads:
+        raise ValueError(f"model: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+                         f"(each key-value head serves a whole group of query heads)")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if head_dim % 2:
+        raise ValueError(f"model: the attention heads' width {head_dim} (head_dim, or hidden_size "
+                         f"{c.hidden_size} // num_attention_heads {heads}) is odd: rotary embeddings turn pairs")
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts and not 1 <= getattr(c, "num_experts_per_tok", 0) <= experts:
+        raise ValueError(f"model: num_experts_per_tok {getattr(c, 'num_experts_per_tok', None)!r} must be "
+                         f"between 1 and the {experts} experts")
 
 
 class ModelShape:

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -167,8 +168,11 @@ class Trainer:
         existing = next((p for p in (out, *out.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():
             raise ValueError(f"output_dir {out}: {existing} is a file, not a folder")
-        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"output_dir {out}: {existing} cannot be written")
+        if existing is not None:
+            try:  # made and removed: permission bits do not say it for root, a read-only mount or /proc
+                os.rmdir(tempfile.mkdtemp(prefix=".megatrain-probe-", dir=existing))
+            except OSError as e:
+                raise ValueError(f"output_dir {out}: {existing} cannot be written (a folder made there: {e.strerror})") from None
         if self.cfg.resume:
             saved = checkpoint.saved_state(out / "state")
             if saved is None:

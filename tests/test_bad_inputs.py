@@ -55,6 +55,21 @@ def test_unsupported_architecture(tmp_path):
         Trainer(load_config(base={"model": {"config": str(tmp_path)}}))
 
 
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("tiny-qwen2", {"num_hidden_layers": 0}, "at least 1: num_hidden_layers 0"),
+    ("tiny-qwen2", {"hidden_size": -4, "vocab_size": 0}, "at least 1: hidden_size -4, vocab_size 0"),
+    ("tiny-qwen2", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("tiny-qwen2", {"hidden_size": 100}, "width 25 .* is odd"),
+    ("tiny-llama", {"head_dim": 15}, "width 15 .* is odd"),
+    ("tiny-qwen3-moe", {"num_experts_per_tok": 0}, "num_experts_per_tok 0 must be between 1 and the 4 experts"),
+    ("tiny-gpt-oss", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be between 1 and the 4 experts"),
+], ids=["no-layers", "negative", "kv-groups", "odd-heads", "odd-head-dim", "no-experts-picked", "too-many-picked"])
+def test_model_sizes_the_library_would_fail_on_are_named(capsys, preset, overrides, message):
+    """Each of these let through, the library's construction or first forward fails with a traceback."""
+    with pytest.raises(ValueError, match=f"^model: .*{message}"):
+        Trainer(load_config(base={"model": {"preset": preset, "overrides": overrides}, "engine": {"device": "cpu"}}))
+
+
 def test_sequence_longer_than_model_allows():
     with pytest.raises(ValueError, match="seq_len 512 exceeds the model's max_position_embeddings 256"):
         Trainer(load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"seq_len": 512},

@@ -2,6 +2,9 @@
 continues bit for bit like the uninterrupted one."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -141,9 +144,14 @@ def test_resume_without_a_saved_state_is_refused(tmp_path):
 def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_path):
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     (tmp_path / "file").write_text("x")
-    for where, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is a file")):
+    cases = [(tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is a file")]
+    if os.path.isdir("/proc/self"):  # a folder whose permission bits allow root to write, where nothing can be made
+        cases.append((Path("/proc/megatrain-out/run"), "/proc cannot be written"))
+    for where, message in cases:
         with pytest.raises(ValueError, match=message):
             Trainer(config(tmp_path, 2, output_dir=str(where)))
+    Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "new" / "run"))).close()  # a writable one is taken
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "init"]  # its probe removed, nothing made yet
 
 
 @pytest.mark.parametrize("clip, engine", [(None, {}), (1.0, {}), (None, {"device_tiles": 2}), (1.0, {"device_tiles": 2})],
