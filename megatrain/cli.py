@@ -19,6 +19,17 @@ def parse_with_settings(parser: argparse.ArgumentParser, argv: list[str] | None,
     return args
 
 
+def count(text: str) -> int:
+    """A whole number of at least 1, for a flag (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatrain", description="Layer-streaming full-precision LLM training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -31,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
-    plan.add_argument("--gpus", type=int, default=1,
+    plan.add_argument("--gpus", type=count, default=1,
                       help="plan for this many data-parallel ranks on the host (torchrun --nproc-per-node)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,

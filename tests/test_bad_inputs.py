@@ -270,3 +270,12 @@ def test_megatrain_plan_for_a_gpu_machine_from_one_without(capsys):
     assert main(args[:-1] + ["engine.device_memory_gb=79"]) == 2
     err = capsys.readouterr().err
     assert "state engine.host_memory_gb" in err and "engine.device_memory_gb" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("gpus, message", [("0", "at least 1, not 0"), ("-2", "at least 1, not -2"),
+                                           ("two", "a whole number, not 'two'")])
+def test_megatrain_plan_names_a_bad_rank_count(capsys, gpus, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "model.preset=tiny-qwen2", "--gpus", gpus])
+    assert stop.value.code == 2
+    assert f"argument --gpus: must be {message}" in capsys.readouterr().err
