@@ -6,6 +6,7 @@ with a ValueError that names the setting to change.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
@@ -341,6 +342,8 @@ class TrainConfig:
             raise ValueError(f"log_every must be at least 1, not {self.log_every}")
         if (self.save_every or self.resume or self.tensorboard) and not self.output_dir:
             raise ValueError("save_every, resume and tensorboard need output_dir")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:  # before anything is written
+            raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
         if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):
             raise ValueError("eval_every needs held-out data: data.eval_path or data.eval_fraction")
 

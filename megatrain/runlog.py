@@ -36,11 +36,8 @@ class RunLog:
         self.file = open(out / "metrics.jsonl", "a") if out else None
         self.json_lines, self.log_every = json_lines, log_every
         self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+        if tensorboard:  # the package is there: the run's settings checked it (config.py)
+            from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(out / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, unit="step", file=sys.stderr,
                         dynamic_ncols=True)

@@ -279,3 +279,14 @@ def test_megatrain_plan_names_a_bad_rank_count(capsys, gpus, message):
         main(["plan", "model.preset=tiny-qwen2", "--gpus", gpus])
     assert stop.value.code == 2
     assert f"argument --gpus: must be {message}" in capsys.readouterr().err
+
+
+def test_tensorboard_without_its_package_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    out = tmp_path / "out"
+    assert main(["train", "--no-progress", "model.preset=tiny-qwen2", "engine.device=cpu", "data.seq_len=16",
+                 "steps=1", f"output_dir={out}", "tensorboard=true"]) == 2
+    assert "tensorboard: true needs the tensorboard package" in capsys.readouterr().err
+    assert not out.exists()
