@@ -136,6 +136,7 @@ written=$(ls -d "results/$hw" "plots/$hw" "logs/$hw" 2>/dev/null)
 { [ -z "$written" ] || { find $written -type f -newer "$started" -print0
   [ "$mode" = run ] || grep -E "^($(echo $written | tr ' ' '|'))/" "$state/joined" 2>/dev/null | tr '\n' '\0'; }; } \
   | sort -zu | tar czf "${OUT:-out}/workflow.tgz" --null -T -
-# the harness's table of the point folders named (an experiment's target prints its own)
-dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u)
+# the harness's table of the point folders named that hold a result (an experiment's target prints its own)
+dirs=$(for t in $(echo "$@" | tr , ' '); do case $t in results/*/points/*/*.json) dirname "$t" ;; esac; done | sort -u \
+  | while read -r d; do [ -d "$d" ] && echo "$d"; done)
 [ -z "$dirs" ] || python3 -m suite table $dirs

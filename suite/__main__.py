@@ -229,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_with_settings(p, argv, "option")
     if args.command == "run" and bool(args.preset) == bool(args.config):
         p.error("run: give exactly one of --preset and --config")
+    if args.command in ("table", "project") and (missing := [f for f in args.folders if not os.path.isdir(f)]):
+        p.error(f"{args.command}: not a folder of results: {', '.join(missing)}")
     if args.command == "table":
         from suite.table import main as table
         return table(args.folders)
     if args.command == "project":
-        from pathlib import Path
-
         from suite.projection import write_report
         print(write_report([Path(f) for f in args.folders], Path(args.out)), end="")
         return 0

@@ -290,3 +290,12 @@ def test_tensorboard_without_its_package_is_refused_before_anything_is_written(t
                  "steps=1", f"output_dir={out}", "tensorboard=true"]) == 2
     assert "tensorboard: true needs the tensorboard package" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["table", "project"])
+def test_a_missing_results_folder_is_named(tmp_path, capsys, command):
+    from suite.__main__ import main as suite_main
+    with pytest.raises(SystemExit) as stop:
+        suite_main([command, str(tmp_path), str(tmp_path / "nowhere")])
+    assert stop.value.code == 2
+    assert f"{command}: not a folder of results: {tmp_path / 'nowhere'}" in capsys.readouterr().err
