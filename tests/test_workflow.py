@@ -296,3 +296,25 @@ def test_an_include_cycle_is_refused(tmp_path):
              "experiments": {"scale": {"points": [{"id": name, "system": "megatrain", "preset": "tiny-llama"}]}}}))
     with pytest.raises(ValueError, match="includes itself: a -> b -> a"):
         grid.load(tmp_path / "a.yaml")
+
+
+def test_a_missing_grid_is_named_with_those_beside_it(tmp_path):
+    (tmp_path / "h100.yaml").write_text("hardware: h100\n")
+    with pytest.raises(ValueError, match=r"h300.yaml: no such file \(beside it: h100\)"):
+        grid.load(tmp_path / "h300.yaml")
+
+
+def test_the_workflow_config_is_checked_by_its_schema():
+    """`--config partial=false` (the string "false" from Snakemake) is false; a misspelt key or a
+    value of the wrong kind is refused by name; every profile's workflow.yaml passes."""
+    from snakemake.exceptions import WorkflowError
+
+    from workflows.scripts.settings import checked
+    assert checked({"partial": "false"}) == {"partial": False}
+    assert checked({"partial": "true", "host_memory_gb": 500})["partial"] is True
+    for bad, named in (({"parital": "true"}, "'parital' was unexpected"), ({"partial": "maybe"}, "'maybe'"),
+                       ({"host_memory_gb": 0}, "minimum of 0"), ({"compare": {"hardware": "h100"}}, "'h100'")):
+        with pytest.raises(WorkflowError, match=named):
+            checked(bad)
+    for workflow_yaml in sorted((ROOT / "profiles").glob("*/workflow.yaml")):
+        checked(yaml.safe_load(workflow_yaml.read_text()))

@@ -6,8 +6,9 @@ import sys
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)  # workflows.scripts and megatrain's suite, from the repo root
-from workflows.scripts import grid as gridlib  # noqa: E402
+from workflows.scripts import grid as gridlib, settings  # noqa: E402
 
+settings.checked(config)
 GRID_FILE = config.get("grid", "workflows/grids/cpu.yaml")
 GRID = gridlib.load(GRID_FILE)
 validate(GRID, "schemas/grid.schema.yaml")
@@ -53,17 +54,13 @@ def point_gpus(wildcards):
 
 def host_memory_env(wildcards):
     """The host's size as the profile or the user states it (GiB), for every system's admission."""
-    stated = config.get("host_memory_gb")
-    if stated is None:
-        return ""
-    if not isinstance(stated, (int, float)) or isinstance(stated, bool) or stated <= 0:
-        raise ValueError(f"host_memory_gb must be a positive number of GiB, not {stated!r}")
-    return f"MEGATRAIN_HOST_MEMORY_GB={stated} "
+    stated = config.get("host_memory_gb")  # a positive number where given (schemas/config.schema.yaml)
+    return "" if stated is None else f"MEGATRAIN_HOST_MEMORY_GB={stated} "
 
 
 # `--config partial=true`: tables and figures from the points that have a result, without running
 # the others (their rows say not_run): a grid measured over several sessions, figures on the way.
-PARTIAL = bool(config.get("partial", False))
+PARTIAL = config.get("partial", False)
 
 
 def point_files(experiment):

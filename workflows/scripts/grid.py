@@ -26,6 +26,9 @@ def load(path: str | Path, _including: tuple[str, ...] = ()) -> dict:
     path = Path(path)
     if path.stem in _including:
         raise ValueError(f"grid {path.stem!r} includes itself: {' -> '.join((*_including, path.stem))}")
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        raise ValueError(f"grid {path}: no such file" + (f" (beside it: {', '.join(known)})" if known else ""))
     with open(path, encoding="utf-8") as f:
         grid = yaml.safe_load(f)
     for name in grid.get("include", []):
