@@ -1,4 +1,5 @@
-"""Atomic writes: a file or folder appears complete or not at all, whatever kills the writer."""
+"""Atomic writes: a file or folder appears complete or not at all, whatever kills the writer; and
+the check, before any work, that a folder can be written."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,22 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def check_writable(folder: str | Path, what: str) -> None:
+    """Raise ValueError naming `what` unless `folder` exists or can be made, and a folder can be made
+    in it: tried (made and removed) on its nearest existing parent, since the permission bits say
+    nothing for root, a read-only mount or /proc. Nothing is left behind."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise ValueError(f"{what} {folder}: {existing} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatrain-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"{what} {folder}: {existing} cannot be written (a folder made there: {e.strerror})") from None
 
 
 @contextmanager

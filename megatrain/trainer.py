@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from megatrain.device import Device
 from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_batch,
                                    shared_memory_free)
 from megatrain.engine import Engine
-from megatrain.io import write_json
+from megatrain.io import check_writable, write_json
 from megatrain.kernel_build import check_vector_isas
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at, rates
@@ -165,14 +164,7 @@ class Trainer:
         if not self.cfg.output_dir:
             return
         out = Path(self.cfg.output_dir)
-        existing = next((p for p in (out, *out.parents) if p.exists()), None)
-        if existing is not None and not existing.is_dir():
-            raise ValueError(f"output_dir {out}: {existing} is a file, not a folder")
-        if existing is not None:
-            try:  # made and removed: permission bits do not say it for root, a read-only mount or /proc
-                os.rmdir(tempfile.mkdtemp(prefix=".megatrain-probe-", dir=existing))
-            except OSError as e:
-                raise ValueError(f"output_dir {out}: {existing} cannot be written (a folder made there: {e.strerror})") from None
+        check_writable(out, "output_dir")
         if self.cfg.resume:
             saved = checkpoint.saved_state(out / "state")
             if saved is None:

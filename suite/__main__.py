@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatrain.cli import parse_with_settings
 from megatrain.config import parse_overrides
-from megatrain.io import write_json
+from megatrain.io import check_writable, write_json
 from megatrain.units import GiB
 from suite.accuracy.experiment import Settings
 from suite.check import check
@@ -59,6 +59,7 @@ def _run(args) -> int:
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
                        lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
                        timeout_s=args.timeout, options=_options(args.option), gpus=args.gpus)
+        check_writable(Path(args.out).parent, "--out")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

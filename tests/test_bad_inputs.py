@@ -299,3 +299,16 @@ def test_a_missing_results_folder_is_named(tmp_path, capsys, command):
         suite_main([command, str(tmp_path), str(tmp_path / "nowhere")])
     assert stop.value.code == 2
     assert f"{command}: not a folder of results: {tmp_path / 'nowhere'}" in capsys.readouterr().err
+
+
+def test_a_result_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    from suite.__main__ import main as suite_main
+    (tmp_path / "file").write_text("x")
+    cases = [(tmp_path / "file" / "r.json", "is a file, not a folder")]
+    if Path("/proc/self").is_dir():  # root may write anywhere the permission bits say; nothing can be made here
+        cases.append((Path("/proc/megatrain/r.json"), "/proc cannot be written"))
+    for out, message in cases:
+        assert suite_main(["run", "--system", "megatrain", "--preset", "tiny-qwen2", "--seq", "16", "--batch", "2",
+                           "--steps", "1", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
