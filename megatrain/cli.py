@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from megatrain.config import load_config, settings_help
 
@@ -28,6 +30,17 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def saved_where(output_dir: str | None) -> str:
+    """What an interrupted run leaves to resume from, in words."""
+    if not output_dir:
+        return "nothing was saved (no output_dir)"
+    state = Path(output_dir) / "state" / "state.json"
+    if not state.is_file():
+        return f"no training state saved yet in {output_dir}"
+    step = json.loads(state.read_text())["step"]
+    return f"{output_dir}/state holds step {step}: resume=true continues from it"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megatrain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("megatrain: interrupted before training began; nothing was written", file=sys.stderr)
+        return 130
     try:
         json_lines = args.json if args.json is not None else not sys.stdout.isatty()
         trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
@@ -69,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megatrain: error at step {trainer.step + 1}: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C: a save cut short leaves the last complete one (io.atomic_dir)
+        if args.debug:
+            raise
+        print(f"megatrain: interrupted after step {trainer.step} of {trainer.total_steps}; "
+              f"{saved_where(cfg.output_dir)}", file=sys.stderr)
+        return 130
     finally:
         trainer.close()
     return 0

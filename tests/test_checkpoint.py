@@ -2,6 +2,7 @@
 continues bit for bit like the uninterrupted one."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -216,3 +217,34 @@ def test_resume_names_each_change_of_meaning(tmp_path):
         Trainer(cfg)
     cfg = config(tmp_path, 2, output_dir=str(tmp_path / "r"), resume=True, engine={"checkpoint_every": 1})
     Trainer(cfg).close()  # how the engine runs is not what the run means
+
+
+def test_ctrl_c_says_which_saved_step_a_resume_continues_from(tmp_path, capsys, monkeypatch):
+    """Interrupted in its fourth step, saving every two: exit 130, no traceback, the message names
+    the state's step, and that state is complete (what resume reads); interrupted while the trainer
+    is built, nothing is written."""
+    from megatrain.cli import main
+    train_step, calls = Trainer.train_step, []
+
+    def interrupted_fourth(self, microbatches):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return train_step(self, microbatches)
+    monkeypatch.setattr(Trainer, "train_step", interrupted_fourth)
+    out = tmp_path / "run"
+    args = ["train", "--no-progress", "--no-json", "model.preset=tiny-qwen2", "engine.device=cpu", "data.seq_len=16",
+            "steps=10", "save_every=2", f"output_dir={out}"]
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted after step 3 of 10; {out}/state holds step 2: resume=true continues from it" in err
+    assert "Traceback" not in err
+    assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "state"]
+
+    def interrupted_build(self, *a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "__init__", interrupted_build)
+    assert main([*args[:-1], f"output_dir={tmp_path / 'never'}"]) == 130
+    assert "interrupted before training began; nothing was written" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
