@@ -319,6 +319,9 @@ class TrainConfig:
     # resume although settings that change the run's meaning (steps, schedule, data, batch, seed)
     # differ from the saved run's; each difference is named either way
     resume_changes: bool = False
+    # start afresh where output_dir holds an earlier run's outputs, which are removed first; without
+    # it (or resume) such a run is refused, so that a rerun never replaces an earlier one unasked
+    overwrite: bool = False
     eval_every: int | None = None  # steps between evaluations of the held-out data; None: at the end only
     eval_batches: int | None = None  # micro-batches of held-out data per evaluation; None: all of it
     log_every: int = 10  # steps between the console's summary lines
@@ -340,8 +343,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, or null")
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, not {self.log_every}")
-        if (self.save_every or self.resume or self.tensorboard) and not self.output_dir:
-            raise ValueError("save_every, resume and tensorboard need output_dir")
+        if (self.save_every or self.resume or self.tensorboard or self.overwrite) and not self.output_dir:
+            raise ValueError("save_every, resume, overwrite and tensorboard need output_dir")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: resume continues the earlier run in "
+                             "output_dir, overwrite replaces it")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:  # before anything is written
             raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
         if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):

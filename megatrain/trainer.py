@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -39,6 +40,16 @@ from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import HostStore, check_pretrained
 from megatrain.templates import Architecture
 from megatrain.units import GiB
+
+
+# What a run writes in output_dir (runlog.py, save_state, save_pretrained): a new run there is
+# refused while any is left from an earlier one, unless it resumes that run or overwrites it.
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "state", "model")
+
+
+def earlier_outputs(out: Path) -> list[Path]:
+    """The run outputs in `out`, with the copies a save cut short between its renames left (io.atomic_dir)."""
+    return [p for name in RUN_OUTPUTS for p in (out / name, out / f".{name}.old") if p.exists()]
 
 
 # Settings whose change alters what a resumed run means: the schedule's length and shape, the
@@ -165,6 +176,10 @@ class Trainer:
             return
         out = Path(self.cfg.output_dir)
         check_writable(out, "output_dir")
+        earlier = earlier_outputs(out) if not (self.cfg.resume or self.cfg.overwrite) else []
+        if earlier:
+            raise ValueError(f"output_dir {out} holds an earlier run's {', '.join(p.name for p in earlier)}: "
+                             f"resume=true continues that run, overwrite=true replaces it, or name another output_dir")
         if self.cfg.resume:
             saved = checkpoint.saved_state(out / "state")
             if saved is None:
@@ -231,6 +246,9 @@ class Trainer:
         the held-out data every eval_every steps and at the end; the state and the model saved."""
         cfg = self.cfg
         out = Path(cfg.output_dir) if cfg.output_dir else None
+        if out and cfg.overwrite and self.ranks.rank == 0:  # the earlier run's outputs go before any of this one's
+            for path in earlier_outputs(out):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         if self.ranks.rank != 0:  # one rank writes the log; every rank saves (the first alone writes)
             runlog = RunLog(None, self.total_steps, self.step, cfg.log_every, False, False, None, quiet=True)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,36 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
             Trainer(config(tmp_path, 2, output_dir=str(where)))
     Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "new" / "run"))).close()  # a writable one is taken
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "init"]  # its probe removed, nothing made yet
+
+
+def test_a_rerun_never_replaces_an_earlier_run_unasked(tmp_path):
+    """A second run into an output_dir that holds a run's outputs is refused, naming them, with
+    nothing changed; overwrite=true removes them before writing its own; resume with it is refused;
+    a state left as its `.old` copy by a save cut short counts as an earlier run's."""
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    out = tmp_path / "run"
+    first = Trainer(config(tmp_path, 3, output_dir=str(out)))
+    first.fit(progress=False)
+    first.close()
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert sorted(before) == ["metrics.jsonl", "model", "state"]
+    with pytest.raises(ValueError, match="holds an earlier run's metrics.jsonl, state, model: resume=true continues"):
+        Trainer(config(tmp_path, 2, output_dir=str(out)))
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    with pytest.raises(ValueError, match="resume and overwrite exclude each other"):
+        config(tmp_path, 2, output_dir=str(out), resume=True, overwrite=True)
+    second = Trainer(config(tmp_path, 2, output_dir=str(out), overwrite=True))
+    (out / "tensorboard").mkdir()  # an earlier run's events, which this run does not write
+    second.fit(progress=False)
+    second.close()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "model", "state"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
+    os.replace(out / "state", out / ".state.old")
+    (out / "metrics.jsonl").unlink()
+    shutil.rmtree(out / "model")
+    with pytest.raises(ValueError, match="holds an earlier run's .state.old"):
+        Trainer(config(tmp_path, 2, output_dir=str(out)))
 
 
 @pytest.mark.parametrize("clip, engine", [(None, {}), (1.0, {}), (None, {"device_tiles": 2}), (1.0, {"device_tiles": 2})],
