@@ -118,9 +118,10 @@ class Timeline:
         with self._lock:  # this step's origin, read with the list the span joins
             self._open.append((track, kind, label, start - self._host0, end - self._host0))
 
-    def spans(self) -> list[Span]:
-        """The step's spans, cut to it: the optimizer's thread works across step boundaries (the
-        last step's update beside this step's forward), and only its part within this step counts."""
+    def spans(self, cut: bool = True) -> list[Span]:
+        """The step's spans from its start. The optimizer's thread works across step boundaries (the
+        last step's update beside this step's forward, this step's after its end): `cut`, only
+        their parts within the step (what the step's summary counts); else as they ran (a trace)."""
         with self._lock:
             rows = list(self._open)
         out = []
@@ -128,10 +129,11 @@ class Timeline:
             if not isinstance(start, float):  # CUDA events, complete after the step's synchronize
                 start = self._event0.elapsed_time(start) / 1e3
                 end = self._event0.elapsed_time(end) / 1e3
-            if self._step_end is not None:
+            start = max(start, 0.0)
+            if cut and self._step_end is not None:
                 end = min(end, self._step_end)
-            if end > 0.0:
-                out.append(Span(track, kind, label, max(start, 0.0), end))
+            if end > 0.0 and end >= start:  # a span wholly after the step's end has no part in it
+                out.append(Span(track, kind, label, start, end))
         return sorted(out, key=lambda s: s.start_s)
 
     def summary(self) -> dict[str, float]:
@@ -162,11 +164,11 @@ class Timeline:
 
     def chrome_trace(self) -> dict:
         """The step as a Chrome trace (opens in Perfetto / chrome://tracing): one thread per track,
-        each span's kind as its category."""
+        each span's kind as its category, the optimizer's updates running past the step's end whole."""
         tracks = list(Track)
         events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": str(t)}}
                   for i, t in enumerate(tracks)]
-        for span in self.spans():
+        for span in self.spans(cut=False):
             events.append({"name": span.name, "cat": str(span.kind), "ph": "X", "pid": 0,
                            "tid": tracks.index(span.track), "ts": span.start_s * 1e6,
                            "dur": max(0.0, span.end_s - span.start_s) * 1e6})

@@ -232,9 +232,11 @@ class Trainer:
         return shard_batch(mb, self.ranks)
 
     def write_trace(self, path: str | Path) -> None:
-        """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev)."""
+        """The last step's timeline as a Chrome trace (open it in https://ui.perfetto.dev), once its
+        optimizer updates, which run on after the step returns, are done and in it."""
         if not self.settings.timeline:
             raise ValueError("write_trace needs engine.timeline: true")
+        self.engine.worker.flush()
         write_json(path, self.engine.timeline.chrome_trace())
 
     def next_microbatches(self) -> list[Batch]:

@@ -269,10 +269,15 @@ def test_timeline_breakdown_and_trace(tmp_path):
                                     (tl.Track.COMPUTE, tl.Kind.BACKWARD, 1.2, 2.0), (tl.Track.HOST, tl.Kind.WAIT_OPTIMIZER, 2.1, 2.3),
                                     (tl.Track.COMPUTE, tl.Kind.BACKWARD, 2.5, 2.9), (tl.Track.COMPUTE, tl.Kind.REDUCE, 2.9, 3.0),
                                     # the main thread issuing ops: one around the blocked wait, one in the tail
-                                    (tl.Track.ISSUE, tl.Kind.ISSUE, 1.9, 2.4), (tl.Track.ISSUE, tl.Kind.ISSUE, 3.2, 3.3)):
+                                    (tl.Track.ISSUE, tl.Kind.ISSUE, 1.9, 2.4), (tl.Track.ISSUE, tl.Kind.ISSUE, 3.2, 3.3),
+                                    # the optimizer's thread: one update across the step's end, one after it
+                                    (tl.Track.OPTIMIZER, tl.Kind.UPDATE, 3.4, 3.7), (tl.Track.OPTIMIZER, tl.Kind.UPDATE, 3.6, 3.8)):
         t._add(track, kind, "", start, end)
     t._step_end = 3.5
     got = t.summary()
+    assert got["optimizer_busy_s"] == pytest.approx(0.1)  # within the step only; none negative
+    ran = [e["dur"] for e in t.chrome_trace()["traceEvents"] if e.get("cat") == "update"]
+    assert ran == pytest.approx([0.3e6, 0.2e6])  # the trace shows both as they ran
     assert (got["wait_weights_s"], got["optimizer_exposed_s"]) == pytest.approx((0.2, 0.2))
     assert got["idle_unattributed_s"] == pytest.approx(0.8) and got["gpu_busy_s"] == pytest.approx(2.3)
     assert got["reduce_s"] == pytest.approx(0.1)  # the gradient's reduction among ranks: busy, and apart
