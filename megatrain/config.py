@@ -385,6 +385,26 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a key given twice in one mapping, where PyYAML keeps the last one
+    silently (a second `data:` section would drop the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:  # before a merge (`<<`), whose keys a mapping may override
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key_node.value!r} is given twice in one mapping", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as yaml.safe_load reads it, a key given twice in one mapping refused (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeys)
+
+
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     """`key.sub=value` strings to (key, value) pairs; values parse as YAML scalars."""
     pairs = []
@@ -392,7 +412,10 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"override {item!r} is not of the form key.sub=value")
-        pairs.append((key.strip(), yaml.safe_load(raw)))
+        try:
+            pairs.append((key.strip(), load_yaml(raw)))
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: its value is not valid YAML: {e}") from None
     return pairs
 
 
@@ -405,7 +428,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         except OSError as e:
             raise ValueError(f"cannot read config {path}: {e.strerror}") from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = load_yaml(text)
         except yaml.YAMLError as e:
             raise ValueError(f"config {path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -33,6 +33,19 @@ def test_malformed_yaml(tmp_path, capsys):
     assert "not valid YAML" in run_cli(tmp_path, capsys, "model: [preset: tiny-qwen2\n")
 
 
+def test_a_key_given_twice_is_named(tmp_path, capsys):
+    """PyYAML keeps the last of a repeated key: the first `data:` section's seq_len would be lost."""
+    err = run_cli(tmp_path, capsys, "model:\n  preset: tiny-qwen2\ndata:\n  seq_len: 32\nsteps: 2\ndata:\n  batch_size: 2\n")
+    assert "the key 'data' is given twice in one mapping" in err and "line 6" in err
+
+
+@pytest.mark.parametrize("override, message", [("steps=[1", "its value is not valid YAML"),
+                                               ("model.overrides={a: 1, a: 2}", "the key 'a' is given twice")])
+def test_an_override_that_is_not_yaml_is_named(tmp_path, capsys, override, message):
+    err = run_cli(tmp_path, capsys, "model:\n  preset: tiny-qwen2\n", override)
+    assert f"override {override!r}: " in err and message in err
+
+
 def test_unknown_keys_are_named(tmp_path, capsys):
     err = run_cli(tmp_path, capsys, "model:\n  preset: tiny-qwen2\nengine:\n  chekpoint_every: 2\n")
     assert "engine" in err and "chekpoint_every" in err

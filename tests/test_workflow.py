@@ -298,6 +298,13 @@ def test_an_include_cycle_is_refused(tmp_path):
         grid.load(tmp_path / "a.yaml")
 
 
+def test_a_point_key_given_twice_in_a_grid_is_named(tmp_path):
+    (tmp_path / "g.yaml").write_text("hardware: g\nexperiments:\n  scale:\n    points:\n"
+                                      "      - {id: a, system: megatrain, preset: tiny-llama, seq: 8, seq: 16}\n")
+    with pytest.raises(ValueError, match="g.yaml is not valid YAML: the key 'seq' is given twice"):
+        grid.load(tmp_path / "g.yaml")
+
+
 def test_a_missing_grid_is_named_with_those_beside_it(tmp_path):
     (tmp_path / "h100.yaml").write_text("hardware: h100\n")
     with pytest.raises(ValueError, match=r"h300.yaml: no such file \(beside it: h100\)"):

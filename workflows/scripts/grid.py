@@ -29,8 +29,11 @@ def load(path: str | Path, _including: tuple[str, ...] = ()) -> dict:
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
         raise ValueError(f"grid {path}: no such file" + (f" (beside it: {', '.join(known)})" if known else ""))
-    with open(path, encoding="utf-8") as f:
-        grid = yaml.safe_load(f)
+    from megatrain.config import load_yaml
+    try:
+        grid = load_yaml(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"grid {path} is not valid YAML: {e}") from None
     for name in grid.get("include", []):
         _merge(grid, load(path.parent / f"{name}.yaml", (*_including, path.stem)))
     return grid
