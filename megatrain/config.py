@@ -172,6 +172,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
         if isinstance(self.mlp_chunk_tokens, int) and self.mlp_chunk_tokens < 1:
             raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {self.mlp_chunk_tokens}")
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise ValueError(f"engine.optimizer_threads must be at least 1, or null, not {self.optimizer_threads}")
         for name in ("grad_slabs", "device_tiles", "no_recompute_layers"):
             n = getattr(self, name)
             if isinstance(n, int) and n < 0:
@@ -245,6 +247,9 @@ class OptimConfig:
             raise ValueError(f"optim.betas must be two numbers in [0, 1), not {self.betas}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("optim.max_grad_norm must be positive, or null to disable clipping")
+        for name in ("eps", "weight_decay"):  # as torch.optim.AdamW checks them
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"optim.{name} must be at least 0, not {getattr(self, name)}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
 

@@ -62,6 +62,17 @@ def test_bad_values_are_named():
         Trainer(load_config(base={"model": {"preset": "qwen9-1t"}}))
 
 
+@pytest.mark.parametrize("section, key, value, message", [
+    ("optim", "weight_decay", -0.1, "optim.weight_decay must be at least 0, not -0.1"),
+    ("optim", "eps", -1e-8, "optim.eps must be at least 0"),
+    ("engine", "optimizer_threads", 0, "engine.optimizer_threads must be at least 1, or null, not 0"),
+])
+def test_numbers_out_of_their_range_are_named(section, key, value, message):
+    """Each of these let through, torch refuses it at the first step or (0 threads) it is read as the default."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(base={"model": {"preset": "tiny-qwen2"}, section: {key: value}})
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(ValueError, match="'gpt2' is not supported.*llama"):
