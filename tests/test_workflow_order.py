@@ -35,3 +35,24 @@ def test_points_run_in_the_grids_order_whatever_the_targets_order(tmp_path):
     finally:
         for kind in ("results", "logs", "plots"):
             subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="this machine has an NVIDIA GPU")
+def test_a_gpu_grid_runs_no_point_without_a_gpu(tmp_path):
+    """A grid with `needs_gpu` on this GPU-less machine: its point's job stops before the harness,
+    saying why, and writes no result (the harness would measure the CPU and file it as the GPU's)."""
+    hw = f"gpuless{tmp_path.name[-6:]}".replace("_", "")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"hardware: {hw}\nneeds_gpu: true\ndefaults: {{seq: 8, batch: 1, accum: 1, steps: 1, warmup: 0, "
+                    "timeout: 60}\nexperiments:\n  quick:\n    points:\n      - {id: a, system: native, preset: tiny-llama}\n")
+    try:
+        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "cpu", "-c1",
+                               f"results/{hw}/points/quick/a.json", "--config", f"grid={grid}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+        assert done.returncode != 0
+        assert f"grid {hw} needs an NVIDIA GPU and this machine has none" in done.stderr
+        assert not (ROOT / "results" / hw).exists()
+    finally:
+        for kind in ("results", "logs", "plots"):
+            subprocess.run(["rm", "-rf", str(ROOT / kind / hw)])

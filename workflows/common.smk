@@ -58,6 +58,16 @@ def host_memory_env(wildcards):
     return "" if stated is None else f"MEGATRAIN_HOST_MEMORY_GB={stated} "
 
 
+def gpu_guard(wildcards):
+    """A grid that needs a GPU (`needs_gpu`): its point's job stops, saying why, where this machine
+    has none, before the harness would measure the CPU (its result filed under the grid's hardware)."""
+    if not GRID.get("needs_gpu"):
+        return ""
+    return ("{ [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } || { echo 'grid " + HW
+            + " needs an NVIDIA GPU and this machine has none: its point is not run (--config partial=true draws"
+            " the tables without running points; --profile cpu runs the CPU grid)' >&2; exit 1; }; ")
+
+
 # `--config partial=true`: tables and figures from the points that have a result, without running
 # the others (their rows say not_run): a grid measured over several sessions, figures on the way.
 PARTIAL = config.get("partial", False)

@@ -6,6 +6,7 @@ rule point:
     The worker's own log lands beside the JSON. `host_memory_gb` (the profile's config or
     `--config host_memory_gb=N`) states the host's size to every system's admission
     (MEGATRAIN_HOST_MEMORY_GB): a host whose MemTotal grows as memory is used reads too small at first.
+    A grid that needs a GPU (`needs_gpu`) runs no point where there is none (gpu_guard).
     A point with `same_as` (the same run as another point of its grid: depth's L28 is scale's 7B) is
     not run again: its source is made first, and its result written as this point's (--same-as)."""
     input:
@@ -23,5 +24,6 @@ rule point:
     params:
         args=point_args,
         host=host_memory_env,
+        gpu=gpu_guard,
     shell:
-        "{params.host}exec python -m suite run {params.args} --workflow-job --out {output} > {log} 2>&1"
+        "{params.gpu}{params.host}exec python -m suite run {params.args} --workflow-job --out {output} > {log} 2>&1"
