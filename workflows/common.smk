@@ -63,9 +63,10 @@ def gpu_guard(wildcards):
     has none, before the harness would measure the CPU (its result filed under the grid's hardware)."""
     if not GRID.get("needs_gpu"):
         return ""
-    return ("{ [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } || { echo 'grid " + HW
-            + " needs an NVIDIA GPU and this machine has none: its point is not run (--config partial=true draws"
-            " the tables without running points; --profile cpu runs the CPU grid)' >&2; exit 1; }; ")
+    found = "[ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU '"
+    why = (f"grid {HW} needs an NVIDIA GPU and this machine has none: its point is not run (--config "
+           "partial=true draws the tables without running points; --profile cpu runs the CPU grid)")
+    return f"{{ {found}; }} || {{ echo '{why}' >&2; exit 1; }}; "
 
 
 # `--config partial=true`: tables and figures from the points that have a result, without running
