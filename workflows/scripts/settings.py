@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 
 def checked(config: dict) -> dict:
-    """`config`, its `partial` a boolean, validated (snakemake.utils.validate raises naming the key)."""
+    """`config`, validated (snakemake.utils.validate raises naming the key), its boolean keys made
+    booleans: `--config partial=true` arrives as the string "true" (Snakemake makes booleans of
+    True and False only), which the schema would refuse and `bool()` would read as true even for "false"."""
     from snakemake.utils import validate
-    # `--config partial=true` arrives as the string "true": Snakemake makes booleans of True and False only
-    if str(config.get("partial")).lower() in ("true", "false"):
-        config["partial"] = str(config["partial"]).lower() == "true"
+    schema = yaml.safe_load(SCHEMA.read_text())
+    for key, spec in schema["properties"].items():
+        if spec.get("type") == "boolean" and str(config.get(key)).lower() in ("true", "false"):
+            config[key] = str(config[key]).lower() == "true"
     validate(config, str(SCHEMA))
     return config
