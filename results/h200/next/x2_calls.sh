@@ -22,8 +22,8 @@
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batches 3-7 made (7's point: 483 s wall,
-# within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); `lean` about 5, a
-# call of its own.
+# within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); 11 about 4; `lean`
+# about 5 and the timeline's GPU test, a call of its own.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -53,8 +53,14 @@ case $1 in
       # machine at 3B); 7B FSDP2 took 110-152 s of set-up on this host before, so about 80-120 s now
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
+    elif [ "$2" = 11 ]; then
+      # scale/7b_megatrain again with the current kernels, so that the scale figure's line joins one
+      # setting (made at a4bc0bd: 409.2 model TFLOP/s, 15.17 s; the x4 host's at 5981b74: 444.1, 13.98).
+      # Prediction: 435-445 model TFLOP/s, about 14.0 s a step, 3-4 minutes of wall
+      rm -f $R/scale/7b_megatrain.json
+      T=$R/scale/7b_megatrain.json
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9 runs alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9 and 11 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 7: 7b_ratel, Ratel's disk route at the 7B shape (its GPT: 4.88 B parameters) with
       # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why), under a 900 s limit: made, 86.3 s an
@@ -95,7 +101,9 @@ for k in ("library", "lean"):
     print(k, "ms by kind:", {c: round(v, 1) for c, v in sorted(kinds.items())})
     print(k, "ms a layer:", {layer: round(v, 1) for layer, v in sorted(ms.items(), key=lambda x: int(x[0][1:]))})
 PY
-    python3 -m suite table $OUT/lean ;;
+    python3 -m suite table $OUT/lean
+    # the timeline's breakdown and trace on the GPU (its per-step summary was changed on the CPU)
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k timeline 2>&1 | tail -3 | tee $OUT/lean/pytest_timeline.txt ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
     experiments/workflow_gpu.sh --attach $((${2:-550} - SECONDS)) h200 2>&1 | tail -40 ;;
 esac
