@@ -146,6 +146,30 @@ def test_unread_down_projection_keeps_numerics(tmp_path, cuda_only, monkeypatch)
     torch.testing.assert_close(skipped, train(tmp_path, {}), rtol=0, atol=0)
 
 
+def test_timeline_times_the_gpu_steps_and_traces_them(tmp_path, cuda_only):
+    """On the GPU the timeline reads CUDA events for the streams and host clocks for the optimizer:
+    each step's breakdown is within the step, nothing in it negative, the copies both ways and the
+    optimizer seen; the trace holds every layer's passes and the last step's updates."""
+    import json
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    _, trainer = gpu_trainer(tmp_path)
+    try:
+        for mbs in random_batches(3, 2, BATCH, SEQ, 256, pad=True):
+            e = trainer.train_step(mbs)["exposed"]
+            assert min(e.values()) >= 0, e
+            assert 0 < e["gpu_busy_s"] <= e["step_s"] and e["optimizer_exposed_s"] <= e["host_blocked_on_optimizer_s"]
+            assert e["h2d_busy_s"] > 0 and e["d2h_busy_s"] > 0 and e["optimizer_busy_s"] > 0
+        trainer.write_trace(tmp_path / "trace.json")
+    finally:
+        trainer.close()
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 for e in spans)
+    names = {e["name"] for e in spans}
+    layers = OVERRIDES["num_hidden_layers"]
+    assert {f"forward L{layers - 1}", "head", "recompute L0", "backward L0", "load layer.0"} <= names
+    assert any(e["cat"] == "update" and e["name"].startswith("update layer.0 [") for e in spans)
+
+
 def test_suite_run_forks_a_worker_that_trains_on_the_gpu(cuda_only, tmp_path):
     """`suite run` asks NVML, not CUDA, whether there is a GPU, so its worker is forked from its
     imports and still takes the GPU (a runner that touched CUDA would leave it a fresh worker)."""
