@@ -151,17 +151,22 @@ def _plain_arch_list() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
-def _init_distributed(deepspeed, device: torch.device) -> Ranks:
+def _init_distributed(deepspeed, device: torch.device) -> tuple[Ranks, dict[str, str | None]]:
     """torchrun's ranks (DeepSpeed reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK
-    from its environment), or a one-process group given the same variables."""
+    from its environment), or a one-process group given the same variables for the run, and their
+    values before it, which `close` puts back (a later run in this process, or a process started from
+    it, would inherit a port that another process may hold by then)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_device(index)
     ranks = Ranks.from_env()
+    before = {}
     if not ranks.distributed:  # DeepSpeed picks its device from LOCAL_RANK
-        os.environ.update(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(hf.free_port()))
+        single = dict(RANK="0", LOCAL_RANK=str(index), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(hf.free_port()))
+        before = {k: os.environ.get(k) for k in single}
+        os.environ.update(single)
     deepspeed.init_distributed(verbose=False)
-    return ranks
+    return ranks, before
 
 
 class ZeroSystem(System):
@@ -177,7 +182,7 @@ class ZeroSystem(System):
         if stale := stale_build_locks():
             raise Unsupported(f"{self.NAME}: torch's lock on building DeepSpeed's ops is left from an interrupted "
                               f"build, and torch would wait on it forever: delete {' and '.join(stale)}")
-        self.ranks = _init_distributed(deepspeed, device)
+        self.ranks, self._environ_before = _init_distributed(deepspeed, device)
         self.admit(spec)  # after joining: the ranks decide on one reading of the host (hf.agreed)
         from transformers.integrations import HfDeepSpeedConfig
         deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -233,6 +238,11 @@ class ZeroSystem(System):
         self.engine.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
+        for k, v in self._environ_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class ZeRO3Offload(ZeroSystem):

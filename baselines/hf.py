@@ -234,16 +234,14 @@ def agreed(ranks: Ranks, value: Any) -> Any:
 def join(device: torch.device) -> Ranks:
     """This process's ranks, the default process group joined: torchrun's ranks (each on the GPU of
     its LOCAL_RANK, made current: FSDP and NCCL take the current device), or a one-process group on
-    a free port. NCCL on GPUs, gloo on the CPU."""
+    a free port, given to the group and not to the environment (a later run in this process, or a
+    process started from it, would inherit a port that another process may hold by then). NCCL on
+    GPUs, gloo on the CPU."""
     ranks = Ranks.from_env()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        single = {}
-        if not ranks.distributed:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            single = dict(rank=0, world_size=1)
+        single = {} if ranks.distributed else dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None, **single)
     return ranks

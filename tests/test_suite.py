@@ -442,15 +442,15 @@ def test_fsdp2_refuses_bad_options_before_building(options, says):
 def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     """`accumulate: device` turns FSDP2's gradient sync off for all but each step's last micro-batch,
     and the sums are the same: the same losses and trained weights as FSDP2's own per-micro-batch
-    reduction (float32 on the CPU, one rank: the same additions)."""
+    reduction (float32 on the CPU, one rank: the same additions). Each run's one-process group
+    takes a port of its own and leaves the environment as it was (a later run, or a worker started
+    from this process, would inherit the port)."""
     from baselines.fsdp2 import FSDP2
-    from baselines.hf import free_port
     from megatrain.data import make_source
     from megatrain.shapes import ModelShape
-    # the one-process group's address, set here so that it is taken back after the test (a later
-    # test's torchrun would inherit it)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    environ = dict(os.environ)
     trained = {}
     for where in ("host", "device"):
         spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=3,
@@ -463,6 +463,7 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
         losses = [system.step([data.next() for _ in range(spec.grad_accum)])["loss"] for _ in range(3)]
         weights = {k: v.full_tensor().clone() for k, v in system.model.state_dict().items()}
         system.close()
+        assert dict(os.environ) == environ
         trained[where] = losses, weights, syncs, system.info()["accumulate"]
     assert trained["host"][2] == [] and trained["device"][2] == [False, False, True] * 3
     assert (trained["host"][3], trained["device"][3]) == ("host", "device")
@@ -471,12 +472,9 @@ def test_fsdp2_accumulating_on_the_device_trains_as_on_the_host(monkeypatch):
     torch.testing.assert_close(trained["device"][1], trained["host"][1], rtol=1e-6, atol=1e-7)
 
 
-def test_fsdp2_names_the_parts_of_its_set_up(monkeypatch):
+def test_fsdp2_names_the_parts_of_its_set_up():
     """info.setup_s: the seconds of each part of the build, in order, which together are its set-up."""
     from baselines.fsdp2 import FSDP2
-    from baselines.hf import free_port
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     spec = RunSpec(system="fsdp2", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2)
     clock = time.perf_counter()
     system = FSDP2(spec, torch.device("cpu"))

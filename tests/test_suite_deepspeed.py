@@ -115,7 +115,26 @@ def fake_deepspeed(monkeypatch, tmp_path):
     build directories under tmp_path)."""
     monkeypatch.setattr(deepspeed_zero, "import_deepspeed", lambda: None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    monkeypatch.setattr(deepspeed_zero, "_init_distributed", lambda deepspeed, device: Ranks())
+    monkeypatch.setattr(deepspeed_zero, "_init_distributed", lambda deepspeed, device: (Ranks(), {}))
+
+
+def test_a_one_process_run_puts_the_environment_back(monkeypatch):
+    """DeepSpeed reads its one-process group from the environment: the variables stay for the run
+    and `close` puts back what was there before (a later run in the process, or a worker started
+    from it, would inherit the port)."""
+    joined = []
+    fake = type("DeepSpeed", (), {"init_distributed": staticmethod(lambda verbose: joined.append(dict(os.environ)))})
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    environ = dict(os.environ)
+    ranks, before = deepspeed_zero._init_distributed(fake, torch.device("cuda", 1))
+    assert not ranks.distributed and joined[0]["LOCAL_RANK"] == "1" and joined[0]["MASTER_ADDR"] == "127.0.0.1"
+    assert int(os.environ["MASTER_PORT"]) > 0
+    system = ZeRO3Offload.__new__(ZeRO3Offload)
+    system.engine, system._environ_before = type("Engine", (), {"destroy": lambda self: None})(), before
+    system.close()
+    assert dict(os.environ) == environ
 
 
 def test_cpu_device_is_unsupported(fake_deepspeed):
