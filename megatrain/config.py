@@ -304,7 +304,8 @@ class DataConfig:
         if self.eval_path and not Path(self.eval_path).exists():
             raise ValueError(f"data.eval_path {self.eval_path!r} does not exist")
         if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
-            raise ValueError(f"data.eval_fraction must be between 0 and 1, not {self.eval_fraction}")
+            raise ValueError(f"data.eval_fraction must be above 0 and below 1 (the share held out; null for none), "
+                             f"not {self.eval_fraction}")
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
 

@@ -188,12 +188,24 @@ def test_truncation_drops_and_counts(tmp_path):
     path = write(tmp_path, rows)
     cfg = dict(source="file", path=path, format="instruction", seq_len=16)
     src, _ = make_sources(DataConfig(**cfg), 300, save(tmp_path, tok))
-    assert sorted(src.examples.lengths.tolist()) == [7] and src.examples.dropped == {"unmaskable": 0, "no_target": 2}
+    assert sorted(src.examples.lengths.tolist()) == [7] and src.examples.dropped == {"unmaskable": 0, "no_target": 0, "cut_off": 2}
     rows[0] = {"prompt": "x", "response": "y" * 30}  # truncated, keeps targets
     src, _ = make_sources(DataConfig(**{**cfg, "path": write(tmp_path, rows)}), 300, save(tmp_path, tok))
-    assert sorted(src.examples.lengths.tolist()) == [7, 16] and src.examples.dropped["no_target"] == 1
+    assert sorted(src.examples.lengths.tolist()) == [7, 16] and src.examples.dropped["cut_off"] == 1
     src, _ = make_sources(DataConfig(**{**cfg, "path": write(tmp_path, rows)}, overlong="drop"), 300, save(tmp_path, tok))
-    assert src.examples.lengths.tolist() == [7] and src.examples.dropped == {"unmaskable": 0, "overlong": 2, "no_target": 0}
+    assert src.examples.lengths.tolist() == [7] and src.examples.dropped == {"unmaskable": 0, "overlong": 2, "no_target": 0, "cut_off": 0}
+
+
+def test_nothing_left_to_learn_says_why(tmp_path):
+    """A file none of whose examples has a target within seq_len is refused with the reason each was
+    left out: nothing to learn at all (a chat without an assistant message) is not a short seq_len."""
+    tok_dir = save(tmp_path, byte_tokenizer("qwen2.5"))
+    path = write(tmp_path, [{"messages": CHAT[:1]}, {"messages": [{**CHAT[0], "role": "robot"}, CHAT[0]]}])
+    with pytest.raises(ValueError, match=r"left to learn from: 2 have nothing to learn \(a chat without an assistant"):
+        make_sources(DataConfig(source="file", path=path, format="chat", seq_len=256), 300, tok_dir)
+    path = write(tmp_path, [{"messages": CHAT[:2]}, {"messages": CHAT[:1]}])
+    with pytest.raises(ValueError, match=r"1 have nothing to learn .*; 1 have their targets only past data.seq_len 16"):
+        make_sources(DataConfig(source="file", path=path, format="chat", seq_len=16), 300, tok_dir)
 
 
 def test_pipeline_is_compact_cached_and_accepts_folders(tmp_path, monkeypatch):

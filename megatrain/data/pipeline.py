@@ -154,14 +154,22 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
     if cfg.overlong == "drop":
         dropped["overlong"] = int((too_long & keep).sum())
         keep &= ~too_long
-    lengths = np.minimum(lengths, n).astype(np.int32)
-    # targets each example keeps (its first token is never predicted): a running count in int32
-    # (no dataset here has 2^31 tokens a file; int64 would double this temporary)
+    # targets each example has, whole and cut to seq_len (its first token is never predicted): a
+    # running count in int32 (no dataset here has 2^31 tokens a file; int64 would double this temporary)
     running = np.concatenate([[0], np.cumsum(targets, dtype=np.int64 if len(targets) >= 2**31 else np.int32)])
-    learned = running[starts + lengths] - running[np.minimum(starts + 1, starts + lengths)]
-    dropped["no_target"] = int(((learned == 0) & keep).sum())
-    keep &= learned > 0
+
+    def learned(length: np.ndarray) -> np.ndarray:
+        return running[starts + length] - running[np.minimum(starts + 1, starts + length)]
+    whole = learned(lengths) > 0
+    lengths = np.minimum(lengths, n).astype(np.int32)
+    cut = learned(lengths) > 0
+    dropped["no_target"] = int((~whole & keep).sum())  # nothing to learn: no assistant message, an empty reply
+    dropped["cut_off"] = int((whole & ~cut & keep).sum())  # its targets all past seq_len
+    keep &= cut
     if not keep.any():
-        raise ValueError(f"data: no example of {path} has a target token within data.seq_len {n} "
-                         f"(left out: {dropped})")
+        why = {"unmaskable": "cannot be labelled exactly", "overlong": "are longer than data.seq_len (data.overlong: drop)",
+               "no_target": "have nothing to learn (a chat without an assistant message, an empty response)",
+               "cut_off": f"have their targets only past data.seq_len {n} (raise it)"}
+        raise ValueError(f"data: no example of {path} is left to learn from: "
+                         + "; ".join(f"{count} {why[k]}" for k, count in dropped.items() if count))
     return Examples(tokens, targets, starts[keep], lengths[keep], dropped)
