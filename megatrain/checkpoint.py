@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from megatrain.io import atomic_dir, complete_dir
 from megatrain.progress import Advance, nothing
 from megatrain.shapes import ModelShape
-from megatrain.store import HostStore
+from megatrain.store import HostStore, Layout
 
 SHARD_BYTES = 4 << 30
 
@@ -87,6 +87,37 @@ def saved_state(path: str | Path) -> Path | None:
     """The last complete training state saved at `path` (complete_dir), or None."""
     path = complete_dir(path)
     return path if path is not None and (path / "state.json").is_file() else None
+
+
+_META = ("step", "updates_done", "data_position", "config")
+
+
+def check_state(shape: ModelShape, path: Path) -> dict:
+    """The training state saved at `path` read without loading it: state.json whole, and every
+    tile's file there with its moments and master at the tile's size (their headers only). A
+    damaged, partial or other model's state is refused by name before anything is allocated.
+    Returns the saved meta."""
+    meta_file = path / "state.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"resume: {meta_file} is not readable JSON ({e}): the saved state is damaged") from None
+    missing = [k for k in _META if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"resume: {meta_file} lacks {missing}: the saved state is damaged")
+    for name, specs in shape.units():
+        file, numel = path / f"{name}.safetensors", Layout.of(specs).numel
+        if not file.is_file():
+            raise ValueError(f"resume: {file} is missing: the saved state is incomplete")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:  # a truncated or garbage file: safetensors' own error type
+            raise ValueError(f"resume: {file} is not a readable safetensors file ({e}): the saved state is damaged") from None
+        if any(found.get(k) != (numel,) for k in _STATE):
+            raise ValueError(f"resume: {file} holds {found}, where this model's {name} holds {_STATE} of ({numel},): "
+                             f"a state of another model, or a damaged one")
+    return meta
 
 
 def load_state(store: HostStore, path: str | Path, only: list | None = None, advance: Advance = nothing) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import shutil
 import time
@@ -185,7 +184,7 @@ class Trainer:
             if saved is None:
                 raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; "
                                  f"leave resume unset to start the run)")
-            changes = meaning_changes(json.loads((saved / "state.json").read_text())["config"], self.cfg)
+            changes = meaning_changes(checkpoint.check_state(self.shape, saved)["config"], self.cfg)
             if changes and not self.cfg.resume_changes:
                 raise ValueError(f"resume=true: this run's settings differ from the saved run's in {'; '.join(changes)}; "
                                  f"set resume_changes=true to resume with them anyway")

@@ -250,6 +250,37 @@ def test_resume_names_each_change_of_meaning(tmp_path):
     Trainer(cfg).close()  # how the engine runs is not what the run means
 
 
+def test_a_damaged_or_foreign_saved_state_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    """resume=true reads the saved state's headers first: a state.json that is not the state's, a
+    tile's file missing, cut short or of another model is refused by name (they had raised from
+    safetensors after the store was allocated and filled)."""
+    import megatrain.trainer
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r")))
+    try:
+        first.fit(log=open("/dev/null", "w"), progress=False)
+    finally:
+        first.close()
+    state = tmp_path / "r" / "state"
+    monkeypatch.setattr(megatrain.trainer, "HostStore", None)  # a store allocated would fail otherwise
+    layer = state / "layer.1.safetensors"
+    whole = layer.read_bytes()
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+    save_file({k: torch.zeros(8) for k in ("master", "exp_avg", "exp_avg_sq")}, other)
+    for damage, message in ((lambda: layer.write_bytes(whole[: len(whole) // 2]), r"layer.1.safetensors is not a readable safetensors"),
+                            (lambda: layer.unlink(), r"layer.1.safetensors is missing: the saved state is incomplete"),
+                            (lambda: shutil.copy(other, layer), r"where this model's layer.1 holds .* a state of another model"),
+                            (lambda: (state / "state.json").write_text("{"), r"state.json is not readable JSON"),
+                            (lambda: (state / "state.json").write_text("{}"), r"state.json lacks \['step'")):
+        meta = (state / "state.json").read_text()
+        damage()
+        with pytest.raises(ValueError, match=message):
+            Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r"), resume=True))
+        layer.write_bytes(whole)
+        (state / "state.json").write_text(meta)
+
+
 def test_ctrl_c_says_which_saved_step_a_resume_continues_from(tmp_path, capsys, monkeypatch):
     """Interrupted in its fourth step, saving every two: exit 130, no traceback, the message names
     the state's step, and that state is complete (what resume reads); interrupted while the trainer
