@@ -72,6 +72,10 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
         values = preset(cfg.preset)
     else:
         path = Path(cfg.config or cfg.pretrained)
+        if cfg.pretrained and not path.is_dir():
+            raise ValueError(f"model.pretrained: {path} {'is not a directory' if path.exists() else 'does not exist'} "
+                             f"(a local checkpoint: config.json and safetensors; a config alone, for random "
+                             f"weights, is model.config)")
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise ValueError(f"model: no config.json at {path}")

@@ -219,8 +219,13 @@ def bad_files(tmp_path):
     (["model.pretrained={d}/reshaped"], r"model.pretrained: model.layers.0.mlp.up_proj.weight has shape \(127, 64\), "
                                         r"the config implies \(128, 64\)"),
     (["model.pretrained={d}/mxfp4"], r"model.pretrained: .*mxfp4 holds MXFP4-quantized experts .*Mxfp4Config\(dequantize=True\)"),
+    (["model.pretrained={d}/init/config.json"], r"model.pretrained: .*config.json is not a directory .*is model.config"),
+    (["model.pretrained={d}/nowhere"], r"model.pretrained: .*nowhere does not exist"),
+    (["model.pretrained={d}/init", "data.source=file", "data.path={d}/corrupt.jsonl", "data.tokenizer={d}/nowhere"],
+     r"data.tokenizer: .*nowhere does not exist \(a local tokenizer's"),
 ], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses",
-        "checkpoint-missing-a-tensor", "checkpoint-tensor-of-another-shape", "mxfp4-checkpoint"])
+        "checkpoint-missing-a-tensor", "checkpoint-tensor-of-another-shape", "mxfp4-checkpoint",
+        "checkpoint-a-file", "checkpoint-nowhere", "tokenizer-nowhere"])
 def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, monkeypatch, overrides, message):
     """Each is refused by name before the host store is allocated, and nothing is written; `megatrain
     plan` refuses it too."""

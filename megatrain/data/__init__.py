@@ -17,7 +17,12 @@ __all__ = ["EvalSource", "FileSource", "SyntheticSource", "load_tokenizer", "mak
 def load_tokenizer(path: str | None):
     if path is None:
         raise ValueError("data.tokenizer: a local tokenizer directory is needed to read text data")
+    from pathlib import Path
+
     from transformers import AutoTokenizer
+    if not Path(path).is_dir():
+        raise ValueError(f"data.tokenizer: {path} {'is not a directory' if Path(path).exists() else 'does not exist'} "
+                         f"(a local tokenizer's: tokenizer.json, tokenizer_config.json)")
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
