@@ -111,7 +111,12 @@ def _writes_to(path: Path) -> bool:
 
 
 def _check(args) -> int:
-    from suite.check import passed
+    from suite.check import passed, refuse
+    try:
+        refuse(args.systems.split(","), args.steps, args.tolerance)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     summary = check(args.systems.split(","), args.out_dir, steps=args.steps, tolerance=args.tolerance,
                     timeout_s=args.timeout)
     print(f"{'system':<14} {'status':<12} {'max gap':>8}  losses")

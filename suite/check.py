@@ -14,6 +14,17 @@ import torch
 from megatrain.io import write_json
 from suite.runner import run_point
 from suite.spec import RunSpec
+from suite.system import SYSTEMS
+
+
+def refuse(systems: list[str], steps: int, tolerance: float) -> None:
+    """A check that cannot mean anything is refused before any system runs."""
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise ValueError(f"--systems: unknown {unknown}; known: {list(SYSTEMS)}")
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, not {steps}")
+    if not tolerance > 0:
+        raise ValueError(f"--tolerance must be above 0, not {tolerance}")
 
 
 def initial_weights(directory: Path, preset: str, seed: int) -> Path:
@@ -30,6 +41,7 @@ def initial_weights(directory: Path, preset: str, seed: int) -> Path:
 def check(systems: list[str], out_dir: str | Path, preset: str = "tiny-llama", steps: int = 10,
           tolerance: float = 0.03, timeout_s: float = 900.0) -> dict:
     """Run every system on the same batch and weights; compare each step's loss with native's."""
+    refuse(systems, steps, tolerance)
     out_dir = Path(out_dir)
     systems = ["native", *[s for s in systems if s != "native"]]
     results = {}

@@ -270,6 +270,21 @@ def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, optio
         suite_main(["accuracy", "--out", str(out), "--work", str(work), "engine.k=1"])
 
 
+@pytest.mark.parametrize("command, message", [
+    (["check", "--systems", "megatrain,nope"], "--systems: unknown ['nope']; known: ['megatrain'"),
+    (["check", "--systems", "megatrain", "--steps", "0"], "--steps must be at least 1, not 0"),
+    (["check", "--systems", "megatrain", "--tolerance", "-1"], "--tolerance must be above 0, not -1.0"),
+    (["accuracy", "--systems", "native,nope"], "accuracy systems: unknown ['nope']; known: ['megatrain'")])
+def test_an_unknown_system_or_empty_check_is_named_before_any_runs(tmp_path, capsys, command, message):
+    """`suite check` and `suite accuracy` name a system they do not know, and a check of no steps,
+    before the first system runs (check ran native for minutes, then raised a traceback)."""
+    from suite.__main__ import main as suite_main
+    out = tmp_path / "out"
+    where = ["--out-dir", str(out)] if command[0] == "check" else ["--out", str(out), "--work", str(tmp_path / "w")]
+    assert suite_main([*command, *where]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_a_point_whose_log_is_the_commands_output_is_refused(tmp_path):
     """`python -m suite run ... --out p.json > p.log`: the harness writes the worker's log to p.log,
     so the command's own output there would overwrite its first bytes. Refused by name before the

@@ -27,6 +27,7 @@ import torch
 from megatrain.io import write_json
 from suite.accuracy import answers, problems, tokenizer
 from suite.spec import RunSpec
+from suite.system import SYSTEMS
 
 PROMPT = "Question: {query}\nAnswer: "
 
@@ -64,6 +65,8 @@ class Settings:
     def __post_init__(self):
         if self.pretrained is None and self.model not in MODELS:
             raise ValueError(f"accuracy model: unknown {self.model!r}; known: {sorted(MODELS)}")
+        if unknown := [s for s in self.systems if s not in SYSTEMS]:
+            raise ValueError(f"accuracy systems: unknown {unknown}; known: {list(SYSTEMS)}")
         if "native" not in self.systems:
             raise ValueError("accuracy systems: native is the reference the loss gap is measured against")
         for path in (self.pretrained, self.metamath):
