@@ -298,6 +298,18 @@ def test_an_include_cycle_is_refused(tmp_path):
         grid.load(tmp_path / "a.yaml")
 
 
+def test_an_unknown_preset_or_paper_artefact_is_named_before_any_point_runs():
+    g = grid.load(ROOT / "workflows" / "grids" / "cpu.yaml")
+    bad = copy.deepcopy(g)
+    bad["experiments"]["depth"]["points"][1]["preset"] = "tiny-lama"
+    with pytest.raises(ValueError, match=r"grid point depth/L4: preset 'tiny-lama' is none of \[.*'tiny-llama'"):
+        grid.check(bad)
+    bad = copy.deepcopy(g)
+    bad["experiments"]["depth"]["paper"] = ["table5_depth", "figure5_dept"]
+    with pytest.raises(ValueError, match=r"grid experiment 'depth': paper 'figure5_dept' is none of .*'figure5_depth'"):
+        grid.check(bad)
+
+
 def test_a_point_key_given_twice_in_a_grid_is_named(tmp_path):
     (tmp_path / "g.yaml").write_text("hardware: g\nexperiments:\n  scale:\n    points:\n"
                                       "      - {id: a, system: megatrain, preset: tiny-llama, seq: 8, seq: 16}\n")
