@@ -311,7 +311,7 @@ class Trainer:
         loss, targets = self.comm.sum_values(loss, targets)
         mean = loss / max(1, targets)
         return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
-                "eval_target_tokens": targets, "eval_time_s": time.perf_counter() - start}
+                "eval_target_tokens": int(targets), "eval_time_s": time.perf_counter() - start}  # summed over ranks as floats
 
     def describe(self) -> str:
         """The start-up summary: the model, the data, the memory plan and where things go."""

@@ -4,7 +4,8 @@
 
 SPEC: {"config": a run's settings, "batches": a torch.save'd list of steps' micro-batches or null
 (then Trainer.fit on the config's data), "out": a folder, "crash_rank": a rank that dies at once
-once the trainer is built (optional)}. Writes out/rank{R}.json (losses,
+once the trainer is built (optional), "evaluate": true to evaluate the built weights on the
+held-out data instead of training (optional)}. Writes out/rank{R}.json (losses,
 gradient norms, the gradient slabs' size, the shared store's mapping in this process) and, from each host's first rank,
 out/params-host{N}.pt (the weights as that host's store holds them).
 """
@@ -45,6 +46,9 @@ def main(spec_path: str) -> None:
     if spec.get("crash_rank") == trainer.ranks.rank:  # dies with the store built, the others in a collective
         os._exit(3)
     try:
+        if spec.get("evaluate"):
+            (out / f"rank{trainer.ranks.rank}.json").write_text(json.dumps({"eval": trainer.evaluate()}))
+            return
         reduce_s = None  # the last step's gradient reduction, as its timeline has it
         if spec["batches"]:
             steps = [trainer.train_step(mbs) for mbs in torch.load(spec["batches"], weights_only=False)]

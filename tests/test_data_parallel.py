@@ -24,6 +24,7 @@ from conftest import random_batches, store_params, tiny_checkpoint
 from megatrain.config import load_config
 from megatrain.distributed import Ranks, check, part
 from megatrain.trainer import Trainer
+from tiny_tokenizer import WORDS, save_tokenizer
 
 SEQ, BATCH, ACCUM, STEPS = 16, 4, 2, 3
 HERE = Path(__file__).parent
@@ -40,13 +41,14 @@ def settings(tmp_path, **top) -> dict:
 
 
 def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None,
-             per_host: int = 2) -> list[dict]:
+             per_host: int = 2, evaluate: bool = False) -> list[dict]:
     """Run tests/dp_rank.py under torchrun, `per_host` ranks per "host", `nodes` hosts on this
     machine (each its own torchrun, as on separate hosts); the ranks' reports."""
     out = tmp_path / name
     out.mkdir()
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank}))
+    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank,
+                                "evaluate": evaluate}))
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_host)]
     if nodes == 1:
         commands = [run + ["--standalone", str(HERE / "dp_rank.py"), str(spec)]]
@@ -160,6 +162,34 @@ def test_two_ranks_train_a_mixture_of_experts_with_its_router_loss_as_one(tmp_pa
     reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
     reference = one_rank(tmp_path, tree, batches)
     assert_same_training(reports, torch.load(tmp_path / "two" / "params-host0.pt"), reference)
+
+
+def test_two_ranks_evaluate_as_one(tmp_path):
+    """The held-out loss on 2 ranks, each taking its rows of every batch (the last batch's one row
+    on rank 0 alone), is 1 rank's: the same targets, summed over the ranks."""
+    import random
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    save_tokenizer(tmp_path / "init")
+    rng = random.Random(0)
+
+    def text(words: int) -> str:
+        return json.dumps({"text": " ".join(rng.choice(WORDS[5:]) for _ in range(words))}) + "\n"
+    (tmp_path / "train.jsonl").write_text(text(8 * SEQ))
+    (tmp_path / "held.jsonl").write_text(text(5 * SEQ + 3))  # 5 sequences: batches of 4 rows and 1
+    data = {"source": "file", "path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "held.jsonl"),
+            "format": "text", "seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}
+    tree = settings(tmp_path, data=data)
+    trainer = Trainer(load_config(base=tree))
+    try:
+        assert len(trainer.held_out.examples) == 5
+        expected = trainer.evaluate()
+    finally:
+        trainer.close()
+    for report in torchrun(tmp_path, tree, None, "eval", evaluate=True):
+        got = report["eval"]
+        assert got["eval_target_tokens"] == expected["eval_target_tokens"] == 5 * (SEQ - 1)
+        assert isinstance(got["eval_target_tokens"], int)
+        assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
 
 
 def test_resume_after_a_two_rank_run(tmp_path):
