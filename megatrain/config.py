@@ -250,8 +250,10 @@ class OptimConfig:
         for name in ("eps", "weight_decay"):  # as torch.optim.AdamW checks them
             if not getattr(self, name) >= 0:
                 raise ValueError(f"optim.{name} must be at least 0, not {getattr(self, name)}")
-        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be at least 0, not {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
 
 
 @dataclass

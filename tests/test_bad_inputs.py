@@ -66,9 +66,12 @@ def test_bad_values_are_named():
     ("optim", "weight_decay", -0.1, "optim.weight_decay must be at least 0, not -0.1"),
     ("optim", "eps", -1e-8, "optim.eps must be at least 0"),
     ("engine", "optimizer_threads", 0, "engine.optimizer_threads must be at least 1, or null, not 0"),
+    ("optim", "warmup_steps", -1, "optim.warmup_steps must be at least 0, not -1"),
+    ("optim", "min_lr_ratio", 2, "optim.min_lr_ratio must be in [0, 1], not 2"),
 ])
 def test_numbers_out_of_their_range_are_named(section, key, value, message):
-    """Each of these let through, torch refuses it at the first step or (0 threads) it is read as the default."""
+    """Each by its own name and value: let through, torch refuses some at the first step, reads 0
+    threads as the default, or the schedule runs off its range."""
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(base={"model": {"preset": "tiny-qwen2"}, section: {key: value}})
 
