@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from megatrain.units import GiB
@@ -12,10 +13,15 @@ COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7}
 
 
 def rows(folders: list[str | Path]) -> list[tuple[str, dict]]:
+    """Each folder's results, by name; a file that is not one is named on stderr and left out."""
     found = []
     for folder in folders:
         for f in sorted(Path(folder).glob("*.json")):
-            r = json.loads(f.read_text())
+            try:
+                r = json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                print(f"{f}: skipped, unreadable ({e})", file=sys.stderr)
+                continue
             if isinstance(r, dict) and "spec" in r and "status" in r:
                 found.append((f.stem, r))
     return found

@@ -384,6 +384,14 @@ def test_check_catches_a_diverging_system():
     assert not passed(summary)
 
 
+def test_the_table_names_a_file_it_cannot_read_and_goes_on(tmp_path, capsys):
+    from suite.table import rows
+    (tmp_path / "a.json").write_text(json.dumps({"system": "native", "status": "ok", "spec": {}}))
+    (tmp_path / "b.json").write_text('{"system": "native"')  # cut short
+    assert [name for name, _ in rows([tmp_path])] == ["a"]
+    assert "b.json: skipped, unreadable" in capsys.readouterr().err
+
+
 def test_the_table_marks_a_breakdown_the_run_did_not_record():
     from suite.table import line
     spec = {"batch_size": 4, "grad_accum": 1}
