@@ -86,6 +86,14 @@ def test_the_table_marks_a_stale_result_and_keeps_what_it_measured(tmp_path):
     assert plot.no_value_style("stale")[2].startswith("stale")
 
 
+def test_a_result_that_cannot_be_read_is_named_with_the_way_out(tmp_path):
+    aggregate = pytest.importorskip("workflows.scripts.aggregate")
+    path = tmp_path / "cut.json"
+    path.write_text('{"system": "native"')
+    with pytest.raises(ValueError, match=r"cut.json is not a readable result .*: delete it, and the workflow runs"):
+        aggregate.measured([path], "depth")
+
+
 def test_the_workflow_names_a_stale_result_and_keeps_it():
     pytest.importorskip("snakemake")
     hw = f"stale{os.getpid()}"

@@ -237,11 +237,21 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
     }
 
 
+def _result(path: Path) -> dict:
+    """A point's result file, or a ValueError that names it and the way out (the harness writes
+    results whole: one that cannot be read was changed outside it)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not a readable result ({e}): delete it, and the workflow runs its point "
+                         f"again") from None
+
+
 def measured(paths: list[str | Path], experiment: str, grid: str | Path | None = None) -> pd.DataFrame:
     """One row per result file; with `grid`, also a `not_run` row for each of the experiment's
     points that has no file among `paths` (a table made before the whole grid has run), and the
     status `stale` for a result that ran something other than its grid point runs now."""
-    results = {Path(p): json.loads(Path(p).read_text()) for p in paths}
+    results = {Path(p): _result(Path(p)) for p in paths}
     if grid is not None:
         from workflows.scripts import grid as gridlib
         points = {point_id: point for (name, point_id), point in gridlib.points(gridlib.load(grid)).items()
