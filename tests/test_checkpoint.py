@@ -235,13 +235,18 @@ def test_the_command_stops_on_a_non_finite_step_and_saves_nothing(tmp_path, monk
     assert not (tmp_path / "out" / "model").exists() and not (tmp_path / "out" / "state").exists()
 
 
-def test_resume_names_each_change_of_meaning(tmp_path):
+def saved_run(tmp_path) -> None:
+    """A tiny llama trained 2 steps into tmp_path/r, its state saved there."""
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r")))
     try:
         first.fit(log=open("/dev/null", "w"), progress=False)
     finally:
         first.close()
+
+
+def test_resume_names_each_change_of_meaning(tmp_path):
+    saved_run(tmp_path)
     cfg = config(tmp_path, 2, output_dir=str(tmp_path / "r"), resume=True)
     cfg.optim.lr, cfg.data.batch_size = 5e-4, 4
     with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.0005; data.batch_size: 2 -> 4"):
@@ -255,12 +260,7 @@ def test_a_damaged_or_foreign_saved_state_is_refused_before_anything_is_allocate
     tile's file missing, cut short or of another model is refused by name (they had raised from
     safetensors after the store was allocated and filled)."""
     import megatrain.trainer
-    tiny_checkpoint(tmp_path / "init", "tiny-llama")
-    first = Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "r")))
-    try:
-        first.fit(log=open("/dev/null", "w"), progress=False)
-    finally:
-        first.close()
+    saved_run(tmp_path)
     state = tmp_path / "r" / "state"
     monkeypatch.setattr(megatrain.trainer, "HostStore", None)  # a store allocated would fail otherwise
     layer = state / "layer.1.safetensors"
