@@ -8,10 +8,12 @@ ceiling on the same micro-batch: Engine.layer_ceiling) and `trace` (write the la
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from megatrain.config import load_config
+from megatrain.io import check_writable
 from suite.system import System
 
 _OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
@@ -34,6 +36,10 @@ class MegaTrain(System):
             "seed": spec.seed,
         }
         cfg = load_config(None, [], base=tree)
+        if trace := spec.options.get("trace"):  # refused now, not once the steps have run
+            if not cfg.engine.timeline:
+                raise ValueError("megatrain options: trace writes the engine's timeline; it needs engine.timeline: true")
+            check_writable(Path(trace).parent, "megatrain options: trace")
         from megatrain.trainer import Trainer
         self.trainer = Trainer(cfg, progress=False)  # DoesNotFit says which memory ran short; the harness logs its own lines
 

@@ -131,6 +131,19 @@ def test_each_system_takes_adamw_settings_from_the_spec():
                                                               "weight_decay": 0.1}
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"bogus": 1}, "megatrain options: unknown ['bogus']"),
+    ({"trace": "t.json", "engine": {"timeline": False}}, "trace writes the engine's timeline; it needs engine.timeline: true"),
+    ({"trace": "/proc/nowhere/t.json"}, "megatrain options: trace /proc/nowhere: /proc cannot be written")])
+def test_megatrain_options_that_cannot_work_are_refused_before_it_builds(monkeypatch, options, message):
+    """Before the trainer (a trace the timeline cannot give was found only once every step had run)."""
+    import megatrain.trainer
+    from baselines.megatrain import MegaTrain
+    monkeypatch.setattr(megatrain.trainer, "Trainer", None)  # building it would fail otherwise
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MegaTrain(tiny(options=options), torch.device("cpu"))
+
+
 def test_every_registered_system_implements_the_interface():
     for name in SYSTEMS:  # importing a baseline needs none of its own dependencies
         system = load(name)
