@@ -14,16 +14,14 @@ import torch
 
 from megatrain.config import load_config
 from megatrain.io import check_writable
-from suite.system import System
+from suite.system import System, check_options
 
 _OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
 
 
 class MegaTrain(System):
     def __init__(self, spec, device: torch.device):
-        unknown = sorted(set(spec.options) - _OPTIONS)
-        if unknown:
-            raise ValueError(f"megatrain options: unknown {unknown}; known: {sorted(_OPTIONS)}")
+        check_options("megatrain", spec.options, _OPTIONS)
         self.options = spec.options
         tree = {
             "model": spec.model,

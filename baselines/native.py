@@ -11,7 +11,7 @@ from baselines import hf
 from megatrain.device import grow_expandable_segments
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
-from suite.system import System
+from suite.system import System, check_options
 
 # float32 weights, gradients and two moments on the device
 BYTES_PER_PARAM = 16
@@ -51,6 +51,7 @@ class Native(System):
         return device_need(spec)
 
     def __init__(self, spec, device: torch.device):
+        check_options("native", spec.options, ("admission",))  # hf.require_device's
         hf.require_device(spec, device, lambda: device_need(spec), "native training")
         if device.type == "cuda":
             grow_expandable_segments()

@@ -144,6 +144,13 @@ def test_megatrain_options_that_cannot_work_are_refused_before_it_builds(monkeyp
         MegaTrain(tiny(options=options), torch.device("cpu"))
 
 
+def test_native_refuses_an_option_it_does_not_take():
+    """(it ran with any option, ignored: `accumulate=device` meant for FSDP2 changed nothing)"""
+    from baselines.native import Native
+    with pytest.raises(ValueError, match=re.escape("native options: unknown ['accumulate']; known: ['admission']")):
+        Native(tiny(options={"accumulate": "device"}), torch.device("cpu"))
+
+
 def test_every_registered_system_implements_the_interface():
     for name in SYSTEMS:  # importing a baseline needs none of its own dependencies
         system = load(name)
