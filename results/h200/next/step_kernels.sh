@@ -5,11 +5,13 @@
 # Qwen3-30B-A3B at 3 and 6 layers, 8 x 4096 tokens, one micro-batch, K = 1, with the lean experts and
 # with the library's, one process each (experiments/probes/step_kernels.py; about a minute each, the
 # 6-layer build about 90 GiB of host), then the per-layer table of each.
-# Prediction (session 46): with the lean experts the spans about 78 ms a layer added and the ceiling
-# about 59; the step's kernels a layer added within 10% of the ceiling's own kernels, so that the
-# 20 ms are between the layer's kernels (its launches behind, beside the AdamW's threads), not in
-# them. If the step's kernels are about 78 instead, the kernels themselves run slower in the step,
-# and the two top-kernel lists say which.
+# Prediction (session 46, after reading its trace, results/h200/README.md): with the lean experts
+# the spans about 78 ms a layer added and the ceiling about 59; the step's kernels a layer added
+# about 78 too (within 10%), not the ceiling's: the kernels themselves run slower in the step, and
+# the two top-kernel lists say which. In the trace the host issued recompute L5 to backward L4
+# 100-150 ms before the GPU ran them, and those spans are as long as every other layer's, so the GPU
+# was not waiting on launches. If the kernels are near the ceiling's instead, the time is between
+# them inside the spans (a wait on another stream's event).
 set -u
 export MEGATRAIN_GIT_COMMIT=${C:-unknown} TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
