@@ -113,7 +113,8 @@ def check_state(shape: ModelShape, path: Path) -> dict:
             with safe_open(str(file), framework="pt") as f:
                 found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         except Exception as e:  # a truncated or garbage file: safetensors' own error type
-            raise ValueError(f"resume: {file} is not a readable safetensors file ({e}): the saved state is damaged") from None
+            raise ValueError(f"resume: {file} is not a readable safetensors file ({e}): "
+                             f"the saved state is damaged") from None
         if any(found.get(k) != (numel,) for k in _STATE):
             raise ValueError(f"resume: {file} holds {found}, where this model's {name} holds {_STATE} of ({numel},): "
                              f"a state of another model, or a damaged one")

@@ -5,6 +5,8 @@ batches (source.py), and synthetic tokens (synthetic.py).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from megatrain.config import DataConfig
@@ -17,8 +19,6 @@ __all__ = ["EvalSource", "FileSource", "SyntheticSource", "load_tokenizer", "mak
 def load_tokenizer(path: str | None):
     if path is None:
         raise ValueError("data.tokenizer: a local tokenizer directory is needed to read text data")
-    from pathlib import Path
-
     from transformers import AutoTokenizer
     if not Path(path).is_dir():
         raise ValueError(f"data.tokenizer: {path} {'is not a directory' if Path(path).exists() else 'does not exist'} "

@@ -167,7 +167,8 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
     dropped["cut_off"] = int((whole & ~cut & keep).sum())  # its targets all past seq_len
     keep &= cut
     if not keep.any():
-        why = {"unmaskable": "cannot be labelled exactly", "overlong": "are longer than data.seq_len (data.overlong: drop)",
+        why = {"unmaskable": "cannot be labelled exactly",
+               "overlong": "are longer than data.seq_len (data.overlong: drop)",
                "no_target": "have nothing to learn (a chat without an assistant message, an empty response)",
                "cut_off": f"have their targets only past data.seq_len {n} (raise it)"}
         raise ValueError(f"data: no example of {path} is left to learn from: "
