@@ -6,9 +6,10 @@ streams and the CPU AdamW's threads. This builds a model of `--layers` layers (c
 one micro-batch), takes its ceiling and the device kernels of one ceiling under the profiler, then
 trains warm-up steps and profiles one more: the timeline's forward, recompute and backward spans of
 each layer in the last warm-up step (CUDA events on the compute stream, no profiler running) and
-the device kernels of the profiled step (copies between host and device apart). Run at two depths, the difference of the steps' kernels per layer
-added is a layer's own: against its spans it says whether the layer's extra time in the step is in
-its kernels or between them; against the ceiling's kernels, which kernels.
+the device kernels of the profiled step (copies between host and device apart). Run at two
+depths, the difference of the steps' kernels per layer added is a layer's own: against its spans
+it says whether the layer's extra time in the step is in its kernels or between them; against the
+ceiling's kernels, which kernels.
 
     python -m experiments.probes.step_kernels --preset qwen3-30b-a3b --layers 3 --out s3.json
     python -m experiments.probes.step_kernels --preset qwen3-30b-a3b --layers 6 --out s6.json
