@@ -95,8 +95,7 @@ def ds_config(spec, offload: str, nvme_path: str | None = None) -> dict[str, Any
     """The DeepSpeed config of a point: ZeRO-3, parameters and optimizer offloaded to `offload`."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
-    known = ("ds_config", "nvme_path") if offload == "nvme" else ("ds_config",)
-    check_options(spec.system, spec.options, known)
+    check_options(spec.system, spec.options, (ZeROInfinity if offload == "nvme" else ZeRO3Offload).OPTIONS)
     if not isinstance(spec.options.get("ds_config", {}), dict):
         raise ValueError("options.ds_config must be a dict of DeepSpeed config entries")
     offload_param = {"device": offload, "pin_memory": True}
@@ -247,6 +246,7 @@ class ZeroSystem(System):
 
 class ZeRO3Offload(ZeroSystem):
     NAME = "ZeRO-3 Offload"
+    OPTIONS = frozenset({"ds_config"})
     # host RSS (fp32 master, moments and gradients, bf16 parameters, pinned buffers) measured on the
     # H100 machine: 25.9 B/param at the 3B shape, 27.7 and 29.2 at the 7B width on 7 and 14 layers
     # (results/h100/points/depth); admission takes the largest
@@ -267,6 +267,7 @@ class ZeRO3Offload(ZeroSystem):
 
 class ZeROInfinity(ZeroSystem):
     NAME = "ZeRO-Infinity"
+    OPTIONS = frozenset({"ds_config", "nvme_path"})
     # an upper bound, not a measurement: bf16 parameters 2, fp32 master and moments 12, fp32 gradients 4
     SWAP_BYTES_PER_PARAM = 18
 

@@ -52,7 +52,7 @@ LOSS_BYTES_PER_LOGIT = native.LOSS_BYTES_PER_LOGIT + 2
 
 
 def _accumulate(options: dict) -> str:
-    check_options("fsdp2", options, ("accumulate", "admission"))
+    check_options("fsdp2", options, FSDP2.OPTIONS)
     where = options.get("accumulate", "auto")
     if where not in ACCUMULATE:
         raise ValueError(f"fsdp2 options.accumulate: {where!r}; known: {list(ACCUMULATE)}")
@@ -105,6 +105,7 @@ class FSDP2(System):
     # fully_shard keeps its shard, and the process tree of 2 ranks measured on the CPU (gloo, a 103M
     # model) held 4.1 B/param more than 1 rank's, beside the runtime (hf.RANK_HOST_BYTES)
     RANK_BYTES_PER_PARAM = 4
+    OPTIONS = frozenset({"accumulate", "admission"})
     host_blind_options = frozenset({"accumulate"})  # host peaks alike: 166.5 and 168.6 GiB at L28 on the H200
 
     def __init__(self, spec, device: torch.device):

@@ -30,7 +30,6 @@ from suite.system import System, Unsupported, check_options
 
 # the latest colossalai release baselines/gemini.md describes, named when colossalai is not installed at all
 LATEST_CHECKED = "0.5.0, which requires torch>=2.2.0,<=2.5.1, transformers==4.51.3"
-_OPTIONS = {"placement_policy", "offload_optim_frac", "offload_param_frac", "enable_async_reduce"}
 _PLACEMENTS = ("static", "auto")
 
 
@@ -64,7 +63,7 @@ def _import():
 
 
 def _settings(options: dict) -> dict:
-    check_options("gemini", options, _OPTIONS)
+    check_options("gemini", options, Gemini.OPTIONS)
     policy = options.get("placement_policy", "static")
     if policy not in _PLACEMENTS:
         raise ValueError(f"gemini options.placement_policy: {policy!r}; known: {list(_PLACEMENTS)}")
@@ -84,6 +83,7 @@ def _settings(options: dict) -> dict:
 
 
 class Gemini(System):
+    OPTIONS = frozenset({"placement_policy", "offload_optim_frac", "offload_param_frac", "enable_async_reduce"})
     # host RSS measured on the H100 machine at the 3B shape, everything offloaded: 17.8-17.9 B/param
     # (bf16 parameter chunks 2 + fp32 master 4 + Adam moments 8, gradient chunks and pinned buffers)
     HOST_BYTES_PER_PARAM = 18

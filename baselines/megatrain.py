@@ -16,12 +16,11 @@ from megatrain.config import load_config
 from megatrain.io import check_writable
 from suite.system import System, check_options
 
-_OPTIONS = {"engine", "max_grad_norm", "ceiling", "trace"}
-
-
 class MegaTrain(System):
+    OPTIONS = frozenset({"engine", "max_grad_norm", "ceiling", "trace"})
+
     def __init__(self, spec, device: torch.device):
-        check_options("megatrain", spec.options, _OPTIONS)
+        check_options("megatrain", spec.options, self.OPTIONS)
         self.options = spec.options
         tree = {
             "model": spec.model,

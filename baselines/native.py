@@ -46,12 +46,13 @@ def device_need(spec) -> tuple[int, str]:
 
 
 class Native(System):
+    OPTIONS = frozenset({"admission"})  # hf.require_device's
     @classmethod
     def device_need(cls, spec) -> tuple[int, str]:
         return device_need(spec)
 
     def __init__(self, spec, device: torch.device):
-        check_options("native", spec.options, ("admission",))  # hf.require_device's
+        check_options("native", spec.options, self.OPTIONS)
         hf.require_device(spec, device, lambda: device_need(spec), "native training")
         if device.type == "cuda":
             grow_expandable_segments()

@@ -57,7 +57,6 @@ from suite.system import System, Unsupported, check_options
 REPO = "https://github.com/RC4ML/LoHan"
 ENTRY = "main.py"
 CONFIG = "config.json"  # main.py's --sb_config: offload sections, NVMe paths, aio settings
-_OPTIONS = {"checkout", "python", "offload", "nvme_path", "args", "approximate_model", "admission"}
 _SECTIONS = ("offload_optimizer", "offload_param", "offload_act")
 # run.sh's single-GPU invocation: the disk offload
 RUN_SH_FLAGS = {"is_swap_and_recompute": 0, "is_swap_prior": 1, "is_fully_swap": 0, "swap_ratio": 0.3,
@@ -164,11 +163,12 @@ def _without_info(text: str) -> str:
 
 
 class Ratel(System):
+    OPTIONS = frozenset({"checkout", "python", "offload", "nvme_path", "args", "approximate_model", "admission"})
     own_step_time = True  # main.py's per-iteration times, not the wall clock around step()
 
     def __init__(self, spec, device):
         # `device` is not used: Ratel's main.py takes the GPU that CUDA_VISIBLE_DEVICES leaves it
-        check_options("ratel", spec.options, _OPTIONS)
+        check_options("ratel", spec.options, self.OPTIONS)
         self.spec = spec
         self.offload = spec.options.get("offload", "disk")
         if self.offload not in OFFLOADS:

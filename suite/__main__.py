@@ -18,7 +18,7 @@ from suite.accuracy.experiment import Settings
 from suite.check import check
 from suite.compare import DEFAULT_METRICS, METRICS
 from suite.spec import RunSpec
-from suite.system import SYSTEMS
+from suite.system import SYSTEMS, check_spec_options
 
 
 def _default(owner, name: str):
@@ -59,6 +59,7 @@ def _run(args) -> int:
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
                        lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
                        timeout_s=args.timeout, options=_options(args.option), gpus=args.gpus)
+        check_spec_options(spec.system, spec.options)
         check_writable(Path(args.out).parent, "--out")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

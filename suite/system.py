@@ -35,6 +35,12 @@ def check_options(system: str, options: dict, known) -> None:
         raise ValueError(f"{system} options: unknown {unknown}; known: {sorted(known)}")
 
 
+def check_spec_options(system: str, options: dict) -> None:
+    """`options` against what `system` takes (System.OPTIONS), from its class alone: nothing of the
+    system's own dependencies is imported and nothing is built."""
+    check_options(system, options, load(system).OPTIONS)
+
+
 class System(ABC):
     """One system under comparison, built for one run spec on one device.
 
@@ -53,6 +59,9 @@ class System(ABC):
     # options its host admission does not read: a refusal for host memory stands for a point whose
     # options changed only in these (workflows/scripts/grid.stale)
     host_blind_options: frozenset[str] = frozenset()
+    # the spec.options it takes (their top-level keys); any other is refused before a worker starts
+    # (check_spec_options) and again where the system is built
+    OPTIONS: frozenset[str] = frozenset()
 
     @classmethod
     def device_need(cls, spec: RunSpec) -> tuple[int, str] | None:

@@ -261,7 +261,9 @@ def test_settings_stand_anywhere_among_the_flags():
 
 @pytest.mark.parametrize("option, message", [
     ("megatrain", "SYSTEM:KEY=VALUE"), (":engine.k=1", "SYSTEM:KEY=VALUE"),
-    ("megatrain:=1", "key.sub=value"), ("megatrain:engine.k", "key.sub=value")])
+    ("megatrain:=1", "key.sub=value"), ("megatrain:engine.k", "key.sub=value"),
+    ("native:bogus=1", "native options: unknown ['bogus']"),
+    ("fsdp2:accumulate=device", "fsdp2 is not among the systems ['megatrain', 'native']")])
 def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, option, message):
     """`python -m suite accuracy --option` takes SYSTEM:KEY=VALUE: anything else is refused by name,
     without a traceback and before anything is written."""

@@ -144,6 +144,20 @@ def test_megatrain_options_that_cannot_work_are_refused_before_it_builds(monkeyp
         MegaTrain(tiny(options=options), torch.device("cpu"))
 
 
+def test_every_system_names_the_options_it_takes():
+    """`suite run` refuses an option its system does not take before a worker starts (exit 2), from
+    the class alone; each system refuses it again where it is built."""
+    from suite.__main__ import main as suite_main
+    from suite.system import check_spec_options, load
+    for name in SYSTEMS:
+        assert load(name).OPTIONS, name
+        check_spec_options(name, dict.fromkeys(load(name).OPTIONS))
+        with pytest.raises(ValueError, match=re.escape(f"{name} options: unknown ['bogus']")):
+            check_spec_options(name, {"bogus": 1})
+    assert suite_main(["run", "--system", "fsdp2", "--preset", "tiny-llama", "--seq", "32", "acumulate=device",
+                       "--out", "/nonexistent-never-written/r.json"]) == 2
+
+
 def test_native_refuses_an_option_it_does_not_take():
     """(it ran with any option, ignored: `accumulate=device` meant for FSDP2 changed nothing)"""
     from baselines.native import Native

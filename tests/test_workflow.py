@@ -298,11 +298,15 @@ def test_an_include_cycle_is_refused(tmp_path):
         grid.load(tmp_path / "a.yaml")
 
 
-def test_an_unknown_preset_or_paper_artefact_is_named_before_any_point_runs():
+def test_an_unknown_preset_option_or_paper_artefact_is_named_before_any_point_runs():
     g = grid.load(ROOT / "workflows" / "grids" / "cpu.yaml")
     bad = copy.deepcopy(g)
     bad["experiments"]["depth"]["points"][1]["preset"] = "tiny-lama"
     with pytest.raises(ValueError, match=r"grid point depth/L4: preset 'tiny-lama' is none of \[.*'tiny-llama'"):
+        grid.check(bad)
+    bad = copy.deepcopy(g)
+    bad["experiments"]["depth"]["points"][1]["options"] = {"engine.checkpoint_every": 1, "engin.weight_buffers": 1}
+    with pytest.raises(ValueError, match=r"grid point depth/L4: megatrain options: unknown \['engin'\]"):
         grid.check(bad)
     bad = copy.deepcopy(g)
     bad["experiments"]["depth"]["paper"] = ["table5_depth", "figure5_dept"]

@@ -27,7 +27,7 @@ import torch
 from megatrain.io import write_json
 from suite.accuracy import answers, problems, tokenizer
 from suite.spec import RunSpec
-from suite.system import SYSTEMS
+from suite.system import SYSTEMS, check_spec_options
 
 PROMPT = "Question: {query}\nAnswer: "
 
@@ -67,6 +67,10 @@ class Settings:
             raise ValueError(f"accuracy model: unknown {self.model!r}; known: {sorted(MODELS)}")
         if unknown := [s for s in self.systems if s not in SYSTEMS]:
             raise ValueError(f"accuracy systems: unknown {unknown}; known: {list(SYSTEMS)}")
+        for system, options in self.options.items():
+            if system not in self.systems:
+                raise ValueError(f"accuracy --option {system}:...: {system} is not among the systems {self.systems}")
+            check_spec_options(system, options)
         if "native" not in self.systems:
             raise ValueError("accuracy systems: native is the reference the loss gap is measured against")
         for path in (self.pretrained, self.metamath):

@@ -59,18 +59,17 @@ def _merge(grid: dict, other: dict) -> None:
 
 def check(grid: dict) -> dict:
     """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
-    a point of its experiment), a preset or paper artefact that does not exist (found before any point
-    runs, not when that point or table comes), or a `same_as` that names no point of the grid, a
-    point that is itself a `same_as`, or a point of another identity or other steps; return the grid."""
+    a point of its experiment), a preset, paper artefact or system option that does not exist (found
+    before any point runs, not when that point or table comes), or a `same_as` that names no point
+    of the grid, a point that is itself a `same_as`, or a point of another identity or other steps;
+    return the grid."""
     from megatrain.presets import PRESETS
+    from suite.system import check_spec_options
     artefacts = sorted(f.stem for f in PAPER.glob("*.yaml"))
     for name, exp in grid["experiments"].items():
         paper = exp.get("paper", [])
         for unknown in [a for a in ([paper] if isinstance(paper, str) else paper) if a not in artefacts]:
             raise ValueError(f"grid experiment {name!r}: paper {unknown!r} is none of workflows/paper/'s {artefacts}")
-        for p in exp["points"]:
-            if p["preset"] not in PRESETS:
-                raise ValueError(f"grid point {name}/{p['id']}: preset {p['preset']!r} is none of {sorted(PRESETS)}")
         seen: set[str] = set()
         ids = [p["id"] for p in exp["points"]] + [n["id"] for n in grid.get("not_runnable", []) if n["experiment"] == name]
         for i in ids:
@@ -81,6 +80,13 @@ def check(grid: dict) -> dict:
         if n["experiment"] not in grid["experiments"]:
             raise ValueError(f"not_runnable {n['id']!r}: unknown experiment {n['experiment']!r}")
     pts = points(grid)
+    for (name, point_id), p in pts.items():
+        if p["preset"] not in PRESETS:
+            raise ValueError(f"grid point {name}/{point_id}: preset {p['preset']!r} is none of {sorted(PRESETS)}")
+        try:
+            check_spec_options(p["system"], {k.split(".")[0]: v for k, v in p["options"].items()})
+        except ValueError as e:
+            raise ValueError(f"grid point {name}/{point_id}: {e}") from None
     for (name, point_id), p in pts.items():
         if "same_as" not in p:
             continue
