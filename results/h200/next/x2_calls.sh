@@ -24,7 +24,7 @@
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batches 3-7 made (7's point: 483 s wall,
 # within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); 11 about 4; `lean`
-# about 5 and the timeline's GPU test, a call of its own.
+# about 5 and the timeline's GPU test, a call of its own; 12 about 13 (a start and an attach).
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -54,6 +54,14 @@ case $1 in
       # machine at 3B); 7B FSDP2 took 110-152 s of set-up on this host before, so about 80-120 s now
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
+    elif [ "$2" = 12 ]; then
+      # h200-scale's gpus experiment's MegaTrain points again with the current kernels (made at
+      # de3abe9, before the compiled kernels were the default: 407.9 / 801.8 at 7B, 411.7 / 811.1 at
+      # 14B, where the four-GPU host's at later commits ran 13-15% faster; ../../h200x4/compare_h200.txt).
+      # Prediction: 7b_g1 about 460 model TFLOP/s, 14b_g1 about 470, the two-GPU points about 1.97x
+      # them; about 13 minutes of points (walls 107, 156, 190 and 296 s before), so an attach follows
+      rm -f $R/gpus/7b_g1.json $R/gpus/7b_g2.json $R/gpus/14b_g1.json $R/gpus/14b_g2.json
+      T="$R/gpus/7b_g1.json,$R/gpus/7b_g2.json,$R/gpus/14b_g1.json,$R/gpus/14b_g2.json $S"
     elif [ "$2" = 11 ]; then
       # scale/7b_megatrain again with the current kernels, so that the scale figure's line joins one
       # setting (made at a4bc0bd: 409.2 model TFLOP/s, 15.17 s; the x4 host's at 5981b74: 444.1, 13.98).
@@ -61,7 +69,7 @@ case $1 in
       rm -f $R/scale/7b_megatrain.json
       T=$R/scale/7b_megatrain.json
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9 and 11 run alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9, 11 and 12 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 7: 7b_ratel, Ratel's disk route at the 7B shape (its GPT: 4.88 B parameters) with
       # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why), under a 900 s limit: made, 86.3 s an
