@@ -7,7 +7,10 @@ version, so the next run with the same data and tokenizer reads the cache instea
 The examples then become three flat arrays: every token id (uint16 when the vocabulary allows,
 else int32), a target flag per token (bool), and each example's start and length: about 3-5 bytes a
 token, where padding every example to seq_len as int64 took 16 bytes a position. `Examples.nbytes`
-is what the memory plan counts for the data.
+is what the memory plan counts for the data. `Examples.dropped` counts the examples left out, by
+reason: `unmaskable` (with data.unmaskable: drop), `overlong` (with data.overlong: drop),
+`no_target` (nothing to learn: a chat without an assistant message) and `cut_off` (its targets
+all past seq_len); the start-up summary prints them.
 """
 from __future__ import annotations
 
