@@ -258,7 +258,8 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "file"] = "synthetic"
+    # file: data.path; synthetic: random tokens; auto: file where data.path is given, else synthetic
+    source: Literal["auto", "synthetic", "file"] = "auto"
     # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
     # type), or a folder written by datasets' save_to_disk
     path: str | None = None
@@ -289,6 +290,11 @@ class DataConfig:
 
     def __post_init__(self):
         check_types(self, "data")
+        if self.source == "auto":
+            self.source = "file" if self.path else "synthetic"
+        elif self.source == "synthetic" and self.path:  # random tokens where a file was meant
+            raise ValueError(f"data.path {self.path!r} is given but data.source is synthetic (random tokens): "
+                             f"set data.source: file, or leave data.source out")
         if self.source == "file":
             if not self.path:
                 raise ValueError("data.path is required when data.source is file")

@@ -125,6 +125,16 @@ def test_missing_dataset_columns(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_data_path_is_read_unless_the_source_says_synthetic(tmp_path):
+    """data.source `auto` (the default) reads data.path where one is given; a path beside source:
+    synthetic is refused (a run file without `source: file` trained on random tokens, its data unread)."""
+    from megatrain.config import DataConfig
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n')
+    assert DataConfig(path=str(tmp_path / "d.jsonl")).source == "file" and DataConfig().source == "synthetic"
+    with pytest.raises(ValueError, match="d.jsonl' is given but data.source is synthetic .random tokens.: set data.source: file"):
+        DataConfig(source="synthetic", path=str(tmp_path / "d.jsonl"))
+
+
 def test_missing_data_file():
     with pytest.raises(ValueError, match="data.path 'nowhere.jsonl' does not exist"):
         load_config(base={"model": {"preset": "tiny-qwen2"}, "data": {"source": "file", "path": "nowhere.jsonl"}})
