@@ -357,8 +357,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, or null")
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, not {self.log_every}")
-        if (self.save_every or self.resume or self.tensorboard or self.overwrite) and not self.output_dir:
-            raise ValueError("save_every, resume, overwrite and tensorboard need output_dir")
+        if not self.output_dir and (given := [k for k in ("save_every", "resume", "overwrite", "tensorboard")
+                                              if getattr(self, k)] + (["save_dtype"] if self.save_dtype != "float32" else [])):
+            raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} output_dir (where the run saves)")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: resume continues the earlier run in "
                              "output_dir, overwrite replaces it")

@@ -125,6 +125,14 @@ def test_missing_dataset_columns(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("settings, message", [({"save_dtype": "bfloat16"}, "save_dtype needs output_dir"),
+                                               ({"save_every": 2, "tensorboard": True}, "save_every, tensorboard need output_dir")])
+def test_a_save_setting_without_output_dir_is_named(settings, message):
+    """(save_dtype was ignored without a word: nothing is saved without output_dir)"""
+    with pytest.raises(ValueError, match=message):
+        load_config(base={"model": {"preset": "tiny-qwen2"}, **settings})
+
+
 def test_a_data_path_is_read_unless_the_source_says_synthetic(tmp_path):
     """data.source `auto` (the default) reads data.path where one is given; a path beside source:
     synthetic is refused (a run file without `source: file` trained on random tokens, its data unread)."""
