@@ -6,6 +6,7 @@ is in templates.py.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 from dataclasses import dataclass
@@ -65,6 +66,21 @@ class ParamSpec:
         return "zeros" if self.name.endswith("bias") else "ones"
 
 
+# fields a model reads where its config has them, though the config's defaults lack them (Qwen2's head_dim)
+READ_WHERE_GIVEN = frozenset({"head_dim"})
+
+
+def check_overrides(overrides: dict, model_type: str, given: dict) -> None:
+    """Refuse an override that is no field of the config: transformers keeps any key as an
+    attribute, so a misspelt one (num_hiden_layers) would change nothing without a word."""
+    known = set(given) | set(AutoConfig.for_model(model_type).to_dict()) | READ_WHERE_GIVEN
+    if unknown := sorted(set(overrides) - known):
+        near = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        hints = "; ".join(f"{k}: did you mean {m[0]}?" for k, m in near.items() if m)
+        raise ValueError(f"model.overrides: {unknown} {'is' if len(unknown) == 1 else 'are'} no field of a {model_type} "
+                         f"config" + (f" ({hints})" if hints else f"; its fields: {sorted(known)}"))
+
+
 def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConfig:
     """The `transformers` config of a run, from a preset, a config file, or a pretrained directory;
     `cuda`: whether the run has a GPU, for the attention `auto` picks (None: whether this machine has one)."""
@@ -83,12 +99,13 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
             values = json.loads(file.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"model: {file} is not valid JSON: {e}") from None
-    values = {**values, **cfg.overrides}
+    given, values = values, {**values, **cfg.overrides}
     model_type = values.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
             f"model: architecture {model_type!r} is not supported (no layer adapter for it); "
             f"supported model_type values: {sorted(FAMILIES)}")
+    check_overrides(cfg.overrides, model_type, given)
     values.pop("model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
         values.pop(key, None)  # a quantized checkpoint's settings: the store holds plain weights

@@ -82,6 +82,18 @@ def test_unsupported_architecture(tmp_path):
         Trainer(load_config(base={"model": {"config": str(tmp_path)}}))
 
 
+def test_a_misspelt_model_override_is_named_with_the_field_it_was_meant_for(capsys):
+    """transformers keeps any key of a config as an attribute: a misspelt override changed nothing
+    (num_hiden_layers: 2 trained all 3 layers). Qwen2's head_dim, which its defaults lack but its
+    attention reads, passes."""
+    with pytest.raises(ValueError, match=r"model.overrides: \['num_hiden_layers'\] is no field of a qwen2 config "
+                                         r"\(num_hiden_layers: did you mean num_hidden_layers\?\)"):
+        Trainer(load_config(base={"model": {"preset": "tiny-qwen2", "overrides": {"num_hiden_layers": 2}}}))
+    from megatrain.config import ModelConfig
+    from megatrain.shapes import load_hf_config
+    assert load_hf_config(ModelConfig(preset="tiny-qwen2", overrides={"head_dim": 32})).head_dim == 32
+
+
 @pytest.mark.parametrize("preset, overrides, message", [
     ("tiny-qwen2", {"num_hidden_layers": 0}, "at least 1: num_hidden_layers 0"),
     ("tiny-qwen2", {"hidden_size": -4, "vocab_size": 0}, "at least 1: hidden_size -4, vocab_size 0"),

@@ -309,6 +309,10 @@ def test_an_unknown_preset_option_or_paper_artefact_is_named_before_any_point_ru
     with pytest.raises(ValueError, match=r"grid point depth/L4: megatrain options: unknown \['engin'\]"):
         grid.check(bad)
     bad = copy.deepcopy(g)
+    bad["experiments"]["width"]["points"][1]["overrides"]["hiden_size"] = 96
+    with pytest.raises(ValueError, match=r"grid point width/w2.0: model.overrides: \['hiden_size'\] is no field"):
+        grid.check(bad)
+    bad = copy.deepcopy(g)
     bad["experiments"]["depth"]["paper"] = ["table5_depth", "figure5_dept"]
     with pytest.raises(ValueError, match=r"grid experiment 'depth': paper 'figure5_dept' is none of .*'figure5_depth'"):
         grid.check(bad)

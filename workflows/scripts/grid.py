@@ -59,11 +59,12 @@ def _merge(grid: dict, other: dict) -> None:
 
 def check(grid: dict) -> dict:
     """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
-    a point of its experiment), a preset, paper artefact or system option that does not exist (found
-    before any point runs, not when that point or table comes), or a `same_as` that names no point
-    of the grid, a point that is itself a `same_as`, or a point of another identity or other steps;
-    return the grid."""
+    a point of its experiment), a preset, paper artefact, system option or model override that does
+    not exist (found before any point runs, not when that point or table comes), or a `same_as` that
+    names no point of the grid, a point that is itself a `same_as`, or a point of another identity
+    or other steps; return the grid."""
     from megatrain.presets import PRESETS
+    from megatrain.shapes import check_overrides
     from suite.system import check_spec_options
     artefacts = sorted(f.stem for f in PAPER.glob("*.yaml"))
     for name, exp in grid["experiments"].items():
@@ -85,6 +86,7 @@ def check(grid: dict) -> dict:
             raise ValueError(f"grid point {name}/{point_id}: preset {p['preset']!r} is none of {sorted(PRESETS)}")
         try:
             check_spec_options(p["system"], {k.split(".")[0]: v for k, v in p["options"].items()})
+            check_overrides(p["overrides"], PRESETS[p["preset"]]["model_type"], PRESETS[p["preset"]])
         except ValueError as e:
             raise ValueError(f"grid point {name}/{point_id}: {e}") from None
     for (name, point_id), p in pts.items():
