@@ -115,6 +115,7 @@ def _check(args) -> int:
     from suite.check import passed, refuse
     try:
         refuse(args.systems.split(","), args.steps, args.tolerance)
+        check_writable(args.out_dir, "--out-dir")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -243,11 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         return table(args.folders)
     if args.command == "project":
         from suite.projection import write_report
+        try:
+            check_writable(args.out, "--out")
+        except ValueError as e:
+            p.error(f"project: {e}")
         print(write_report([Path(f) for f in args.folders], Path(args.out)), end="")
         return 0
     if args.command == "compare":
         from suite.compare import main as compare
         try:
+            if args.out:
+                check_writable(Path(args.out).parent, "--out")
             return compare(args.base, args.new, args.threshold, tuple(filter(None, args.metrics.split(","))), args.out)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.io import write_json
+from megatrain.io import check_writable, write_json
 from suite.accuracy import answers, problems, tokenizer
 from suite.spec import RunSpec
 from suite.system import SYSTEMS, check_spec_options
@@ -76,6 +76,8 @@ class Settings:
         for path in (self.pretrained, self.metamath):
             if path is not None and not Path(path).exists():
                 raise ValueError(f"accuracy: {path} does not exist")
+        check_writable(self.out, "accuracy --out")
+        check_writable(self.work, "accuracy --work")
 
 
 def _metamath_rows(path: str) -> list[dict]:
