@@ -306,15 +306,16 @@ def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, optio
 
 
 @pytest.mark.parametrize("command, message", [
-    (["compare", "results/h200/points", "results/h200x4/points", "--out", "/proc/nowhere/c.json"], "error: --out /proc/nowhere"),
+    (["compare", "{root}/results/h200/points", "{root}/results/h200x4/points", "--out", "/proc/nowhere/c.json"],
+     "error: --out /proc/nowhere"),
     (["check", "--systems", "native", "--out-dir", "/proc/nowhere"], "error: --out-dir /proc/nowhere"),
     (["accuracy", "--out", "/proc/nowhere", "--work", "{tmp}/w"], "error: accuracy --out /proc/nowhere"),
-    (["project", "results/h200", "--out", "/proc/nowhere"], "project: --out /proc/nowhere")])
+    (["project", "{root}/results/h200", "--out", "/proc/nowhere"], "project: --out /proc/nowhere")])
 def test_an_output_folder_that_cannot_be_made_is_named_before_the_work(tmp_path, capsys, command, message):
     """(each had done its work, then raised a traceback when it wrote)"""
     from suite.__main__ import main as suite_main
     try:
-        code = suite_main([c.format(tmp=tmp_path) for c in command])
+        code = suite_main([c.format(tmp=tmp_path, root=ROOT) for c in command])
     except SystemExit as e:  # argparse's error
         code = e.code
     assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "w").exists()
