@@ -304,6 +304,12 @@ class DataConfig:
             raise ValueError("data.eval_path, data.eval_fraction and data.packing need data.source: file")
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
+        instruction = self.format in ("instruction", "alpaca")
+        if self.template != "auto" and not instruction:  # chat data always takes the chat template
+            raise ValueError(f"data.template applies to format instruction or alpaca, not {self.format}")
+        if self.separator != "\n" and not (instruction and self.template != "chat"):
+            raise ValueError("data.separator joins prompt and response in the plain template: format instruction or "
+                             "alpaca, data.template plain (or auto without a chat template)")
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be at least 1, not {getattr(self, name)}")

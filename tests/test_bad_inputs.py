@@ -145,6 +145,18 @@ def test_a_save_setting_without_output_dir_is_named(settings, message):
         load_config(base={"model": {"preset": "tiny-qwen2"}, **settings})
 
 
+@pytest.mark.parametrize("data, message", [
+    ({"format": "chat", "template": "plain"}, "data.template applies to format instruction or alpaca, not chat"),
+    ({"format": "chat", "separator": " => "}, "data.separator joins prompt and response in the plain template"),
+    ({"format": "instruction", "template": "chat", "separator": " => "}, "data.separator joins prompt and response")])
+def test_a_data_setting_its_format_does_not_read_is_named(data, message):
+    """(each was ignored without a word: chat data always takes the tokenizer's chat template)"""
+    from megatrain.config import DataConfig
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DataConfig(**data)
+    DataConfig(format="alpaca", template="plain", separator=" => ")  # what they are for
+
+
 def test_a_data_path_is_read_unless_the_source_says_synthetic(tmp_path):
     """data.source `auto` (the default) reads data.path where one is given; a path beside source:
     synthetic is refused (a run file without `source: file` trained on random tokens, its data unread)."""
