@@ -118,9 +118,12 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
     attn = cfg.attn_implementation
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if attn == "auto":  # GPT-OSS's sinks have no SDPA kernel; flex attention has them on a GPU only
-        cuda = torch.cuda.is_available() if cuda is None else cuda
         attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if cuda else "eager"
+    elif attn == "flex_attention" and not cuda:
+        raise ValueError("model.attn_implementation: flex_attention trains on a GPU only (torch's FlexAttention has "
+                         "no backward on the CPU); set it to eager or auto")
     elif attn == "sdpa" and not pretrained._supports_sdpa:
         raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
                          f"(GPT-OSS's attention sinks); set it to eager or auto")

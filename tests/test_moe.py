@@ -146,6 +146,11 @@ def test_auto_attention_is_the_training_devices(monkeypatch):
     assert (attention("cuda"), attention("cuda:1"), attention("auto")) == ("flex_attention", "flex_attention", "eager")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert (attention("cpu"), attention("auto")) == ("eager", "flex_attention")
+    # asked for by name where the run trains on the CPU: refused (no FlexAttention backward there)
+    cfg = load_config(None, [], base={"model": {"preset": "tiny-gpt-oss", "attn_implementation": "flex_attention"},
+                                      "engine": {"device": "cpu"}})
+    with pytest.raises(ValueError, match="flex_attention trains on a GPU only"):
+        model_config(cfg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans this machine's own GPU there")
