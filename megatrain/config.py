@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
@@ -167,6 +168,8 @@ class EngineConfig:
 
     def __post_init__(self):
         check_types(self, "engine")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"engine.device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         for name, low in (("checkpoint_every", 1), ("weight_buffers", 1), ("loss_chunk_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"engine.{name} must be at least {low}, not {getattr(self, name)}")
@@ -310,9 +313,9 @@ class DataConfig:
         if self.separator != "\n" and not (instruction and self.template != "chat"):
             raise ValueError("data.separator joins prompt and response in the plain template: format instruction or "
                              "alpaca, data.template plain (or auto without a chat template)")
-        for name in ("seq_len", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be at least 1, not {getattr(self, name)}")
+        for name, low in (("seq_len", 2), ("batch_size", 1), ("grad_accum", 1)):  # a token predicts the next
+            if getattr(self, name) < low:
+                raise ValueError(f"data.{name} must be at least {low}, not {getattr(self, name)}")
         if self.eval_path and self.eval_fraction:
             raise ValueError("data: give data.eval_path or data.eval_fraction, not both")
         if self.eval_path and not Path(self.eval_path).exists():

@@ -68,10 +68,13 @@ def test_bad_values_are_named():
     ("engine", "optimizer_threads", 0, "engine.optimizer_threads must be at least 1, or null, not 0"),
     ("optim", "warmup_steps", -1, "optim.warmup_steps must be at least 0, not -1"),
     ("optim", "min_lr_ratio", 2, "optim.min_lr_ratio must be in [0, 1], not 2"),
+    ("engine", "device", "tpu", "engine.device must be auto, cpu, cuda or cuda:N, not 'tpu'"),
+    ("data", "seq_len", 1, "data.seq_len must be at least 2, not 1"),
 ])
 def test_numbers_out_of_their_range_are_named(section, key, value, message):
-    """Each by its own name and value: let through, torch refuses some at the first step, reads 0
-    threads as the default, or the schedule runs off its range."""
+    """Each by its own name and value: let through, torch refuses some at the first step (a device
+    it does not know), reads 0 threads as the default, the schedule runs off its range, or a step
+    has no token to predict (one token a sequence)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(base={"model": {"preset": "tiny-qwen2"}, section: {key: value}})
 
