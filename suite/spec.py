@@ -49,6 +49,8 @@ class RunSpec:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "gpus"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.seq_len < 2:
+            raise ValueError("seq_len: must be at least 2 (a sequence of one token predicts nothing)")
         if self.gpus > 1 and self.system not in DATA_PARALLEL:
             raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only {', '.join(DATA_PARALLEL)} "
                              f"run data-parallel")

@@ -30,6 +30,7 @@ def tiny(system="native", **kw):
     (dict(batch_size=0), "batch_size"),
     (dict(warmup=-1), "warmup"),
     (dict(seq_len=100_000), "max_position_embeddings"),
+    (dict(seq_len=1), r"seq_len: must be at least 2 \(a sequence of one token predicts nothing\)"),
     (dict(model={"preset": "qwen9"}), "unknown model preset"),
     (dict(model={"preset": "tiny-llama", "overrides": {"model_type": "bert"}}), "not supported"),
     (dict(timeout_s=0), "timeout_s"),
