@@ -33,13 +33,15 @@ def count(text: str) -> int:
 
 
 def saved_where(output_dir: str | None) -> str:
-    """What an interrupted run leaves to resume from, in words."""
+    """What an interrupted run leaves to resume from, in words (the last complete save, put back in
+    place where the interruption came between a save's two renames)."""
+    from megatrain.checkpoint import saved_state
     if not output_dir:
         return "nothing was saved (no output_dir)"
-    state = Path(output_dir) / "state" / "state.json"
-    if not state.is_file():
+    state = saved_state(Path(output_dir) / "state")
+    if state is None:
         return f"no training state saved yet in {output_dir}"
-    step = json.loads(state.read_text())["step"]
+    step = json.loads((state / "state.json").read_text())["step"]
     return f"{output_dir}/state holds step {step}: resume=true continues from it"
 
 

@@ -303,6 +303,12 @@ def test_ctrl_c_says_which_saved_step_a_resume_continues_from(tmp_path, capsys, 
     assert "Traceback" not in err
     assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "state"]
+    # interrupted between a save's two renames: the last complete save is the `.old`, named and put back
+    from megatrain.cli import saved_where
+    from megatrain.io import _old
+    os.replace(out / "state", _old(out / "state"))
+    assert saved_where(str(out)) == f"{out}/state holds step 2: resume=true continues from it"
+    assert (out / "state" / "state.json").is_file()
 
     def interrupted_build(self, *a, **kw):
         raise KeyboardInterrupt
