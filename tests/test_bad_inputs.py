@@ -86,8 +86,8 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_a_misspelt_model_override_is_named_with_the_field_it_was_meant_for(capsys):
-    """transformers keeps any key of a config as an attribute: a misspelt override changed nothing
-    (num_hiden_layers: 2 trained all 3 layers). Qwen2's head_dim, which its defaults lack but its
+    """transformers keeps any key of a config as an attribute: a misspelt override would change
+    nothing (num_hiden_layers: 2 would train all 3 layers). Qwen2's head_dim, which its defaults lack but its
     attention reads, passes."""
     with pytest.raises(ValueError, match=r"model.overrides: \['num_hiden_layers'\] is no field of a qwen2 config "
                                          r"\(num_hiden_layers: did you mean num_hidden_layers\?\)"):
@@ -143,7 +143,7 @@ def test_missing_dataset_columns(tmp_path):
 @pytest.mark.parametrize("settings, message", [({"save_dtype": "bfloat16"}, "save_dtype needs output_dir"),
                                                ({"save_every": 2, "tensorboard": True}, "save_every, tensorboard need output_dir")])
 def test_a_save_setting_without_output_dir_is_named(settings, message):
-    """(save_dtype was ignored without a word: nothing is saved without output_dir)"""
+    """Without output_dir nothing is saved, so a save setting would do nothing without a word."""
     with pytest.raises(ValueError, match=message):
         load_config(base={"model": {"preset": "tiny-qwen2"}, **settings})
 
@@ -153,7 +153,7 @@ def test_a_save_setting_without_output_dir_is_named(settings, message):
     ({"format": "chat", "separator": " => "}, "data.separator joins prompt and response in the plain template"),
     ({"format": "instruction", "template": "chat", "separator": " => "}, "data.separator joins prompt and response")])
 def test_a_data_setting_its_format_does_not_read_is_named(data, message):
-    """(each was ignored without a word: chat data always takes the tokenizer's chat template)"""
+    """Each would do nothing without a word: chat data always takes the tokenizer's chat template."""
     from megatrain.config import DataConfig
     with pytest.raises(ValueError, match=re.escape(message)):
         DataConfig(**data)
@@ -162,7 +162,7 @@ def test_a_data_setting_its_format_does_not_read_is_named(data, message):
 
 def test_a_data_path_is_read_unless_the_source_says_synthetic(tmp_path):
     """data.source `auto` (the default) reads data.path where one is given; a path beside source:
-    synthetic is refused (a run file without `source: file` trained on random tokens, its data unread)."""
+    synthetic is refused (it would train on random tokens, its data unread)."""
     from megatrain.config import DataConfig
     (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n')
     assert DataConfig(path=str(tmp_path / "d.jsonl")).source == "file" and DataConfig().source == "synthetic"
@@ -327,7 +327,7 @@ def test_a_bad_accuracy_option_is_named_and_nothing_runs(tmp_path, capsys, optio
     (["accuracy", "--out", "/proc/nowhere", "--work", "{tmp}/w"], "error: accuracy --out /proc/nowhere"),
     (["project", "{root}/results/h200", "--out", "/proc/nowhere"], "project: --out /proc/nowhere")])
 def test_an_output_folder_that_cannot_be_made_is_named_before_the_work(tmp_path, capsys, command, message):
-    """(each had done its work, then raised a traceback when it wrote)"""
+    """Refused before the command's work, which would otherwise end in a traceback when it writes."""
     from suite.__main__ import main as suite_main
     try:
         code = suite_main([c.format(tmp=tmp_path, root=ROOT) for c in command])
@@ -343,7 +343,7 @@ def test_an_output_folder_that_cannot_be_made_is_named_before_the_work(tmp_path,
     (["accuracy", "--systems", "native,nope"], "accuracy systems: unknown ['nope']; known: ['megatrain'")])
 def test_an_unknown_system_or_empty_check_is_named_before_any_runs(tmp_path, capsys, command, message):
     """`suite check` and `suite accuracy` name a system they do not know, and a check of no steps,
-    before the first system runs (check ran native for minutes, then raised a traceback)."""
+    before the first system runs, not after native's run."""
     from suite.__main__ import main as suite_main
     out = tmp_path / "out"
     where = ["--out-dir", str(out)] if command[0] == "check" else ["--out", str(out), "--work", str(tmp_path / "w")]

@@ -257,8 +257,8 @@ def test_resume_names_each_change_of_meaning(tmp_path):
 
 def test_a_damaged_or_foreign_saved_state_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
     """resume=true reads the saved state's headers first: a state.json that is not the state's, a
-    tile's file missing, cut short or of another model is refused by name (they had raised from
-    safetensors after the store was allocated and filled)."""
+    tile's file missing, cut short or of another model is refused by name, not by safetensors once
+    the store is allocated and filled."""
     import megatrain.trainer
     saved_run(tmp_path)
     state = tmp_path / "r" / "state"

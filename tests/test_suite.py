@@ -137,7 +137,7 @@ def test_each_system_takes_adamw_settings_from_the_spec():
     ({"trace": "t.json", "engine": {"timeline": False}}, "trace writes the engine's timeline; it needs engine.timeline: true"),
     ({"trace": "/proc/nowhere/t.json"}, "megatrain options: trace /proc/nowhere: /proc cannot be written")])
 def test_megatrain_options_that_cannot_work_are_refused_before_it_builds(monkeypatch, options, message):
-    """Before the trainer (a trace the timeline cannot give was found only once every step had run)."""
+    """Before the trainer is built, not once every step has run."""
     import megatrain.trainer
     from baselines.megatrain import MegaTrain
     monkeypatch.setattr(megatrain.trainer, "Trainer", None)  # building it would fail otherwise
@@ -160,7 +160,7 @@ def test_every_system_names_the_options_it_takes():
 
 
 def test_native_refuses_an_option_it_does_not_take():
-    """(it ran with any option, ignored: `accumulate=device` meant for FSDP2 changed nothing)"""
+    """An option meant for another system (`accumulate=device` is FSDP2's) would change nothing."""
     from baselines.native import Native
     with pytest.raises(ValueError, match=re.escape("native options: unknown ['accumulate']; known: ['admission']")):
         Native(tiny(options={"accumulate": "device"}), torch.device("cpu"))
