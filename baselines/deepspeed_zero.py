@@ -234,9 +234,15 @@ class ZeroSystem(System):
                 "activation_checkpointing": True, "deepspeed_version": self.version, "ds_config": self.config}
 
     def close(self) -> None:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         self.engine.destroy()
+        # while transformers sees this config, every model built in this process is built under
+        # zero.Init (FSDP2's next run here raised KeyError LOCAL_RANK from inside transformers)
+        self._hf_ds_config = None
+        unset_hf_deepspeed_config()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            from deepspeed import comm
+            comm.destroy_process_group()  # torch's group and DeepSpeed's references to it (a later run's optimizer took the dead one)
         for k, v in self._environ_before.items():
             if v is None:
                 os.environ.pop(k, None)

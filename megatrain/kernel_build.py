@@ -25,7 +25,10 @@ GPU tests' did) then computes some calls by the kernel and others by the library
 to rounding only (on the H200 a test's two runs that match bit for bit stopped matching). So each
 kernel sees one form: its inputs detached here (every caller differentiates by hand) and, the
 norms' and the MLP's, as rows; a process then builds one per dtype and constant (eps, GPT-OSS's
-float32 scale).
+float32 scale) and, the norms', per row width (lean_norm says why). A model's norms have one or two
+widths, but a process that trains several models sees more forms than a model does, so the first
+kernel's build raises the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made
+only for a form that comes).
 
 Two threads call these kernels: the main thread (the layers') and the optimizer worker (the AdamW).
 While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
@@ -53,6 +56,8 @@ import torch
 import torch.fx._symbolic_trace as fx_trace
 
 
+RECOMPILE_LIMIT = 64  # builds of one kernel a process: its forms (dtype, constants, width) in every model it trains
+
 # the check dynamo makes before a compiled call (older torch: the flag alone, with a logged warning)
 _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
@@ -71,7 +76,9 @@ def compiled(fn: Callable, **options) -> Callable:
         if made is None:
             with lock:  # the main thread and the optimizer worker may both call first
                 if made is None:
+                    import torch._dynamo.config as dynamo
                     import torch._inductor.config as inductor
+                    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
                     made = torch.compile(fn, dynamic=True, options={"deterministic": True, **options}), inductor
         kernel, inductor = made
         # every caller differentiates by hand (an autograd.Function's forward and backward, the

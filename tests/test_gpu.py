@@ -3,6 +3,7 @@ the streaming switches (buffers, slabs, K, checkpoint offload, layers kept from 
 the schedule but not one bit of the numerics."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -229,6 +230,27 @@ def test_free_bytes_count_what_a_closed_run_left_cached(cuda_only):
     del x  # cached by the allocator, free to the driver no longer
     assert torch.cuda.mem_get_info()[0] < before - (1 << 29)
     assert device.free_bytes() >= before - (64 << 20)
+
+
+def test_a_closed_deepspeed_run_leaves_the_process_as_it_found_it(cuda_only):
+    """DeepSpeed's one-process group is made of environment variables and of group references of its
+    own, and transformers builds every later model under zero.Init while it can see a DeepSpeed
+    config: after `close` none is left, so the next run in this process (ZeRO-3's again, then
+    FSDP2's, each built while the one before still exists) builds as it would alone."""
+    pytest.importorskip("deepspeed")
+    from suite.spec import RunSpec
+    from suite.system import load
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in keys}
+    device = torch.device("cuda", torch.cuda.current_device())
+    runs = []
+    for name in ("zero3", "zero3", "fsdp2"):
+        spec = RunSpec.from_dict({"system": name, "model": {"preset": "tiny-llama"}, "seq_len": 16, "batch_size": 1})
+        runs.append(load(name)(spec, device))
+        runs[-1].close()
+        assert {k: os.environ.get(k) for k in keys} == before
+        assert not is_deepspeed_zero3_enabled()
 
 
 MOE = {"tiny-gpt-oss": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32},

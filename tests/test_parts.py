@@ -545,8 +545,8 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scal
 
 
 def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
-    """Dynamo builds a function at most 8 times a process and then runs its library ops instead
-    (kernel_build): the norm's and the MLP's kernels see inputs of every rank, with gradients or
+    """Dynamo builds a function at most recompile_limit times a process and then runs its library
+    ops instead (kernel_build): the norm's and the MLP's kernels see inputs of every rank, with gradients or
     without, in one form, so these twelve calls add one build each (before: six a forward, three a
     backward)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
@@ -564,6 +564,23 @@ def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
     built = [len(entries(k.__code__)) - b for k, b in zip(kernels, before)]
     assert max(built) <= 1, built
 
+
+
+def test_norm_kernels_are_built_once_a_row_width():
+    """A norm kernel's reduction is configured at its build for the width it was built at (lean_norm):
+    Qwen3's head norms (128 wide) beside its hidden-size norms get a kernel of their own, and more
+    rows at a width build nothing. The process's recompile limit leaves room for every model's widths."""
+    import torch._dynamo.config as dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    import megatrain.kernel_build as kernel_build
+    import megatrain.lean_norm as lean_norm
+    kernels = (lean_norm._rms_norm, lean_norm._backward)
+    before = [len(entries(k.__code__)) for k in kernels]
+    for rows, width in ((6, 24), (11, 24), (6, 8), (40, 8), (3, 24)):
+        x = torch.randn(rows, width, requires_grad=True)
+        lean_norm._LeanRMSNorm.apply(x, torch.ones(width, requires_grad=True), 0.321, False, True).sum().backward()
+    assert [len(entries(k.__code__)) - b for k, b in zip(kernels, before)] == [2, 2]
+    assert dynamo.recompile_limit >= kernel_build.RECOMPILE_LIMIT
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):

@@ -17,14 +17,14 @@
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
-# h200-scale's ($S) and runs alone (10, FSDP2's accumulation A/B, ran in session 36). A
+# h200-scale's ($S) and runs alone (10, FSDP2's accumulation A/B, ran in session 36), as do 11-13. A
 # `start` is alone in its call: it returns 540 s after its own
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batches 3-7 made (7's point: 483 s wall,
 # within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); 11 about 4; `lean`
-# about 5 and the timeline's GPU test, a call of its own; 12 about 13 (a start and an attach).
+# about 5 and the timeline's GPU test, a call of its own; 12 about 13 (a start and an attach); 13 about 3.
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -62,6 +62,13 @@ case $1 in
       # them; about 13 minutes of points (walls 107, 156, 190 and 296 s before), so an attach follows
       rm -f $R/gpus/7b_g1.json $R/gpus/7b_g2.json $R/gpus/14b_g1.json $R/gpus/14b_g2.json
       T="$R/gpus/7b_g1.json,$R/gpus/7b_g2.json,$R/gpus/14b_g1.json,$R/gpus/14b_g2.json $S"
+    elif [ "$2" = 13 ]; then
+      # h200-scale's lean-experts point again with the norms' kernel a row width (made at 84a6737,
+      # when one kernel built at the hidden size ran Qwen3's 128-wide head norms: 245.4 model TFLOP/s,
+      # 7.95 s; the layer's ceiling since 72.1 -> 58.1 ms, probes_2026-11-28/norm_width).
+      # Prediction: 285-300 model TFLOP/s (the ceiling's 306 at 0.93-0.98), 6.5-6.9 s a step, about 3 minutes
+      rm -f $R/moe/q30b_L24_lean_megatrain.json
+      T="$R/moe/q30b_L24_lean_megatrain.json $S"
     elif [ "$2" = 11 ]; then
       # scale/7b_megatrain again with the current kernels, so that the scale figure's line joins one
       # setting (made at a4bc0bd: 409.2 model TFLOP/s, 15.17 s; the x4 host's at 5981b74: 444.1, 13.98).
@@ -69,7 +76,7 @@ case $1 in
       rm -f $R/scale/7b_megatrain.json
       T=$R/scale/7b_megatrain.json
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9, 11 and 12 run alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9, 11, 12 and 13 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 7: 7b_ratel, Ratel's disk route at the 7B shape (its GPT: 4.88 B parameters) with
       # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why), under a 900 s limit: made, 86.3 s an

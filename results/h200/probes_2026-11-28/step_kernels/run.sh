@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The lean experts' extra 20 ms a layer in the engine's step (results/h200/README.md, session 46), on
+# Ran in session 47 at b6b33f4 on `nvidia-h200` (355 s wall; its outputs beside it: the library's
+# 6-layer JSON and log did not come back, its table in library.txt did; results/h200/README.md says
+# what it found). The lean experts' extra 20 ms a layer in the engine's step (results/h200/README.md, session 46), on
 # one H200 (any host: a one-GPU `nvidia-h200` counts half its time), carrying [".whl"]:
 #   C=<commit> bash results/h200/next/step_kernels.sh
 # Qwen3-30B-A3B at 3 and 6 layers, 8 x 4096 tokens, one micro-batch, K = 1, with the lean experts and
