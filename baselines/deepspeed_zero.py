@@ -242,7 +242,8 @@ class ZeroSystem(System):
         unset_hf_deepspeed_config()
         if dist.is_initialized():
             from deepspeed import comm
-            comm.destroy_process_group()  # torch's group and DeepSpeed's references to it (a later run's optimizer took the dead one)
+            # torch's group and DeepSpeed's references to it (a later run's optimizer took the closed one)
+            comm.destroy_process_group()
         for k, v in self._environ_before.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -565,7 +565,6 @@ def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
     assert max(built) <= 1, built
 
 
-
 def test_norm_kernels_are_built_once_a_row_width():
     """A norm kernel's reduction is configured at its build for the width it was built at (lean_norm):
     Qwen3's head norms (128 wide) beside its hidden-size norms get a kernel of their own, and more
@@ -581,6 +580,7 @@ def test_norm_kernels_are_built_once_a_row_width():
         lean_norm._LeanRMSNorm.apply(x, torch.ones(width, requires_grad=True), 0.321, False, True).sum().backward()
     assert [len(entries(k.__code__)) - b for k, b in zip(kernels, before)] == [2, 2]
     assert dynamo.recompile_limit >= kernel_build.RECOMPILE_LIMIT
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
