@@ -102,6 +102,7 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {"norm_kernel": "compiled"}),
                                             ("tiny-gpt-oss", {"norm_kernel": "compiled"}),
+                                            ("tiny-qwen3", {"norm_kernel": "compiled"}),  # head norms: a second width
                                             ("tiny-qwen2", {"mlp_kernel": "compiled"}),
                                             ("tiny-qwen2", {"loss_kernel": "compiled"}),
                                             ("tiny-gpt-oss", {"experts_kernel": "lean"}),
