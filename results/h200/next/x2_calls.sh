@@ -17,14 +17,15 @@
 # runs them in one detached run: the session's device time, not a batch's end, sets how far it goes,
 # points already in the tree are not made again, each batch is one Snakemake in the order given
 # (session 33: 3's point, then 4's), and each takes its points in the grid's order. Batch 9 is
-# h200-scale's ($S) and runs alone (10, FSDP2's accumulation A/B, ran in session 36), as do 11-13. A
+# h200-scale's ($S) and runs alone (10, FSDP2's accumulation A/B, ran in session 36), as does 11;
+# 12 and 13, h200-scale's too, chain with each other. A
 # `start` is alone in its call: it returns 540 s after its own
 # start, the wheels' install and the tree's copy included, and packs; anything before it in the
 # call would take the call past its 10-minute limit, and that call's pack would never come back
 # (session 27).
 # Estimated walls (results/h200/README.md, "What is left"): batches 3-7 made (7's point: 483 s wall,
 # within one `start 7`); 9 about 8 minutes (14b's FSDP2 points are host refusals); 11 about 4; `lean`
-# about 5 and the timeline's GPU test, a call of its own; 12 about 13 (a start and an attach); 13 about 3.
+# about 5 and the timeline's GPU test, a call of its own; 12 about 13 (a start and an attach); 13 about 3 (`start 13 12`: both, with an attach).
 # The carried folders are git-ignored and a new checkout lacks them: `.whl` from the workshop's
 # device-wheels script, `.libaio` by `baselines/libaio.sh fetch .libaio` (ZeRO-Infinity, Ratel),
 # `.ratel/LoHan` from RC4ML/LoHan (experiments/ratel_gpu.sh).
@@ -41,6 +42,8 @@ B5="$R/width/w1.0_zero3.json $R/width/w1.0_fsdp2.json $R/width/w1.5_zero3.json $
     $R/width/w2.0_zero3.json $R/width/w2.0_fsdp2.json"
 B6="$R/ratel/7b_ratel_cpu.json"
 B7="$R/ratel/7b_ratel.json"
+B12="$R/gpus/7b_g1.json $R/gpus/7b_g2.json $R/gpus/14b_g1.json $R/gpus/14b_g2.json"
+B13="$R/moe/q30b_L24_lean_megatrain.json"
 case $1 in
   start)  # start N [M ...]: batches 3-7 (the h200 grid's) in one detached run; 9 alone
     # the wheels once for the call, and workflow_gpu.sh is told not to install them again
@@ -54,21 +57,22 @@ case $1 in
       # machine at 3B); 7B FSDP2 took 110-152 s of set-up on this host before, so about 80-120 s now
       rm -f $(python3 -m workflows.scripts.grid --stale workflows/grids/h200-scale.yaml)
       T="$R/gpus/7b_g1_fsdp2.json,$R/gpus/7b_g2_fsdp2.json $S"
-    elif [ "$2" = 12 ]; then
-      # h200-scale's gpus experiment's MegaTrain points again with the current kernels (made at
-      # de3abe9, before the compiled kernels were the default: 407.9 / 801.8 at 7B, 411.7 / 811.1 at
-      # 14B, where the four-GPU host's at later commits ran 13-15% faster; ../../h200x4/compare_h200.txt).
+    elif [ "$2" = 12 ] || [ "$2" = 13 ]; then
+      # h200-scale's points again, 12 and 13 alone or chained in one detached run (`start 13 12`: 13
+      # first, the shorter), each with its prediction:
+      # 12: the gpus experiment's MegaTrain points with the current kernels (made at de3abe9, before
+      # the compiled kernels were the default: 407.9 / 801.8 at 7B, 411.7 / 811.1 at 14B, where the
+      # four-GPU host's at later commits ran 13-15% faster; ../../h200x4/compare_h200.txt).
       # Prediction: 7b_g1 about 460 model TFLOP/s, 14b_g1 about 470, the two-GPU points about 1.97x
-      # them; about 13 minutes of points (walls 107, 156, 190 and 296 s before), so an attach follows
-      rm -f $R/gpus/7b_g1.json $R/gpus/7b_g2.json $R/gpus/14b_g1.json $R/gpus/14b_g2.json
-      T="$R/gpus/7b_g1.json,$R/gpus/7b_g2.json,$R/gpus/14b_g1.json,$R/gpus/14b_g2.json $S"
-    elif [ "$2" = 13 ]; then
-      # h200-scale's lean-experts point again with the norms' kernel a row width (made at 84a6737,
-      # when one kernel built at the hidden size ran Qwen3's 128-wide head norms: 245.4 model TFLOP/s,
-      # 7.95 s; the layer's ceiling since 72.1 -> 58.1 ms, probes_2026-11-28/norm_width).
-      # Prediction: 285-300 model TFLOP/s (the ceiling's 306 at 0.93-0.98), 6.5-6.9 s a step, about 3 minutes
-      rm -f $R/moe/q30b_L24_lean_megatrain.json
-      T="$R/moe/q30b_L24_lean_megatrain.json $S"
+      # them; about 13 minutes of points (walls 107, 156, 190 and 296 s before), so an attach follows.
+      # 13: the lean-experts point with the norms' kernel a row width (made at 84a6737, when one
+      # kernel built at the hidden size ran Qwen3's 128-wide head norms: 245.4 model TFLOP/s, 7.95 s;
+      # the layer's ceiling since 72.1 -> 58.1 ms, ../probes_2026-11-28/norm_width). Prediction:
+      # 285-300 model TFLOP/s (the ceiling's 306 at 0.93-0.98), 6.5-6.9 s a step, about 3 minutes
+      for n in "${@:2}"; do case $n in 12|13) ;; *) echo "12 and 13 chain with each other only"; exit 1 ;; esac; done
+      P=$(shift; for n in "$@"; do v=B$n; echo ${!v}; done)
+      rm -f $P
+      T="$(echo $P | tr ' ' '\n' | paste -sd, -) $S"
     elif [ "$2" = 11 ]; then
       # scale/7b_megatrain again with the current kernels, so that the scale figure's line joins one
       # setting (made at a4bc0bd: 409.2 model TFLOP/s, 15.17 s; the x4 host's at 5981b74: 444.1, 13.98).
@@ -76,7 +80,7 @@ case $1 in
       rm -f $R/scale/7b_megatrain.json
       T=$R/scale/7b_megatrain.json
     else
-      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 9, 11, 12 and 13 run alone"; exit 1 ;; esac; done
+      for n in "${@:2}"; do case $n in 3|4|5|6|7) ;; *) echo "batches 3-7 chain; 12 and 13 chain; 9 and 11 run alone"; exit 1 ;; esac; done
       T=$(shift; for n in "$@"; do v=B$n; echo ${!v} | tr ' ' '\n' | paste -sd, -; done)
       # Batch 7: 7b_ratel, Ratel's disk route at the 7B shape (its GPT: 4.88 B parameters) with
       # --is_mp 0 and 1 + 1 iterations (gh200.yaml says why), under a 900 s limit: made, 86.3 s an
