@@ -104,6 +104,7 @@ class Trainer:
         memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
         self.comm = Comm.init(ranks, self.device.torch)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
+        self._threads_before = torch.get_num_threads()  # the process's again at close
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
@@ -373,6 +374,7 @@ class Trainer:
         self.sampler.close()
         self.store.close()
         self.comm.close()
+        torch.set_num_threads(self._threads_before)
 
 
 def model_config(cfg: TrainConfig):

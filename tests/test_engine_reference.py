@@ -80,6 +80,17 @@ def make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, lr=1e-3, s
     return cfg, Trainer(cfg)
 
 
+def test_a_closed_trainer_gives_the_process_its_threads_back(tmp_path):
+    """engine.optimizer_threads sets the process's torch threads for the run (the host AdamW is built
+    and timed with them): a notebook's or a probe's work after `close` runs on its own count again."""
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", {})
+    before = torch.get_num_threads()
+    _, trainer = make_trainer(tmp_path, "tiny-qwen2", {}, 1, 1, None, {"optimizer_threads": before + 1})
+    assert torch.get_num_threads() == before + 1
+    trainer.close()
+    assert torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_training_matches_reference(tmp_path, case):
     train_and_compare(tmp_path, *CASES[case])
