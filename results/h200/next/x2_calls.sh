@@ -2,7 +2,6 @@
 # The calls on `nvidia-h200-x2` that finish the h200 grid (results/h200/README.md, "what is left"),
 # carrying [".whl", ".libaio", ".ratel"]:
 #   C=<commit> bash results/h200/next/x2_calls.sh lean          (a plain call: the lean experts' check)
-#   bash results/h200/next/x2_calls.sh tests one, then tests two   (plain calls: the GPU test file's one-GPU, then two-GPU cases)
 #   C=<commit> bash results/h200/next/x2_calls.sh start N [M ...]   then within 30 s of each reply:
 #   bash results/h200/next/x2_calls.sh attach [SECONDS]       (at once: the machine goes back 30 s after a
 #                                                             reply, and in session 37 a run was lost while its
@@ -124,17 +123,6 @@ PY
     python3 -m suite table $OUT/lean
     # the timeline's breakdown and trace on the GPU (its per-step summary was changed on the CPU)
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k timeline 2>&1 | tail -3 | tee $OUT/lean/pytest_timeline.txt ;;
-  tests)  # tests one, then tests two (the next call): the GPU test file's one-GPU cases (about 3
-    # minutes on one H200 at b6b33f4), then its two-GPU cases on both GPUs (408 s at 84a6737): the
-    # whole file ran 8 min 40 s here at 8876893, past one call with the install (session 46), and a
-    # split by count put every two-GPU case in one half; failures with their tracebacks in
-    # $OUT/pytest_gpu_N.txt
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-    case $2 in one) k="not two_gpus" ;; two) k="two_gpus" ;; *) echo "tests one, or tests two"; exit 1 ;; esac
-    timeout $((570 - SECONDS)) python3 -m pytest -v -p no:cacheprovider -rfEs --tb=short tests/test_gpu.py -k "$k" \
-      > $OUT/pytest_gpu_$2.txt 2>&1
-    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" $OUT/pytest_gpu_$2.txt | tail -n 40 ;;
   attach)  # the detached run's table is printed by workflow_gpu.sh
     experiments/workflow_gpu.sh --attach $((${2:-550} - SECONDS)) h200 2>&1 | tail -40 ;;
 esac

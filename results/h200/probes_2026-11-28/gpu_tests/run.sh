@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ran in session 47 on `nvidia-h200` (one H200, 16 cores, 128 GiB), carrying [".whl", ".libaio"]:
-# 1. `results/h200/next/x2_calls.sh tests 1`, then `tests 2` at b6b33f4 (139 and 113 s wall):
+# 1. `results/h200/next/x2_calls.sh tests 1`, then `tests 2` at b6b33f4 (139 and 113 s wall; that mode is
+#    gone since: `next/x2_call1.sh one` and `two` split the file by one and two GPUs):
 #    pytest_gpu_1.txt, pytest_gpu_2.txt (the two-GPU cases skipped: one GPU).
 # 2. At b6b33f4, the baselines' one-process groups on a GPU: ZeRO-3 Offload, FSDP2, ZeRO-3 again and
 #    ZeRO-Infinity built and closed one after another in one process (tiny-llama), then one worker
