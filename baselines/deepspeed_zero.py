@@ -237,12 +237,12 @@ class ZeroSystem(System):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         self.engine.destroy()
         # while transformers sees this config, every model built in this process is built under
-        # zero.Init (FSDP2's next run here raised KeyError LOCAL_RANK from inside transformers)
+        # zero.Init (a next FSDP2 run here would be, and fail on the LOCAL_RANK put back below)
         self._hf_ds_config = None
         unset_hf_deepspeed_config()
         if dist.is_initialized():
             from deepspeed import comm
-            # torch's group and DeepSpeed's references to it (a later run's optimizer took the closed one)
+            # torch's group and DeepSpeed's references to it (a later run's optimizer would take the closed one)
             comm.destroy_process_group()
         for k, v in self._environ_before.items():
             if v is None:
