@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The calls on `nvidia-h200-x2` that finish the h200 grid (results/h200/README.md, "what is left"),
+# The calls on `nvidia-h200-x2` that made the h200 grid's last points (every batch is made: results/h200/README.md),
 # carrying [".whl", ".libaio", ".ratel"]:
 #   C=<commit> bash results/h200/next/x2_calls.sh lean          (a plain call: the lean experts' check)
 #   C=<commit> bash results/h200/next/x2_calls.sh start N [M ...]   then within 30 s of each reply:
