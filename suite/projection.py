@@ -8,7 +8,9 @@ the update that the next step waits for:
 
   GPU        the FLOPs the step executes (Schedule.hardware_flops) at the machine's layer rate: one
              decoder layer's forward, recompute and backward alone on the device (the single-layer
-             probe, Engine.layer_ceiling), as hardware FLOP/s
+             probe, Engine.layer_ceiling), as hardware FLOP/s, with the eager kernels; with the
+             compiled norms and MLP product, less the time they save: elementwise work, so a
+             token's and a hidden unit's, measured by a pair of probes (MachineModel.compiled_saving)
   H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
              plus offloaded checkpoints, at the probe's pinned link bandwidth
   CPU        AdamW over the host tiles: OPTIMIZER_BYTES per parameter at the host's memcpy rate
@@ -72,6 +74,9 @@ class MachineModel:
     # model TFLOP/s and shape, as `probe` (with the library's experts an MoE layer runs at about half
     # a dense layer's rate: docs/moe.md); a family without one is timed at the dense layer's rate
     moe_layers: dict = field(default_factory=dict)
+    # seconds the compiled norms and MLP product save in the layer probe's forward, recompute and
+    # backward, and its shape; None: a machine without the pair of probes, timed eager
+    compiled_saving: tuple[float, tuple[str, int, int]] | None = None
 
 
 # The MoE layers' probes on the H200 (experiments/probes/layer_kernels.py, the compiled norms), for
@@ -89,35 +94,44 @@ def experts_variant(s) -> str:
     lean ones with their gate compiled (engine.experts_kernel, engine.mlp_kernel)."""
     return "library" if s.experts_kernel == "library" else "lean_gate" if s.mlp_kernel == "compiled" else "lean"
 
+# The compiled norms and MLP product against the eager ones in one dense layer: the H100's 7B layer
+# (results/h100/speed/kernels_2026-11-23/layer_7b_b8.json: 121.7 -> 105.6 ms), the H200's 14B layer
+# (results/h200/probes_2026-11-28/compiled_saving: 143.3 -> 125.8 ms; its 7B layer saved 11.6 ms at
+# 8 x 4096 and 11.5 at 1 x 32768, 0.95x and 0.94x of the 14B's a token and hidden unit)
+H100_SAVING = (0.0162, ("qwen2.5-7b", 8, 4096))
+H200_SAVING = (0.0175, ("qwen2.5-14b", 8, 4096))
+
 # Probes of the lent machines (the bandwidth probe, a memcpy, Engine.layer_ceiling), 2026-11.
 MACHINES = {m.name: m for m in (
     MachineModel("h100", 78.5, 124.0, 54.5, 55.0, 74.0, 421.6, ("qwen2.5-7b", 8, 4096),
                  "nvidia-h100-x1: bandwidth probe 54-55 GB/s pinned each way, memcpy 74 GB/s, "
                  "the 7B layer probe at 8 x 4096 (results/h100/speed/7b_16seq_mb8_K1_dt3_guard_after.json)",
-                 ("NVIDIA H100 80GB HBM3", 16)),
+                 ("NVIDIA H100 80GB HBM3", 16), compiled_saving=H100_SAVING),
     MachineModel("h100x2", 78.5, 250.0, 50.9, 54.9, 99.7, 421.6, ("qwen2.5-7b", 8, 4096),
                  "one H100 of nvidia-h100-x2 (32 cores, 256 GiB): bandwidth probe 50.9/54.9 GB/s pinned, "
                  "memcpy 99.7 GB/s (results/h100x2/probes/bandwidth.json); the layer rate of the H100 x1 "
-                 "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32)),
+                 "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32), compiled_saving=H100_SAVING),
     MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
-                 "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE),
+                 "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE, H200_SAVING),
     MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 432.0, ("qwen2.5-14b", 8, 4096),
                  "one H200 of nvidia-h200-x2: bandwidth probe 55.5/55.3 GB/s pinned, memcpy 105.9 GB/s "
                  "(results/h200/probes_2026-11-26/bandwidth.json); the 14B layer probe at 8 x 4096 (432, "
-                 "by hand); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE),
+                 "by hand); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
     MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
                  "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
                  "(eager) at 4 x 4096: 438; the library's MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, "
                  "GPT-OSS-20B's 199.1 (the lean ones: the one-GPU machine's H200)",
-                 ("NVIDIA H200", 64), H200_MOE),
+                 ("NVIDIA H200", 64), H200_MOE, H200_SAVING),
     # The paper's machines: assumed, not probed here.
     MachineModel("gh200-paper", 94.0, 447.0, 450.0, 450.0, 400.0, 421.6, ("qwen2.5-7b", 8, 4096),
                  "assumed: NVLink-C2C at its 450 GB/s per direction, LPDDR5X memcpy 400 GB/s, the "
-                 "H100 machine's layer rate (its GPU is an H100 with HBM3)"),
+                 "H100 machine's layer rate and compiled kernels' saving (its GPU is an H100 with HBM3)",
+                 compiled_saving=H100_SAVING),
     MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 432.0, ("qwen2.5-14b", 8, 4096),
                  "assumed: PCIe Gen4 (half the Gen5 links measured here), the x4 host's memcpy, "
-                 "the H200's 14B layer rate and MoE layers' rates", moe_layers=H200_MOE),
+                 "the H200's 14B layer rate, compiled kernels' saving and MoE layers' rates", moe_layers=H200_MOE,
+                 compiled_saving=H200_SAVING),
 )}
 
 
@@ -167,6 +181,21 @@ def _layer_hw_rate(tflops: float, probe: tuple[str, int, int]) -> float:
     return tflops * 1e12 * _causal(hw, shape, 1, 1, lens) / model
 
 
+def _compiled_saving(m: MachineModel, s, shape: ModelShape, sched: Schedule, lens: list[int]) -> float:
+    """Seconds the compiled norms and MLP product take off a dense step's layers: the machine's
+    probed saving a token and hidden unit (elementwise work; the H200's pair of probes: 0.95x at 0.7
+    of the width, the same a token at 8 times the length). The probe runs a forward, a recompute and
+    a backward, the backward's elementwise work taken as twice a forward's: a layer's forward saves a
+    quarter of it, its backward half, a recomputed layer's second forward another quarter."""
+    if m.compiled_saving is None or (s.norm_kernel, s.mlp_kernel) != ("compiled", "compiled"):
+        return 0.0
+    seconds, (preset, batch, seq) = m.compiled_saving
+    probe = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config(cuda=True))
+    per_unit = seconds / (batch * seq * probe.hidden)
+    passes = (3 * shape.num_layers + sched.recomputed_layers) / 4  # probe layers' worth
+    return per_unit * sum(lens) * shape.hidden * passes
+
+
 def _causal(hw: float, shape: ModelShape, layers: int, recomputed: int, lens: list[int]) -> float:
     """FLOPs the kernels execute: the shared formula counts a full-attention layer's whole square
     (12 w n^2 per sequence, 4 w n^2 more when recomputed); causal attention computes half of it."""
@@ -190,8 +219,8 @@ def _transfers(plan: list, buffers: int) -> list:
 
 def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     """`ran`: engine settings as a measured run used them where their defaults have changed since
-    (the layer kernels, the gradient slabs); the layer kernels eager, the probe's, unless a measured
-    point says otherwise: the machines' layer rate is the eager layer's."""
+    (the layer kernels, the gradient slabs); by default those of the points made before the compiled
+    kernels were a GPU's default; {}: the engine's defaults."""
     cfg, shape = _engine_inputs(spec, ran)
     machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
@@ -223,7 +252,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     executed, dense = _causal(hw, shape, L, sched.recomputed_layers, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
     if moe is None:
-        gpu = executed / dense
+        gpu = executed / dense - _compiled_saving(m, s, shape, sched, lens)
     else:  # the layers at their MoE probe's rate, the LM head (6 v h a token) at the dense layer's
         head = 6 * shape.vocab * shape.hidden * sum(lens)
         gpu = head / dense + (executed - head) / _layer_hw_rate(*moe)
@@ -308,7 +337,7 @@ def predictions() -> list[dict]:
     for machine, preset, paper in PAPER_ROWS:
         spec = RunSpec(system="megatrain", model={"preset": preset}, seq_len=4096, batch_size=8, grad_accum=4)
         m = MACHINES[machine]
-        pr = project(spec, m)
+        pr = project(spec, m, ran={})  # the engine's defaults on a GPU: the compiled kernels, the lean experts
         short = [f"{what} {need / GiB:.0f} > {have:.0f} GiB" for what, need, have in
                  (("host", pr.host_bytes, m.host_gib), ("device", pr.device_bytes, m.device_gib)) if need > have * GiB]
         rows.append({"machine": machine, "preset": preset, "fits": "; ".join(short) or "yes", "host_GiB": pr.host_bytes / GiB,

@@ -406,10 +406,10 @@ def predicted(results: list[str | Path]) -> list[str]:
     out = ["", "## Predicted by the step model (suite/projection.py): predictions, not measurements", "",
            "The paper's scale rows (4096 x 8 x 4 micro-batches, the engine's default settings) on the paper's "
            "machines, whose constants the model assumes where they were not probed (see "
-           "results/projection/projection.md). An MoE layer is timed at its family's layer probe on the H200 with the "
-           "library's experts, about half a dense layer's rate, as every measured MoE step ran (the `moe` tables; "
-           "the lean experts, the GPU's default now, ran the layers 1.28x and 1.47x faster in that probe); "
-           "GPT-OSS-120B stays bound by the CPU's AdamW. "
+           "results/projection/projection.md). A dense layer is timed at the machine's eager layer probe less the "
+           "time its probes measured the compiled norms and MLP product to save; an MoE layer at its family's layer "
+           "probe on the H200 with the lean experts (1.28x and 1.47x the library's experts, about half a dense "
+           "layer's rate, with which the `moe` tables' earlier steps ran); GPT-OSS-120B stays bound by the CPU's AdamW. "
            "That AdamW runs over split masters, which the model times at 0.41 of the whole masters' rate; on the "
            "four-GPU host's 64 cores they ran at about 0.26, and the model's step for its 12-layer GPT-OSS-120B run "
            "was 34% short of the measured one (results/projection/README.md): that row's step is likely too short.",
