@@ -111,13 +111,13 @@ MACHINES = {m.name: m for m in (
                  "one H100 of nvidia-h100-x2 (32 cores, 256 GiB): bandwidth probe 50.9/54.9 GB/s pinned, "
                  "memcpy 99.7 GB/s (results/h100x2/probes/bandwidth.json); the layer rate of the H100 x1 "
                  "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32), compiled_saving=H100_SAVING),
-    MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 432.0, ("qwen2.5-14b", 8, 4096),
+    MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 435.1, ("qwen2.5-14b", 8, 4096),
                  "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
                  "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE, H200_SAVING),
-    MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 432.0, ("qwen2.5-14b", 8, 4096),
+    MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 435.1, ("qwen2.5-14b", 8, 4096),
                  "one H200 of nvidia-h200-x2: bandwidth probe 55.5/55.3 GB/s pinned, memcpy 105.9 GB/s "
-                 "(results/h200/probes_2026-11-26/bandwidth.json); the 14B layer probe at 8 x 4096 (432, "
-                 "by hand); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
+                 "(results/h200/probes_2026-11-26/bandwidth.json); the 14B layer probe at 8 x 4096 (eager: 435.1, "
+                 "results/h200/probes_2026-11-28/compiled_saving/14b.json); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
     MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
                  "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
                  "(eager) at 4 x 4096: 438; the library's MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, "
@@ -128,7 +128,7 @@ MACHINES = {m.name: m for m in (
                  "assumed: NVLink-C2C at its 450 GB/s per direction, LPDDR5X memcpy 400 GB/s, the "
                  "H100 machine's layer rate and compiled kernels' saving (its GPU is an H100 with HBM3)",
                  compiled_saving=H100_SAVING),
-    MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 432.0, ("qwen2.5-14b", 8, 4096),
+    MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 435.1, ("qwen2.5-14b", 8, 4096),
                  "assumed: PCIe Gen4 (half the Gen5 links measured here), the x4 host's memcpy, "
                  "the H200's 14B layer rate, compiled kernels' saving and MoE layers' rates", moe_layers=H200_MOE,
                  compiled_saving=H200_SAVING),
