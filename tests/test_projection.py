@@ -87,7 +87,7 @@ def test_without_gradient_slabs_the_step_is_the_sum_of_its_parts():
 def test_the_compiled_kernels_take_their_probed_saving_off_a_dense_step():
     """The compiled norms and MLP product save elementwise time, a token's and a hidden unit's: a
     dense step with them is its eager time less the machine's probed saving, scaled by its tokens,
-    width and layer passes; a machine without the pair of probes, or a MoE model (its probes ran
+    width and layer passes; a machine without the pair of probes, or an MoE model (its probes ran
     the compiled norms), is timed as before. With the saving, the committed GPU-bound dense points
     that ran the compiled kernels sit under the model's lower bound as the eager ones do (their
     median step error was +7.8% at the eager rate, the eager points' -6.2%)."""
