@@ -189,11 +189,16 @@ def _compiled_saving(m: MachineModel, s, shape: ModelShape, sched: Schedule, len
     quarter of it, its backward half, a recomputed layer's second forward another quarter."""
     if m.compiled_saving is None or (s.norm_kernel, s.mlp_kernel) != ("compiled", "compiled"):
         return 0.0
-    seconds, (preset, batch, seq) = m.compiled_saving
-    probe = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config(cuda=True))
-    per_unit = seconds / (batch * seq * probe.hidden)
     passes = (3 * shape.num_layers + sched.recomputed_layers) / 4  # probe layers' worth
-    return per_unit * sum(lens) * shape.hidden * passes
+    return _saving_per_unit(*m.compiled_saving) * sum(lens) * shape.hidden * passes
+
+
+@functools.cache
+def _saving_per_unit(seconds: float, probe: tuple[str, int, int]) -> float:
+    """A pair of layer probes' saving as seconds a token and hidden unit."""
+    preset, batch, seq = probe
+    shape = ModelShape(RunSpec(system="megatrain", model={"preset": preset}).hf_config(cuda=True))
+    return seconds / (batch * seq * shape.hidden)
 
 
 def _causal(hw: float, shape: ModelShape, layers: int, recomputed: int, lens: list[int]) -> float:
