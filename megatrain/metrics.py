@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 import threading
 from collections.abc import Sequence
 
@@ -141,6 +142,27 @@ def environment(device: torch.device | None = None) -> dict:
         except Exception as e:  # NVML absent or refused: say so rather than guess
             env["nvml_error"] = str(e)
     return env
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """The machine's dense matmul rate as this process sees it: the compute dtype's square GEMM
+    (bf16 8192 on a GPU, float32 1024 on the CPU), the best of a few timed runs after one untimed.
+    A result's speed over this rate is comparable across machines of other GPUs or CPUs."""
+    cuda = device.type == "cuda"
+    n, dtype, runs = (8192, torch.bfloat16, 10) if cuda else (1024, torch.float32, 5)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(runs + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e12
 
 
 def _cpu_model() -> str:

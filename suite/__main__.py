@@ -58,7 +58,8 @@ def _run(args) -> int:
         spec = RunSpec(system=args.system, model=model, seq_len=args.seq, batch_size=args.batch,
                        grad_accum=args.accum, steps=args.steps, warmup=args.warmup, seed=args.seed,
                        lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay,
-                       timeout_s=args.timeout, options=_options(args.option), gpus=args.gpus)
+                       timeout_s=args.timeout, options=_options(args.option), gpus=args.gpus,
+                       max_steps=args.max_steps, steady_spread=args.steady_spread, smoke=args.smoke)
         check_spec_options(spec.system, spec.options)
         check_writable(Path(args.out).parent, "--out")
     except ValueError as e:
@@ -171,7 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seq", type=int, default=_default(RunSpec, "seq_len"))
     r.add_argument("--batch", type=int, default=_default(RunSpec, "batch_size"), help="sequences per micro-batch")
     r.add_argument("--accum", type=int, default=_default(RunSpec, "grad_accum"), help="micro-batches per step")
-    r.add_argument("--steps", type=int, default=_default(RunSpec, "steps"), help="measured steps after the warm-up")
+    r.add_argument("--steps", type=int, default=_default(RunSpec, "steps"),
+                   help="measured steps at least, after the warm-up (the window the medians are of)")
+    r.add_argument("--max-steps", type=int, default=_default(RunSpec, "max_steps"),
+                   help="measured steps at most, taken until the last --steps agree within --steady-spread "
+                        "(default: 4 x --steps; --steps where the run fixes its count)")
+    r.add_argument("--steady-spread", type=float, default=_default(RunSpec, "steady_spread"),
+                   help="the window's range over its median that counts as steady")
+    r.add_argument("--smoke", action="store_true",
+                   help="a check that the point runs: its timing is never judged by `suite compare`")
     r.add_argument("--warmup", type=int, default=_default(RunSpec, "warmup"))
     r.add_argument("--seed", type=int, default=_default(RunSpec, "seed"))
     r.add_argument("--lr", type=float, default=_default(RunSpec, "lr"))
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("compare", help="two folders of results point by point; exit 1 on a regression")
     d.add_argument("base", help="folder of the reference results (searched recursively)")
     d.add_argument("new", help="folder of the results to check against it")
-    d.add_argument("--threshold", type=float, default=0.05, help="relative change that counts (0.05 = 5%%)")
+    d.add_argument("--threshold", type=float, default=0.05,
+                   help="the floor: a change counts beyond it and beyond the pair's measured noise (0.05 = 5%%)")
     d.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, of {','.join(METRICS)}")
     d.add_argument("--out", help="also write the comparison as JSON here")
     j = sub.add_parser("project", help="the step model (suite/projection.py) against every measured point, "

@@ -3,23 +3,36 @@
 BASE and NEW are folders of harness results (searched recursively): two commits on one machine, or
 two machines. Points pair up by what was run (system, model with its overrides, sequence length,
 batch, accumulation, options), never by file name, so differently named files of the same point
-still meet. Each metric has a direction (TFLOP/s: higher is better; memory: lower is better) and
-a change beyond the threshold in the bad direction is a regression, as is a point that ran (`ok`)
-in BASE and not in NEW. Exit status 1 on any regression, else 0 (TorchBench's regression detector,
-reduced to medians and one relative threshold).
+still meet; one run filed under two names (a grid's `same_as`) pairs once. Each metric has a
+direction (TFLOP/s: higher is better; memory: lower is better), and a point that ran (`ok`) in BASE
+and not in NEW is a regression.
+
+A change is judged against the noise of the two medians compared, not a fixed step: each side's
+median step time has a distribution-free interval (suite/timing.py), and a rate or a time is worse
+only where it moved beyond the two intervals' half-widths together (root of the sum of squares) and
+beyond the stated floor (`--threshold`, which alone judges memory). A rerun of one commit on one
+machine so stays quiet, and a point of 3 noisy steps needs a large change to be called worse.
+Smoke points (the CPU grid's) are never judged on speed.
 
 Each pair's environments (the result's `env`) are compared too: the machine (GPU, CPU, cores, host
-memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the commit. Every
-difference is listed, and a pair run on different machines is said to be one: its verdicts are
-worded as the machines' difference ("faster on NEW's machine") and are never a regression of the code.
+memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the commit, each
+difference printed once at the top. A pair run on different machines is judged by what does not
+depend on the machine: its ratio to its own single-layer ceiling measured in the same run (MegaTrain),
+else its rate over the machine's matmul rate measured by the same worker (`env.matmul_tflops`). Where
+those fall beyond the noise, the code got slower; the raw verdicts are worded as the machines'
+difference ("faster on new machine") and are never a regression of the code. Settings a run resolved
+itself (MegaTrain's `auto` choices and kernels, `info.engine`) that differ between the two are named
+on the pair's row.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.units import GiB
+from suite.timing import relative_noise
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,8 @@ METRICS = {
     "peak_device_nvml": Metric("peak", "device_nvml_bytes", False, "GiB", GiB),
 }
 DEFAULT_METRICS = ("model_tflops", "peak_host", "peak_device")
+# the metrics a step's time drives, whose noise is the step time's
+TIMED = ("model_tflops", "tokens_per_s", "step_time_s")
 KEY_FIELDS = ("system", "model", "seq_len", "batch_size", "grad_accum", "options")
 
 # The fields of a result's `env` that tell where and with what a point ran, by what a difference means:
@@ -117,6 +132,37 @@ def load(folder: str | Path) -> tuple[dict[str, tuple[Path, dict]], list[str]]:
     return found, notes
 
 
+def run_identity(r: dict) -> str | None:
+    """What makes two result files one run: the commit and every step's time (a `same_as` copy
+    carries its source's steps, under a spec that may name the model otherwise); None without steps."""
+    times = [s.get("step_time_s") for s in r.get("steps") or []]
+    return json.dumps([(r.get("env") or {}).get("git_commit"), times]) if times else None
+
+
+def resolved_differences(base: dict, new: dict) -> list[str]:
+    """The settings each run resolved itself (info.engine) that differ, as `name base->new`."""
+    b, n = (base.get("info") or {}).get("engine") or {}, (new.get("info") or {}).get("engine") or {}
+    if not b or not n:
+        return []
+    return [f"{k} {b.get(k)}->{n.get(k)}" for k in sorted(set(b) | set(n)) if k != "device" and b.get(k) != n.get(k)]
+
+
+def normalised(r: dict) -> tuple[str, float] | None:
+    """The point's speed in units of its own machine: (yardstick, value), or None."""
+    if isinstance(r.get("ratio_to_ceiling"), (int, float)):
+        return "ratio to its layer ceiling", float(r["ratio_to_ceiling"])
+    rate, matmul = (r.get("median") or {}).get("model_tflops"), (r.get("env") or {}).get("matmul_tflops")
+    if isinstance(rate, (int, float)) and isinstance(matmul, (int, float)) and matmul > 0:
+        return "fraction of the matmul rate", rate / matmul
+    return None
+
+
+def noise(base: dict, new: dict) -> float | None:
+    """The relative noise of the difference of the two medians (None where neither has one)."""
+    parts = [x for x in (relative_noise(base), relative_noise(new)) if x is not None]
+    return math.sqrt(sum(x * x for x in parts)) if parts else None
+
+
 def _same(field: str, a, b) -> bool:
     if field == "host_memory_bytes" and isinstance(a, (int, float)) and isinstance(b, (int, float)) and a and b:
         return abs(a - b) <= HOST_MEMORY_TOLERANCE * max(a, b)
@@ -166,6 +212,18 @@ def _machine_verdict(verdict: str, m: Metric) -> str:
     return ("less" if verdict == "better" else "more") + " on new machine"
 
 
+def _across_machines(base: dict, new: dict, raw: str, m: Metric, limit: float) -> tuple[str, bool]:
+    """The verdict of a timed metric between two machines: the code's, from the speed in each
+    machine's own units where both results have one, else the machines' (never a regression)."""
+    b, n = normalised(base), normalised(new)
+    if b is None or n is None or b[0] != n[0]:
+        return _machine_verdict(raw, m), False
+    change, verdict = _verdict(b[1], n[1], METRICS["model_tflops"], limit)
+    if verdict == "same":
+        return f"{_machine_verdict(raw, m)}; code same per {b[0]}", False
+    return f"code {'slower' if verdict == 'worse' else 'faster'} per {b[0]} ({100 * change:+.1f}%)", verdict == "worse"
+
+
 def _value(r: dict, m: Metric) -> float | None:
     v = (r.get(m.section) or {}).get(m.field)
     return float(v) if isinstance(v, (int, float)) else None
@@ -184,7 +242,8 @@ def _verdict(base: float, new: float, m: Metric, threshold: float) -> tuple[floa
 
 def compare(base: str | Path, new: str | Path, threshold: float = 0.05,
             metrics: tuple[str, ...] = DEFAULT_METRICS) -> dict:
-    """The comparison as plain data: one row per point and metric (or per point whose status moved)."""
+    """The comparison as plain data: one row per point and metric (or per point whose status moved),
+    the largest changes first."""
     if threshold < 0:
         raise ValueError(f"threshold: must be >= 0, got {threshold}")
     unknown = [m for m in metrics if m not in METRICS]
@@ -192,28 +251,44 @@ def compare(base: str | Path, new: str | Path, threshold: float = 0.05,
         raise ValueError(f"metrics: unknown {unknown}; known: {list(METRICS)}")
     b, b_notes = load(base)
     n, n_notes = load(new)
-    rows = []
+    rows, seen = [], set()
     for key in sorted(set(b) & set(n), key=lambda k: point_label(b[k][1]["spec"])):
         (bp, br), (np_, nr) = b[key], n[key]
+        pair = (run_identity(br), run_identity(nr))
+        if None not in pair and pair in seen:
+            b_notes.append(f"{bp} and {np_}: the same runs as a pair already compared")
+            continue
+        seen.add(pair)
         diff = env_differences(br.get("env"), nr.get("env"))
         machine = any(f in MACHINE_FIELDS for f in diff)
+        smoke = bool(br["spec"].get("smoke") or nr["spec"].get("smoke"))
         common = dict(point=point_label(br["spec"]), base_file=str(bp), new_file=str(np_),
-                      env=sorted(diff, key=ENV_FIELDS.index), machine_differs=machine)
+                      env=sorted(diff, key=ENV_FIELDS.index), machine_differs=machine, smoke=smoke,
+                      resolved=resolved_differences(br, nr))
         if br["status"] != nr["status"] or br["status"] != "ok":
             moved = br["status"] != nr["status"]
             verdict = ("status differs on new machine" if machine else "status changed") if moved else "same"
             rows.append(dict(common, metric="status", unit=None, base=br["status"], new=nr["status"], change=None,
-                             verdict=verdict, regression=moved and br["status"] == "ok" and not machine))
+                             threshold=None, verdict=verdict, regression=moved and br["status"] == "ok" and not machine))
             continue  # a point that did not run has no medians to compare
+        pair_noise = noise(br, nr)
         for name in metrics:
             m = METRICS[name]
             bv, nv = _value(br, m), _value(nr, m)
             if bv is None and nv is None:
                 continue
-            change, verdict = _verdict(bv, nv, m, threshold) if None not in (bv, nv) else (None, "missing")
-            rows.append(dict(common, metric=name, unit=m.unit, base=bv, new=nv, change=change,
-                             verdict=_machine_verdict(verdict, m) if machine else verdict,
-                             regression=verdict == "worse" and not machine))
+            limit = max(threshold, pair_noise or 0.0) if name in TIMED else threshold
+            change, verdict = _verdict(bv, nv, m, limit) if None not in (bv, nv) else (None, "missing")
+            regression = verdict == "worse" and not machine
+            if smoke and name in TIMED:
+                verdict, regression = "smoke: not judged", False
+            elif machine and name in TIMED and verdict != "missing":
+                verdict, regression = _across_machines(br, nr, verdict, m, limit)
+            elif machine:
+                verdict = _machine_verdict(verdict, m)
+            rows.append(dict(common, metric=name, unit=m.unit, base=bv, new=nv, change=change, threshold=limit,
+                             verdict=verdict, regression=regression))
+    rows.sort(key=lambda r: (not r["regression"], -abs(r["change"] or 0)))
     env_diffs: dict[str, list[list]] = {}
     for key in sorted(set(b) & set(n), key=lambda k: point_label(b[k][1]["spec"])):
         for field, pair in env_differences(b[key][1].get("env"), n[key][1].get("env")).items():
@@ -275,18 +350,24 @@ def render(report: dict) -> str:
     rows = report["rows"]
     width = max([len(r["point"]) for r in rows] + [5])
     lines = _env_block(report)
-    lines.append(f"{'point':{width}}  {'metric':<20} {'base':>12} {'new':>12} {'change %':>9}  {'verdict':<22} env differs")
+    lines.append(f"{'point':{width}}  {'metric':<20} {'base':>12} {'new':>12} {'change %':>9} {'noise %':>8}  "
+                 f"{'verdict':<22} env differs")
     for r in rows:
         metric = r["metric"] + (f" ({r['unit']})" if r["unit"] else "")
         change = f"{100 * r['change']:+.1f}" if r["change"] is not None else "-"
+        limit = f"{100 * r['threshold']:.1f}" if r.get("threshold") is not None else "-"
         env = ",".join(SHORT.get(f, f) for f in r.get("env", [])) or "-"
         lines.append(f"{r['point']:{width}}  {metric:<20} {_shown(r['base'], r['metric']):>12} "
-                     f"{_shown(r['new'], r['metric']):>12} {change:>9}  {r['verdict']:<22} {env}")
+                     f"{_shown(r['new'], r['metric']):>12} {change:>9} {limit:>8}  {r['verdict']:<22} {env}")
+        if r.get("resolved") and r["metric"] in ("status", report["metrics"][0]):
+            lines.append(f"{'':{width}}  resolved differently: {', '.join(r['resolved'])}")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("worse", "better", "status changed")}
-    counts |= {"differing by machine": sum(r.get("machine_differs", False) and r["verdict"] != "same" for r in rows)}
+    counts |= {"code slower across machines": sum(r["verdict"].startswith("code slower") for r in rows),
+               "differing by machine": sum(r.get("machine_differs", False) and r["verdict"] != "same" for r in rows),
+               "smoke (not judged)": sum(r["verdict"].startswith("smoke") for r in rows)}
     lines.append("")
-    lines.append(f"{report['matched']} points matched (threshold {100 * report['threshold']:.1f}%): "
-                 + ", ".join(f"{c} {v}" for v, c in counts.items()))
+    lines.append(f"{report['matched']} points matched (a change counts beyond the pair's noise, at least "
+                 f"{100 * report['threshold']:.1f}%): " + ", ".join(f"{c} {v}" for v, c in counts.items() if c))
     for side, name in (("only_base", report["base"]), ("only_new", report["new"])):
         if report[side]:
             lines.append(f"only in {name} ({len(report[side])}):")
@@ -296,8 +377,10 @@ def render(report: dict) -> str:
         lines += [f"  {s}" for s in report["skipped"]]
     if report["regressed"]:
         lines.append("REGRESSION")
-    elif report["machine_pairs"] and report["machine_pairs"] == report["matched"]:
-        lines.append("no regression can be concluded: every pair ran on different machines")
+    elif report["machine_pairs"] and report["machine_pairs"] == report["matched"] and not any(
+            r["verdict"].startswith("code ") for r in rows):
+        lines.append("no regression can be concluded: every pair ran on different machines, none with a "
+                     "yardstick of its own machine on both sides")
     else:
         lines.append("no regression")
     return "\n".join(lines)

@@ -37,7 +37,7 @@ from megatrain.units import GiB
 from suite import launch
 from suite.spec import RunSpec
 from suite.system import DATA_PARALLEL
-from suite.worker import medians, since_start
+from suite.worker import since_start, summarize
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
 _DEVICE_OOM = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -47,7 +47,7 @@ def _timeout_reason(spec: RunSpec, steps: list[dict], wall: float) -> str:
     """How far a point got before its time limit: steps done and where the time went."""
     done = len(steps)
     spent = sum(step.get("step_time_s", 0) for step in steps)
-    return (f"no result within the timeout of {spec.timeout_s:.0f} s: {done} of {spec.warmup + spec.steps} steps "
+    return (f"no result within the timeout of {spec.timeout_s:.0f} s: {done} of {spec.warmup + spec.steps} or more steps "
             f"done ({spent:.0f} s in steps, {wall - spent:.0f} s before and between them)")
 
 
@@ -150,7 +150,7 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         result["stacks"] = stacks
     measured = result["steps"][spec.warmup:]
     if status == "timeout" and measured:  # a slow system: what it measured before the limit, flagged
-        result["median"] = medians(measured)
+        summarize(result, spec)
         result["partial_samples"] = len(measured)
     result["peak"] = {
         "device_allocated_bytes": max((r.get("peak_device_allocated_bytes") or 0 for r in result["steps"]), default=0) or None,

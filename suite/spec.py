@@ -14,7 +14,7 @@ from typing import Any
 from megatrain.metrics import model_flops
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.config import DataConfig, ModelConfig
-from suite.system import DATA_PARALLEL, SYSTEMS
+from suite.system import DATA_PARALLEL, FIXED_STEPS, SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,14 @@ class RunSpec:
     seq_len: int = 4096
     batch_size: int = 1  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 5  # measured steps, after the warm-up
+    steps: int = 5  # measured steps at least, after the warm-up: the window the medians are of
     warmup: int = 2
+    # measured steps at most: more than `steps` are taken until the last `steps` agree within
+    # steady_spread (suite/timing.py); None: 4 x steps, or steps where the run's meaning fixes its
+    # count (a data file, saved weights, the repeated batch, a system that runs a fixed script)
+    max_steps: int | None = None
+    steady_spread: float = 0.05  # the window's range over its median that counts as steady
+    smoke: bool = False  # a check that the point runs, whose timing is never judged (the CPU grid's)
     seed: int = 0
     lr: float = 1e-5
     # AdamW's other settings, the same for every system (decay on matrices only, as MegaTrain does)
@@ -56,6 +62,13 @@ class RunSpec:
                              f"run data-parallel")
         if self.batch_size % self.gpus:
             raise ValueError(f"batch_size {self.batch_size} does not split over gpus {self.gpus}: make it a multiple")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < self.steps):
+            raise ValueError(f"max_steps: must be an integer of at least steps ({self.steps}), got {self.max_steps!r}")
+        if self.max_steps is not None and self.max_steps > self.steps and self.fixed_count:
+            raise ValueError(f"max_steps {self.max_steps}: this point's step count is fixed (a data file, saved "
+                             f"weights, the repeated batch or {self.system}'s fixed script): leave max_steps unset")
+        if not (isinstance(self.steady_spread, (int, float)) and self.steady_spread > 0):
+            raise ValueError(f"steady_spread: must be a positive fraction, got {self.steady_spread!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup: must be a non-negative integer, got {self.warmup!r}")
         if not self.lr > 0:
@@ -130,8 +143,21 @@ class RunSpec:
         return model_flops(shape.matmul_params(), shape.attention(), sequences)
 
     @property
+    def fixed_count(self) -> bool:
+        """Whether the run's meaning fixes its step count: a training run on a data file or one that
+        saves its weights, the loss check's repeated batch, a system that runs a fixed script."""
+        return self.data is not None or self.save_to is not None or self.repeat_batch or self.system in FIXED_STEPS
+
+    @property
+    def measured_steps_limit(self) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return self.steps if self.fixed_count else 4 * self.steps
+
+    @property
     def total_steps(self) -> int:
-        return self.warmup + self.steps
+        """The most steps the point takes, its warm-up included."""
+        return self.warmup + self.measured_steps_limit
 
     @property
     def tokens_per_step(self) -> int:

@@ -107,6 +107,9 @@ SYSTEMS: dict[str, str] = {
 # harness counts shared pages once over the process tree; a baseline's ranks each hold their own
 # shard of the offloaded state (pinned or not), so every process's resident memory counts in full.
 DATA_PARALLEL: dict[str, bool] = {"megatrain": True, "fsdp2": False, "zero3": False, "zero_infinity": False}
+# The systems whose steps are a script's fixed count (Ratel's main.py runs the iterations it was
+# started for), so a point takes no steps beyond its spec's `steps` (suite/timing.py)
+FIXED_STEPS: frozenset[str] = frozenset({"ratel"})
 
 
 def load(name: str) -> type[System]:

@@ -29,7 +29,8 @@ from megatrain.shapes import ModelShape
 from megatrain.io import write_json
 from megatrain.data import make_source
 from megatrain.distributed import Ranks, check as check_ranks
-from megatrain.metrics import environment, model_flops
+from megatrain.metrics import environment, matmul_tflops, model_flops
+from suite import timing
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
 from suite.system import Unsupported, load
@@ -67,6 +68,7 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
     flops = spec.model_flops_per_step()
     clock = time.perf_counter()
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
+    env["matmul_tflops"] = matmul_tflops(device)  # the yardstick of comparisons across machines
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
               "start_s": since_start(), "imported_s": imported_s, "forked": forked,
@@ -86,7 +88,9 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
             flops = result["model_flops_per_step"] = system.model_flops_per_step
         _write(out, result)  # a first step past the timeout still leaves the set-up's time and the FLOPs counted
         data = make_source(spec.data_config(), shape.vocab, spec.model_config().pretrained)
-        for index in range(spec.total_steps):
+        times: list[float] = []  # the measured steps' (after the warm-up)
+        index = 0
+        while index < spec.warmup or _agreed(timing.wants_more(times, spec, since_start() or time.perf_counter() - clock)):
             microbatches = [data.next() for _ in range(spec.grad_accum)]
             if spec.data is not None:  # padded examples: count the real tokens only
                 lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
@@ -107,12 +111,15 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
             if "hardware_flops" in row:  # recomputation included; on the clock of model_tflops
                 row["hardware_tflops"] = row["hardware_flops"] / seconds / 1e12
             result["steps"].append(row)
+            if index >= spec.warmup:
+                times.append(seconds)
+            index += 1
             _write(out, result)
             if loss is not None and not math.isfinite(loss):  # diverged: broken, not slow
-                raise FloatingPointError(f"the loss is {loss} at step {index + 1}: the system diverged")
-            print(f"{spec.system} step {index + 1}/{spec.total_steps}: {seconds:.2f} s, "
+                raise FloatingPointError(f"the loss is {loss} at step {index}: the system diverged")
+            print(f"{spec.system} step {index} (of {spec.warmup} + {spec.steps}..{spec.measured_steps_limit}): {seconds:.2f} s, "
                   f"{row['model_tflops']:.1f} TFLOP/s, loss {loss}", file=sys.stderr, flush=True)
-        result["median"] = medians(result["steps"][spec.warmup:])
+        summarize(result, spec)
         result["info"] = system.info()
         if spec.save_to:
             system.save(spec.save_to)
@@ -134,6 +141,25 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
             system.close()
             result["close_s"] = time.perf_counter() - start
     return result
+
+
+def summarize(result: dict, spec: RunSpec) -> None:
+    """The medians of the measured steps' window, and the step time's spread (suite/timing.py)."""
+    measured = result["steps"][spec.warmup:]
+    if measured:
+        result["median"] = medians(timing.window(measured, spec))
+        result["timing"] = timing.summary(measured, spec)
+
+
+def _agreed(more: bool) -> bool:
+    """Rank 0's decision, on every rank (ranks that disagreed on the step count would wait on each
+    other's collectives for ever)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return more
+    decision = [more]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
 
 
 def since_start() -> float | None:

@@ -141,7 +141,7 @@ def test_unknown_metric_is_rejected(base):
 def test_cli_parses_compare(base, capsys):
     from suite.__main__ import main
     assert main(["compare", str(base), str(base), "--threshold", "0.1", "--metrics", "model_tflops"]) == 0
-    assert "2 points matched (threshold 10.0%)" in capsys.readouterr().out
+    assert "2 points matched (a change counts beyond the pair's noise, at least 10.0%)" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not BASELINES.is_dir(), reason="no stored H100 baseline results")
@@ -237,3 +237,79 @@ def test_the_hardware_figure_compares_every_machine_with_results_by_default(tmp_
     monkeypatch.chdir(tmp_path)
     assert hardware_compare.machines(None, "shared", "h200") == ["h100", "h200", "h200x4"]
     assert hardware_compare.machines(["h100", "h200"], "shared", "h200") == ["h100", "h200"]
+
+
+def timed(r: dict, times: list[float], matmul: float | None = None, **env) -> dict:
+    """`r` with measured steps of these times (after one warm-up step) and its env amended."""
+    steps = [{"step": i + 1, "step_time_s": t} for i, t in enumerate([times[0]] + times)]
+    out = {**r, "steps": steps, "spec": {**r["spec"], "warmup": 1}, "env": {**r["env"], **env}}
+    if matmul is not None:
+        out["env"]["matmul_tflops"] = matmul
+    return out
+
+
+def test_a_change_within_the_pairs_noise_is_the_same_and_beyond_it_worse(base, tmp_path):
+    """The verdict's threshold is the two medians' measured noise: -10% between points whose step
+    times spread over +-15% is noise; the same -10% between steady points is worse."""
+    noisy = [1.0, 0.85, 1.15, 0.9, 1.1]
+    steady = [1.0, 1.01, 0.99, 1.0, 1.005]
+    for times, verdict in ((noisy, "same"), (steady, "worse")):
+        b, n = tmp_path / f"b{verdict}", tmp_path / f"n{verdict}"
+        write(b, "a", timed(result("megatrain", 4, tflops=300.0), times))
+        write(n, "a", timed(result("megatrain", 4, tflops=270.0), times))
+        report = compare.compare(b, n, threshold=0.05)
+        row = next(r for r in report["rows"] if r["metric"] == "model_tflops")
+        assert row["verdict"] == verdict and report["regressed"] == (verdict == "worse")
+        assert row["threshold"] > 0.2 if times is noisy else row["threshold"] == 0.05
+
+
+def test_smoke_points_are_never_judged_on_speed(base, tmp_path):
+    b, n = tmp_path / "b", tmp_path / "n"
+    smoke = lambda r: {**r, "spec": {**r["spec"], "smoke": True}}
+    write(b, "a", smoke(result("megatrain", 4, tflops=300.0)))
+    write(n, "a", smoke(result("megatrain", 4, tflops=100.0)))
+    report = compare.compare(b, n)
+    assert verdicts(report)[("megatrain", "model_tflops")] == "smoke: not judged" and not report["regressed"]
+
+
+def test_another_machine_is_judged_by_the_speed_in_its_own_units(base, tmp_path, capsys):
+    """On a machine with a 1.5x matmul rate, a point 1.2x faster is the code 20% slower per the
+    matmul yardstick: a regression across machines; 1.5x faster is the same code."""
+    steady = [1.0, 1.01, 0.99, 1.0, 1.005]
+    b = tmp_path / "b"
+    write(b, "a", timed(result("megatrain", 4, tflops=300.0), steady, matmul=600.0) | {"env": {**H100, "matmul_tflops": 600.0}})
+    for rate, slower in ((360.0, True), (450.0, False)):
+        n = tmp_path / f"n{rate}"
+        write(n, "a", timed(result("megatrain", 4, tflops=rate) | {"env": {**H200, "matmul_tflops": 900.0}}, steady))
+        report = compare.compare(b, n)
+        row = next(r for r in report["rows"] if r["metric"] == "model_tflops")
+        assert row["machine_differs"] and report["regressed"] == slower, row
+        assert row["verdict"].startswith("code slower per fraction of the matmul rate") if slower else "code same" in row["verdict"]
+    assert compare.main(str(b), str(tmp_path / "n360.0"), 0.05, compare.DEFAULT_METRICS) == 1
+    assert "REGRESSION" in capsys.readouterr().out
+
+
+def test_one_run_under_two_names_pairs_once(base, tmp_path):
+    """A grid's `same_as` files one run under a second point whose spec names the model otherwise
+    (`layers: 28` of a 28-layer preset): it is one pair, not two."""
+    times = [1.0, 1.01, 0.99]
+    b, n = tmp_path / "b", tmp_path / "n"
+    one = timed(result("megatrain", 4), times)
+    two = {**one, "spec": {**one["spec"], "model": {"preset": "qwen2.5-3b", "overrides": {"num_hidden_layers": 36}}}}
+    for folder in (b, n):
+        write(folder, "a", one)
+        write(folder, "a_copy", two)
+    report = compare.compare(b, n)
+    assert len({r["point"] for r in report["rows"]}) == 1
+    assert any("the same runs as a pair already compared" in s for s in report["skipped"])
+
+
+def test_settings_resolved_differently_are_named_on_the_row(base, tmp_path, capsys):
+    b, n = tmp_path / "b", tmp_path / "n"
+    engine = {"device": "cuda:0", "optimizer_kernel": "compiled", "grad_slabs": 8}
+    write(b, "a", result("megatrain", 4) | {"info": {"engine": engine}})
+    write(n, "a", result("megatrain", 4) | {"info": {"engine": {**engine, "optimizer_kernel": "eager"}}})
+    report = compare.compare(b, n)
+    assert report["rows"][0]["resolved"] == ["optimizer_kernel compiled->eager"]
+    compare.main(str(b), str(n), 0.05, compare.DEFAULT_METRICS)
+    assert "resolved differently: optimizer_kernel compiled->eager" in capsys.readouterr().out
