@@ -20,7 +20,7 @@ The kernel is plain C++ (OpenMP, -O3 -march=native, vectorised by the compiler) 
 machine's C++ compiler into a shared library the first time a process asks for it, and kept in a
 per-user cache (MEGATRAIN_CACHE_DIR, else $XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain),
 named by a hash of its source, its flags, torch's version and the CPU's (a second process loads it
-and runs no compiler: about a second to build on the 2-core CPU machine). It is called through
+and runs no compiler; the build takes 1.5-3.5 s on the 2-core CPU machine). It is called through
 ctypes, which releases the GIL for the call: it runs on the optimizer worker while the main thread
 launches the GPU's kernels. Without a C++ compiler `probe` says why, and the trainer refuses
 `compiled` by name or, under `auto`, runs the eager update.

@@ -109,7 +109,7 @@ class Trainer:
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
         # the host AdamW's kernel, before the store: loaded from the per-user cache, or built there
-        # (about a second), or, under auto, the eager update and the reason said
+        # (seconds), or, under auto, the eager update and the reason said
         self.setup_s = {}
         self.optimizer_kernel_note = None
         clock = time.perf_counter()

@@ -1,7 +1,7 @@
 """The one-pass host AdamW (megatrain/fused_adamw.py, host_adamw.cpp) against torch's AdamW and the
 eager update it replaces, in both layouts of a tile's float32 masters; its build cache across
 processes; that it lets other threads run; its setting's refusal and fallback. Builds the small C++
-kernel once (about a second), or loads it from the per-user cache."""
+kernel once (a few seconds), or loads it from the per-user cache."""
 from __future__ import annotations
 
 import ctypes
