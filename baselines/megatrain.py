@@ -55,7 +55,7 @@ class MegaTrain(System):
         t = self.trainer
         out = {"memory_plan": t.memory_plan.detail, "engine": dataclasses.asdict(t.settings),
                "master_dtype": t.settings.master_dtype, "compute_dtype": str(t.settings.compute),
-               "setup_s": t.setup_s, "optimizer_rates": t.optimizer_rates,
+               "setup_s": t.setup_s, "optimizer_kernel_note": t.optimizer_kernel_note,
                "pinned_shadows": "exact"}  # registered at their size: store.Blocks
         if self.options.get("trace"):
             t.write_trace(self.options["trace"])

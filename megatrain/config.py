@@ -135,9 +135,10 @@ class EngineConfig:
     # activations stay on the device); auto: as many as the memory plan leaves device room for
     no_recompute_layers: int | Literal["auto"] = 0
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
-    # the host AdamW of whole float32 masters: compiled (torch.compile's C++ CPU code, the update and
-    # the bf16 shadow's refresh in one pass: fused_adamw.py; needs a C++ compiler) or eager (torch's
-    # fused AdamW, then the shadow); auto: compiled on a GPU run where it builds, else eager
+    # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
+    # bf16 shadow's refresh in one pass over memory: fused_adamw.py; needs a C++ compiler) or eager
+    # (torch's fused AdamW, and passes around it for the shadow or the split), the same numbers;
+    # auto: compiled where it builds, else eager
     optimizer_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the decoder layers' RMSNorms: eager (the library's ops, and autograd's backward through them)
     # or compiled (torch.compile: forward and backward each one fused kernel; equal to rounding:
@@ -202,7 +203,7 @@ class EngineSettings:
     mlp_chunk_tokens: int | None
     no_recompute_layers: int
     optimizer_threads: int | None
-    optimizer_kernel: Literal["compiled", "eager"]  # compiled: for the tiles with whole float32 masters and a bf16 shadow
+    optimizer_kernel: Literal["compiled", "eager"]  # compiled: the one pass, for the host tiles with float32 masters
     norm_kernel: Literal["compiled", "eager"]
     mlp_kernel: Literal["compiled", "eager"]
     loss_kernel: Literal["compiled", "eager"]

@@ -1,83 +1,177 @@
-"""The host AdamW of a whole float32 master and its bf16 shadow in one pass over memory.
+"""The host AdamW of a tile with float32 masters in one pass over memory, for both layouts
+(`engine.optimizer_kernel: compiled`; the kernel is host_adamw.cpp).
 
-The eager update (optim.adamw) is torch's fused AdamW, which reads the gradient, the master and
-both moments and writes the master and the moments (28 bytes a parameter), then a second pass
-that reads the master again to write its bf16 shadow (6 more). The update is bound by memory
-bandwidth, so here `torch.compile` (inductor's C++ code for the CPU, vectorised and threaded with
-OpenMP) turns the same arithmetic and the shadow's cast into one loop: 30 bytes a parameter. On the
-2-core CPU machine (experiments/probes/adamw_rate.py, 32 M elements, two threads, two interleaved
-runs) 1.13-1.16 G elements/s against 0.86-0.87 eager, 1.3x (0.61 on one thread); on the two-H200
-host (32 threads) 7.73 against 6.41, 1.2x, and a 14B step's CPU update 2.53 s against 3.41
-(results/h200/speed/adamw_2026-11-23).
+The eager update (optim.adamw) is torch's fused AdamW plus passes around it: with a whole master
+the bf16 shadow is recast from it in a second pass; with a split master (store.py,
+docs/host-store.md) the master is joined into a float32 scratch, updated there and split back,
+several passes more. The update is bound by memory bandwidth, so here one loop reads each
+element's state once and writes it once: a whole master reads the gradient, the master and both
+moments and writes the master, the moments and the shadow (30 bytes a parameter with a float32
+gradient); a split one reads the gradient, the shadow, the low half and both moments and writes
+all but the gradient (28 bytes). experiments/probes/adamw_rate.py times both against the eager
+update, torch's own fused AdamW and the machine's memory bandwidth. The clipping scale, where there is one, is applied in the same
+loop, not in a pass of its own.
 
-The arithmetic is torch's fused AdamW's (decoupled decay, `lerp` for the first moment, bias
-corrections folded into the step size and the denominator), in another order of roundings: the
-weights agree with the eager update to a few float32 ulps, not bit for bit, and the shadow is the
-same round-to-nearest-even cast of the master. Split masters (store.split/join) keep the eager
-path: inductor leaves code with int16 values unvectorised (its scalar loop was no faster), and a
-version over int32 pairs of the 16-bit halves, vectorised and exact, ran slower than the eager
-join, update and split on the 2-core machine.
+The arithmetic is torch's fused AdamW on the CPU, operation for operation (host_adamw.cpp), so a
+tile's master, moments and shadow are the eager update's to the bit, in either layout; the
+elements past a call's last full vector of torch's width take torch's scalar formula, as there.
 
-Building the kernel needs a C++ compiler, as torch.compile on the CPU always does: `probe` compiles
-it once, before the run starts, so a machine without one is told at once (or, under `auto`, runs the
-eager update); before it the trainer makes inductor's check of the CPU's vector instruction sets,
-every set's at once, and once a machine (kernel_build.check_vector_isas: on torch 2.11 about 28 s
-of a point's set-up on the four-GPU host when made one set after another). `optim.rates` then
-times both updates on arrays larger than the caches, in the thread count the optimizer worker uses,
-and `auto` keeps the compiled one only where it is faster.
-Inductor chooses a kernel's OpenMP parallelism at build time, from the sizes it first sees: built
-by the probe's few elements it came out as one serial loop (seen on the CPU machine), and a 14B run
-with that build on the two-H200 host stepped at half the rate (results/h200/speed/ab_2026-11-23).
-`cpp.dynamic_threads` always emits the parallel region and lets the calling thread's team size
-decide.
-
-The update runs on the optimizer worker while the main thread launches the GPU's kernels, so it
-must not hold the GIL. Inductor's default Python binding of a CPU kernel calls it with the GIL held:
-each 7B layer's update (about 50 ms) then stalled the launches, and at 4 x 4096 tokens a step the
-GPU sat idle for them (results/h100/speed/README.md). `cpp_wrapper` builds the graph's entry in
-C++, which releases the GIL for the call; the kernel and its results are the same (bit for bit,
-and no slower to build, on the CPU machine).
+The kernel is plain C++ (OpenMP, -O3 -march=native, vectorised by the compiler) built by the
+machine's C++ compiler into a shared library the first time a process asks for it, and kept in a
+per-user cache (MEGATRAIN_CACHE_DIR, else $XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain),
+named by a hash of its source, its flags, torch's version and the CPU's (a second process loads it
+and runs no compiler; the build takes 1.5-3.5 s on the 2-core CPU machine). It is called through
+ctypes, which releases the GIL for the call: it runs on the optimizer worker while the main thread
+launches the GPU's kernels. Without a C++ compiler `probe` says why, and the trainer refuses
+`compiled` by name or, under `auto`, runs the eager update.
 """
 from __future__ import annotations
 
-import math
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megatrain.config import OptimConfig
-from megatrain.kernel_build import compiled
+
+SOURCE = Path(__file__).with_name("host_adamw.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared"]
 
 
-def _update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt,
-            beta1: float, beta2: float, eps: float) -> None:
-    """In place, as torch's fused AdamW: decay, moments, step; then the shadow from the new master."""
-    param.mul_(decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    param.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps))
-    shadow.copy_(param)
+@dataclass(frozen=True)
+class Build:
+    """The kernel's library (None where it could not be built: `why`), whether this process
+    compiled it (else it came from the cache) and the seconds it took to have it."""
+    library: ctypes.CDLL | None
+    why: str | None
+    compiled: bool
+    seconds: float
+    path: Path
 
 
-_compiled = compiled(_update, **{"cpp.dynamic_threads": True, "cpp_wrapper": True})
+_build: Build | None = None
+_lock = threading.Lock()
 
 
-def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           shadow: torch.Tensor, step: int, lr: float, weight_decay: float, cfg: OptimConfig) -> None:
-    """AdamW update number `step` (1-based) of float32 `param` and its moments from `grad`, and
-    `shadow` (bf16) recast from the result; all 1-D, of one length, on the CPU."""
-    beta1, beta2 = cfg.betas
-    scalar = lambda x: torch.tensor(x, dtype=torch.float32)  # tensors: no recompile as lr and step change
-    _compiled(param, grad, exp_avg, exp_avg_sq, shadow, scalar(1 - lr * weight_decay),
-              scalar(lr / (1 - beta1 ** step)), scalar(math.sqrt(1 - beta2 ** step)), beta1, beta2, cfg.eps)
+def cache_dir() -> Path:
+    if root := os.environ.get("MEGATRAIN_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain"
 
 
-def probe(cfg: OptimConfig) -> str | None:
-    """Compile and run the kernel on a few elements: None if it works, else why not."""
+def _cpu_flags() -> str:
+    """What the CPU's code may use (-march=native): its model and flags, from the kernel's list."""
     try:
-        n = 256
-        update(torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16),
-               1, 1e-3, 0.0, cfg)
-    except Exception as e:  # the compiler's own error types (a missing C++ compiler, a failed build)
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return "\n".join(dict.fromkeys(keep))  # each distinct line once (cores repeat them)
+
+
+def library_path() -> Path:
+    """Where this source, built with these flags for this torch and this CPU, is kept."""
+    key = "\n".join([SOURCE.read_text(), " ".join(FLAGS), torch.__version__, platform.machine(), _cpu_flags()])
+    return cache_dir() / "kernels" / f"host_adamw-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
+
+
+def _compile(path: Path) -> str | None:
+    """Build the library at `path` (atomically: processes building side by side each write their
+    own file and rename it): None, or why not."""
+    cxx = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None or shutil.which(cxx) is None:
+        return f"no C++ compiler found ({'CXX=' + cxx if cxx else 'c++, g++ and clang++ are not on PATH'})"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            return f"{cxx} failed to build {SOURCE.name}: {lines[-1] if lines else done.returncode}"
+        os.replace(temporary, path)
+    except OSError as e:
+        return f"{cxx} could not be run: {e}"
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
     return None
 
+
+def build() -> Build:
+    """The kernel, loaded from the cache or built there, once a process."""
+    global _build
+    with _lock:
+        if _build is None:
+            start = time.perf_counter()
+            path = library_path()
+            compiled, why, library = not path.is_file(), None, None
+            if compiled:
+                why = _compile(path)
+            if why is None:
+                try:
+                    library = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one linked
+                    for fn in (library.megatrain_adamw_whole, library.megatrain_adamw_split):
+                        fn.restype = None  # (5 arrays, length, body, 7 scalars, bf16 grad, threads)
+                        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 7 + [ctypes.c_int] * 2
+                except OSError as e:
+                    library, why = None, f"the built kernel {path} does not load: {e}"
+            _build = Build(library, why, compiled, time.perf_counter() - start, path)
+    return _build
+
+
+def probe() -> str | None:
+    """Have the kernel (built, or from the cache): None if it works, else why not."""
+    return build().why
+
+
+def _vector_width() -> int:
+    """Floats in a vector of torch's CPU kernels here (its fused AdamW's scalar tail is the rest)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+VECTOR = _vector_width()
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(n: int, *tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        assert t is None or (t.device.type == "cpu" and t.is_contiguous() and t.numel() == n), (t.device, t.shape)
+
+
+def update(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, lr: float,
+           weight_decay: float, cfg: OptimConfig, grad_scale: float = 1.0, *, master: torch.Tensor | None = None,
+           shadow: torch.Tensor | None = None, low: torch.Tensor | None = None) -> None:
+    """AdamW update number `step` (1-based), as torch's fused AdamW's one call on these elements,
+    of a whole float32 `master` (its bf16 `shadow` recast after, where given) or of a split one
+    (`shadow` and `low`, the flags in `exp_avg_sq`: store.py), from `grad` (float32 or bf16)
+    times `grad_scale`. All 1-D, of one length, contiguous, on the CPU."""
+    library = build().library
+    if library is None:
+        raise RuntimeError(f"the host AdamW kernel is not available: {build().why}")
+    n = grad.numel()
+    _check(n, grad, exp_avg, exp_avg_sq, master, shadow, low)
+    assert exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
+    beta1, beta2 = cfg.betas
+    scalars = (n, n - n % VECTOR, float(step), lr, beta1, beta2, weight_decay, cfg.eps, grad_scale,
+               int(grad.dtype == torch.bfloat16), torch.get_num_threads())
+    if low is None:
+        assert master is not None and master.dtype == torch.float32 and (shadow is None or shadow.dtype == torch.bfloat16)
+        library.megatrain_adamw_whole(master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                      _pointer(shadow), *scalars)
+    else:
+        assert master is None and shadow.dtype == torch.bfloat16 and low.dtype == torch.int16
+        library.megatrain_adamw_split(shadow.data_ptr(), low.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                                      exp_avg_sq.data_ptr(), *scalars)

@@ -3,13 +3,13 @@
 Inductor builds a GPU graph's Triton kernels in a pool of worker processes (its compile_threads:
 one per core, at most 32), started at the first compile and kept for the life of the process, each
 a Python with torch imported. The engine builds a handful of small kernels once (the norms, the
-gated MLP's product, the host AdamW), so the pool saves seconds once and holds host memory for
+gated MLP's product, the loss), so the pool saves seconds once and holds host memory for
 the whole run: 6.6 GiB on the H100 host's 16 cores (results/h100/speed/kernels_2026-11-23), where
 every GiB of host is model state. Each call of a kernel from here sets compile_threads to 1 first:
 from the first one on, inductor builds in this process, and no pool starts. The setting is the
 process's (inductor has no per-graph one that reaches the pool: the backend warms the pool before
-a graph's options apply), and always the same value, so threads calling kernels side by side (the
-optimizer worker's AdamW beside the layers') never see it change under them.
+a graph's options apply), and always the same value, so threads calling kernels side by side never
+see it change under them.
 
 Each is built in inductor's deterministic mode: a reduction's launch configuration (the norms'
 row statistics, their weight's gradient) is the one its heuristic names, not the fastest of several
@@ -30,26 +30,18 @@ widths, but a process that trains several models sees more forms than a model do
 kernel's build raises the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made
 only for a form that comes).
 
-Two threads call these kernels: the main thread (the layers') and the optimizer worker (the AdamW).
 While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
-a compiled function called from the other thread meanwhile refuses to run ("Detected that you are
+a compiled function called from another thread meanwhile refuses to run ("Detected that you are
 using FX to symbolically trace a dynamo-optimized function", pytorch/pytorch#126024): on the H100 a
-first step on an empty inductor cache failed so, the AdamW called while the layers' kernels built.
-The refusal comes before anything runs, so a call here waits while the flag is set and tries again.
+first step on an empty inductor cache failed so, when the host AdamW was such a kernel, called by
+the optimizer worker while the layers' kernels built. The refusal comes before anything runs, so a
+call here waits while the flag is set and tries again.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import platform
-import shutil
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -74,7 +66,7 @@ def compiled(fn: Callable, **options) -> Callable:
     def run(*args):
         nonlocal made
         if made is None:
-            with lock:  # the main thread and the optimizer worker may both call first
+            with lock:  # two threads may both call first
                 if made is None:
                     import torch._dynamo.config as dynamo
                     import torch._inductor.config as inductor
@@ -94,87 +86,3 @@ def compiled(fn: Callable, **options) -> Callable:
                 if not _tracing():  # not the refusal: a failure of this kernel
                     raise
     return run
-
-
-def check_vector_isas() -> None:
-    """Inductor's check of which vector instruction sets this CPU's compiled code may use, made
-    before a first CPU build would make it. On torch 2.11 each check builds a test program and
-    loads it in a fresh Python that imports torch: a set's own check, and for some sets more
-    (AVX-512's bf16, VNNI, AMX: each adds its compiler flags when it passes), one after another:
-    27.5-28.8 s of each point's set-up on the four-GPU host's 64 cores
-    (results/h200x4/probes_2026-11-26). Here every candidate's checks run at once, a thread each
-    (the checks are subprocesses and builds under per-check file locks); inductor keeps each set's
-    answer, and its flags, for the process, so its list, and every build after, reuses them. On the
-    2-core CPU machine with torch 2.11 (four sets, their builds in the cache): 7.9-8.0 s against
-    13.0-13.4 one after another; on the four-GPU host 14-22 s.
-
-    Inductor keeps the answers for one process only, so each run on a machine paid them again.
-    Once every check has passed, their answers are written beside inductor's cache, keyed by what
-    they rest on (torch, the Python that loads the test, the C++ compiler, the candidates the CPU's
-    flags admit); a later process with the same key replays them (each candidate's `check_build`
-    answered from the record while its answer is taken) and builds nothing. Every check is
-    replayed, not only a set's own: a set whose further checks were left to inductor made them at
-    the first kernel's load instead, one after another (seen on the two-H200 host: 15-44 s of the
-    host AdamW's build after a kept answer). A failed check is never written: such a machine
-    checks every time. Where a torch has no such check, nothing runs."""
-    try:
-        import torch._inductor.config as inductor
-        from torch._inductor import cpu_vec_isa
-        if platform.machine() not in ("x86_64", "AMD64") or inductor.cpp.vec_isa_ok is not None:
-            cpu_vec_isa.valid_vec_isa_list()
-            return
-        flags = cpu_vec_isa.x86_isa_checker()  # inductor's own filter: the CPU's flags
-        candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
-        record, key = _isa_record(candidates)
-        kept = _kept(record)
-        replayed, made = kept.get(key, {}), {}
-        for isa in candidates:  # each candidate's checks: the kept answer, else inductor's own
-            vars(isa)["check_build"] = functools.partial(_check_build, isa, replayed, made)
-        try:
-            with ThreadPoolExecutor(max(1, len(candidates))) as pool:
-                passed = list(pool.map(bool, candidates))
-            cpu_vec_isa.valid_vec_isa_list()
-        finally:
-            for isa in candidates:
-                vars(isa).pop("check_build", None)
-        if record is not None and made and all(passed) and all(made.values()):
-            temporary = record.with_name(f"{record.name}.{os.getpid()}")
-            temporary.write_text(json.dumps({"checks": {**kept, key: {**replayed, **made}}}))
-            os.replace(temporary, record)  # whole or absent, with ranks writing side by side
-    except Exception:  # another torch, or the check failing: the build makes the check itself
-        pass
-
-
-def _check_build(isa, replayed: dict[str, bool], made: dict[str, bool], code: str) -> bool:
-    """One of `isa`'s checks (a test program, its flags): its kept answer, else inductor's check,
-    whose answer goes into `made`."""
-    name = f"{isa.build_arch_flags()} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
-    if name in replayed:
-        return replayed[name]
-    made[name] = ok = type(isa).check_build(isa, code)
-    return ok
-
-
-def _isa_record(candidates: list) -> tuple[Path | None, str | None]:
-    """Where the passed checks are kept, and this process's key among them (none where this torch
-    names its cache or its compiler otherwise: then the check is made every time)."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-        compiler = Path(shutil.which(get_cpp_compiler()) or get_cpp_compiler()).resolve()
-        stat = compiler.stat()
-    except (ImportError, OSError):
-        return None, None
-    key = " | ".join([torch.__version__, sys.executable, f"{compiler} {stat.st_size} {stat.st_mtime_ns}",
-                      " ".join(str(i) for i in candidates)])
-    return Path(cache_dir()) / "megatrain_vector_isas.json", key
-
-
-def _kept(record: Path | None) -> dict[str, dict[str, bool]]:
-    """Each key's checks and their answers (none where the file is absent, unreadable or of
-    another form)."""
-    try:
-        checks = json.loads(record.read_text())["checks"] if record is not None else {}
-        return checks if isinstance(checks, dict) else {}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}

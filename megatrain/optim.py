@@ -33,8 +33,7 @@ import torch
 
 from megatrain import fused_adamw
 from megatrain.config import OptimConfig
-from megatrain.shapes import ParamSpec
-from megatrain.store import Layout, Tile, join, split
+from megatrain.store import Tile, join, split
 from megatrain.timeline import Kind, Timeline, Track
 
 CHUNK = 1 << 24  # elements per fused AdamW call (measured on the H100 host: 1 << 20 is 25% slower)
@@ -72,24 +71,30 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
     """One AdamW update of elements [lo, hi) of a tile from `grad` (float32, hi - lo elements),
     then refresh that range of the shadow. A device tile's runs on the current stream; its
     `found_inf` (a float32 scalar there, nonzero when the gradient is not finite) makes the kernel
-    leave weights and moments as they are, without a host sync. A split tile's master is joined
-    chunk by chunk into `scratch`, updated there and split back. `compiled`: a host tile with a whole
-    float32 master and a bf16 shadow updates both in one pass (fused_adamw.py)."""
+    leave weights and moments as they are, without a host sync. `compiled`: a host tile with
+    float32 masters updates in one pass over memory (fused_adamw.py), the same numbers as the
+    eager update's; else a split tile's master is joined chunk by chunk into `scratch`, updated
+    there by torch's fused AdamW and split back."""
     decay_end = tile.layout.decay_numel if cfg.decay == "matrices" else tile.layout.numel
     beta1, beta2 = cfg.betas
     fp32_master = tile.master_dtype == torch.float32
-    if tile.split and scratch is None:
+    one_pass = compiled and fp32_master and not tile.on_device
+    if tile.split and scratch is None and not one_pass:
         scratch = Scratch()
-    if grad_scale != 1.0:
+    if grad_scale != 1.0 and not one_pass:
         grad.mul_(grad_scale)
-    if compiled and fp32_master and not tile.split and not tile.on_device and tile.shadow.dtype == torch.bfloat16:
-        for a, b, wd in ((lo, min(hi, decay_end), cfg.weight_decay), (max(lo, decay_end), hi, 0.0)):
-            if a < b:
-                fused_adamw.update(tile.master[a:b], grad[a - lo: b - lo], tile.exp_avg[a:b], tile.exp_avg_sq[a:b],
-                                   tile.shadow[a:b], step, lr, wd, cfg)
-        return
+    # torch's fused AdamW is called per chunk and per decay, and the one pass on the same pieces:
+    # the elements past a call's last full vector take its scalar formula
     for a0 in range(lo, hi, CHUNK):
         b0 = min(hi, a0 + CHUNK)
+        if one_pass:
+            for a, b, wd in ((a0, min(b0, decay_end), cfg.weight_decay), (max(a0, decay_end), b0, 0.0)):
+                if a < b:
+                    shadow = tile.shadow[a:b] if tile.shadow is not tile.master else None
+                    fused_adamw.update(grad[a - lo: b - lo], tile.exp_avg[a:b], tile.exp_avg_sq[a:b], step, lr, wd, cfg,
+                                       grad_scale, master=None if tile.split else tile.master[a:b], shadow=shadow,
+                                       low=tile.low[a:b] if tile.split else None)
+            continue
         if tile.split:
             param = scratch.take(tile, a0, b0)
         else:
@@ -108,22 +113,6 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
             tile.master[a0:b0].copy_(param)
         tile.refresh_shadow(a0, b0)
 
-
-
-def rates(cfg: OptimConfig, n: int = 1 << 25, reps: int = 3) -> dict[str, float]:
-    """G elements a second of the eager and the compiled update of a host tile (a float32 master,
-    a bf16 shadow; the best of `reps`, interleaved) over `n` elements, more than the caches hold, in
-    the calling thread's thread count: what `engine.optimizer_kernel: auto` chooses by."""
-    tile = Tile("probe", Layout.of([ParamSpec("w", (n,))]), torch.float32, torch.bfloat16, pinned=False, grad=False)
-    tile.reset()
-    grad = torch.full((n,), 1e-3)
-    best = {"eager": float("inf"), "compiled": float("inf")}
-    for step in range(1, reps + 1):
-        for kernel in best:
-            start = time.perf_counter()
-            adamw(tile, 0, n, grad, step, 1e-4, cfg, 1.0, compiled=kernel == "compiled")
-            best[kernel] = min(best[kernel], time.perf_counter() - start)
-    return {kernel: round(n / t / 1e9, 3) for kernel, t in best.items()}
 
 @dataclass(frozen=True)
 class _Begin:

@@ -112,9 +112,8 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         optimizer_threads=engine.optimizer_threads,
-        # auto: compiled on a GPU run (the trainer falls back to eager where it cannot build)
-        optimizer_kernel="compiled" if engine.optimizer_kernel == "compiled" or (
-            engine.optimizer_kernel == "auto" and machine.is_cuda) else "eager",
+        # auto: compiled (the trainer falls back to eager where it cannot build)
+        optimizer_kernel="eager" if engine.optimizer_kernel == "eager" else "compiled",
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
         loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
         experts_kernel=experts,

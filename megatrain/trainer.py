@@ -29,9 +29,8 @@ from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as che
                                    shared_memory_free)
 from megatrain.engine import Engine
 from megatrain.io import check_writable, write_json
-from megatrain.kernel_build import check_vector_isas
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
-from megatrain.optim import lr_at, rates
+from megatrain.optim import lr_at
 from megatrain.progress import bar, say
 from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.runlog import RunLog, perplexity
@@ -109,27 +108,24 @@ class Trainer:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
-        # built and timed with the thread count just set (the optimizer worker's), before the store
-        self.optimizer_rates = None
+        # the host AdamW's kernel, before the store: loaded from the per-user cache, or built there
+        # (seconds), or, under auto, the eager update and the reason said
         self.setup_s = {}
+        self.optimizer_kernel_note = None
         clock = time.perf_counter()
         if s.optimizer_kernel == "compiled":
-            say("building the host AdamW (torch.compile: up to a minute on a machine's first run, then from "
-                "its cache) and timing it against the eager update", self.progress)
-            asked = cfg.engine.optimizer_kernel == "compiled"
-            check_vector_isas()
-            self.setup_s["vector_isas"] = time.perf_counter() - clock
-            if why := fused_adamw.probe(cfg.optim):
-                if asked:
-                    raise ValueError(f"engine.optimizer_kernel: compiled, but torch.compile cannot build the CPU "
-                                     f"update here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+            if why := fused_adamw.probe():
+                if cfg.engine.optimizer_kernel == "compiled":
+                    raise ValueError(f"engine.optimizer_kernel: compiled, but the host AdamW's C++ kernel cannot be "
+                                     f"built here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
+                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")
+                self.optimizer_kernel_note = f"the host AdamW runs eager (several passes over memory): {why}"
+                say(self.optimizer_kernel_note, ranks.rank == 0)
             else:
-                self.optimizer_rates = rates(cfg.optim)
-            if not asked and (why or self.optimizer_rates["compiled"] <= self.optimizer_rates["eager"]):
-                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")  # auto: the faster one
-        # seconds spent building and timing the compiled update (inductor's first build: tens of
-        # seconds on a fresh machine, its cache's reuse after; of them, its check of the CPU's vector
-        # instruction sets), allocating the store, filling it and building the engine (its buffers)
+                built = fused_adamw.build()
+                self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
+        # seconds spent having the host AdamW's kernel (a build, or a load from the cache), allocating
+        # the store, filling it and building the engine (its buffers)
         self.setup_s["optimizer_kernel"] = time.perf_counter() - clock
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
                                  lean_moe=s.experts_kernel == "lean")

@@ -113,9 +113,11 @@ def test_ties_found_in_rows_and_tail():
     assert _ties(low).tolist() == at and _ties(low[:10]).tolist() == [0]
 
 
-def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch, compiled):
     """AdamW on a split tile, in pieces and chunks across the decayed and undecayed parts, leaves
-    the master and moments bit for bit those of a whole float32 master, the shadow its cast."""
+    the master and moments bit for bit those of a whole float32 master, the shadow its cast;
+    `compiled`: the split tile's update is the one pass (fused_adamw.py), the whole one eager."""
     monkeypatch.setattr(optim, "CHUNK", 4096)
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
     split_tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False, split=True)
@@ -135,7 +137,7 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch):
         grad = torch.randn(n, generator=gen) * 1e-2
         for lo, hi in ((0, 25_000), (25_000, 241_111), (241_111, n)):
             for tile in (split_tile, whole):
-                optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 1.0)
+                optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 1.0, compiled=compiled and tile.split)
         flagged.append(int((split_tile.exp_avg_sq.view(torch.int32) < 0).sum()))
         with split_tile.plain_state() as state:
             for k in ("master", "exp_avg", "exp_avg_sq"):
