@@ -8,7 +8,7 @@ OpenMP) turns the same arithmetic and the shadow's cast into one loop: 30 bytes 
 2-core CPU machine (experiments/probes/adamw_rate.py, 32 M elements, two threads, two interleaved
 runs) 1.13-1.16 G elements/s against 0.86-0.87 eager, 1.3x (0.61 on one thread); on the two-H200
 host (32 threads) 7.73 against 6.41, 1.2x, and a 14B step's CPU update 2.53 s against 3.41
-(results/h200/speed/adamw_2026-11-23).
+(docs/decisions.md, "The host AdamW").
 
 The arithmetic is torch's fused AdamW's (decoupled decay, `lerp` for the first moment, bias
 corrections folded into the step size and the denominator), in another order of roundings: the
@@ -27,14 +27,14 @@ times both updates on arrays larger than the caches, in the thread count the opt
 and `auto` keeps the compiled one only where it is faster.
 Inductor chooses a kernel's OpenMP parallelism at build time, from the sizes it first sees: built
 by the probe's few elements it came out as one serial loop (seen on the CPU machine), and a 14B run
-with that build on the two-H200 host stepped at half the rate (results/h200/speed/ab_2026-11-23).
+with that build on the two-H200 host stepped at half the rate (docs/decisions.md, "The host AdamW").
 `cpp.dynamic_threads` always emits the parallel region and lets the calling thread's team size
 decide.
 
 The update runs on the optimizer worker while the main thread launches the GPU's kernels, so it
 must not hold the GIL. Inductor's default Python binding of a CPU kernel calls it with the GIL held:
 each 7B layer's update (about 50 ms) then stalled the launches, and at 4 x 4096 tokens a step the
-GPU sat idle for them (results/h100/speed/README.md). `cpp_wrapper` builds the graph's entry in
+GPU sat idle for them (docs/decisions.md, "The host AdamW"). `cpp_wrapper` builds the graph's entry in
 C++, which releases the GIL for the call; the kernel and its results are the same (bit for bit,
 and no slower to build, on the CPU machine).
 """
