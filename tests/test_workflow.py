@@ -19,7 +19,7 @@ from workflows.scripts import aggregate, grid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GRIDS = sorted((ROOT / "workflows" / "grids").glob("*.yaml"))
-BASELINES = sorted((ROOT / "results" / "h100" / "baselines").glob("*.json"))
+BASELINES = sorted((ROOT / "results" / "h100" / "probes" / "baselines").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", GRIDS, ids=lambda p: p.stem)
