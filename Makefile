@@ -105,12 +105,12 @@ profile:
 # Tools run as `python -m` from the environment, even where a system-site package provides them.
 run: $(STAMP)
 	@$(detect_profile); \
-	echo "make: python -m snakemake --profile $$p $(ARGS)"; \
-	$(PY) -m snakemake --profile "$$p" $(ARGS)
+	echo "make: python -m snakemake --profile profiles/$$p $(ARGS)"; \
+	$(PY) -m snakemake --profile "profiles/$$p" $(ARGS)
 
 # The CPU workflow is forced (--forceall): its outputs from an earlier run would otherwise pass
 # untested (the profiles rerun on mtime only).
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout 900
 	$(PY) -m snakemake --lint
-	$(PY) -m snakemake --profile cpu --forceall
+	$(PY) -m snakemake --profile profiles/cpu --forceall

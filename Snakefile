@@ -1,8 +1,8 @@
 # The reproduction workflow: the grid's points (one job each), one table and one figure per
 # experiment, and the engine's smoke run. The grid comes from the profile, or from `--config grid=`:
-#   snakemake --profile cpu        # tiny models on the CPU, the whole DAG in minutes
-#   snakemake --profile h100 -n    # the H100 grid (dry run)
-#   snakemake --profile h100 targets --config grid=workflows/grids/h100-speed.yaml
+#   snakemake --profile profiles/cpu        # tiny models on the CPU, the whole DAG in minutes
+#   snakemake --profile profiles/h100 -n    # the H100 grid (dry run)
+#   snakemake --profile profiles/h100 targets --config grid=workflows/grids/h100-speed.yaml
 # Sub-targets: `tables`, `figures`, `engine_smoke`, each experiment by its name (its points, table and
 # figure, then the harness's table of its points printed), or one file such as plots/cpu/depth.png.
 from snakemake.utils import min_version

@@ -10,7 +10,7 @@ spec.options (anything else is refused):
   accumulation without communication (`set_requires_gradient_sync(False)` before all but the last
   micro-batch): float32 unsharded gradients summed on the GPU (4 B/param of the whole model more on
   each), reduced and copied once a step; on the H200 at the 7B width on 7 layers, 8 x 4 x 4096,
-  6.1 s a step where the host's took 31.2 (results/h200/probes_2026-11-27/fsdp2_accumulate).
+  6.1 s a step where the host's took 31.2 (docs/decisions.md, "FSDP2's accumulation").
   "auto" (the default): "device" where its count leaves AUTO_SLACK of the device free, else
   "host"; the result's info names the choice.
 - `admission`: false tries a point the host or device admission would refuse.
@@ -22,7 +22,7 @@ kind of segment), so that gap is no measure of a step's need; what fails with fi
 large block while the free memory lies in pieces (native's 7B at 4 x 4096 on an H200), and an
 expandable segment maps a block wherever pages are free. At 14B on an H200, 8 x 4 x 4096, `auto`
 then sums on the GPU (129.9 GiB allocated of 139.3) at 43.0 s a step, where the host's sum took
-162.2 (results/h200x4/README.md).
+162.2 (docs/decisions.md, "FSDP2's accumulation").
 
 On one GPU, a one-process group; on spec.gpus = N (under torchrun, baselines/hf.py) the parameters,
 gradients and optimizer state are sharded over the N ranks (a 1-D mesh), each rank computes on its

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every system's loss-tracking check on the GPU machine (python -m suite check): each trains a tiny
 # model from one saved random init on one fixed batch, its losses compared step by step with native's.
-#   OUT=results/h100/baselines experiments/baselines.sh      (CHECK_SYSTEMS: a comma-separated subset)
+#   OUT=results/h100/probes/baselines experiments/baselines.sh      (CHECK_SYSTEMS: a comma-separated subset)
 # Carried here (git-ignored): .whl and .libaio, as experiments/workflow_gpu.sh describes. The systems'
 # measured points are workflow targets, e.g. on the H100 machine:
 #   experiments/workflow_gpu.sh 540 h100 scale ratel          # every system at 4 sequences, 3B and 7B

@@ -4,7 +4,7 @@
 #   e.g. 480 h100 results/h100/points/scale/3b_native.json; 540 h100 targets --config grid=workflows/grids/h100-speed.yaml
 # Installs a carried wheel folder (WHEELS, default .whl; WHEELS=none: the machine has everything) into
 # /tmp/site and the carried .libaio (ZeRO-Infinity, baselines/libaio.sh), runs
-# `snakemake --profile PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
+# `snakemake --profile profiles/PROFILE ...` until SECONDS after this script's start (a point cut there is rerun next time:
 # Snakemake removes its incomplete output), packs what it wrote in results/, plots/ and logs/ of the
 # grid's hardware into $OUT/workflow.tgz: the files newer than the run's start (and those a detached
 # run joined from the last one), so that unpacking it
@@ -99,7 +99,7 @@ fi
 export PYTHONUNBUFFERED=1
 case $mode in
   run)
-    timeout --signal=INT --kill-after=30 $((limit - SECONDS)) python3 -m snakemake --profile "$profile" "$@"
+    timeout --signal=INT --kill-after=30 $((limit - SECONDS)) python3 -m snakemake --profile "profiles/$profile" "$@"
     echo "snakemake exit $?" ;;
   detach)
     targets=() && while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do targets+=("$1"); shift; done
@@ -115,11 +115,11 @@ case $mode in
           fi
           made+=("$m") used=$((used + ${e:-0}))
         done
-        [ ${#made[@]} -eq 0 ] || python3 -m snakemake --profile "$p" "${made[@]}" "${@:n+1}" || rc=$?
+        [ ${#made[@]} -eq 0 ] || python3 -m snakemake --profile "profiles/$p" "${made[@]}" "${@:n+1}" || rc=$?
       done
       echo $rc > "$s/rc"' _ "$state" "$profile" "$left" ${#targets[@]} "${targets[@]}" "$@" > "$state/log" 2>&1 < /dev/null &
     echo $! > "$state/pid"
-    echo "detached: snakemake --profile $profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
+    echo "detached: snakemake --profile profiles/$profile, ${#targets[@]} target(s) in order: ${targets[*]} $* (log $state/log)" ;;
 esac
 if [ "$mode" != run ]; then
   [ -d "$state/tree" ] || { echo "no detached run on this machine (it went back, or none was started)"; exit 1; }

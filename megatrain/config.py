@@ -155,7 +155,7 @@ class EngineConfig:
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
     # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
     # auto: compiled on a GPU (7B on the H100: +1.5% at 4 x 4096, the head 523 -> 396 ms at
-    # 16 x 4096; results/h100/speed/README.md), eager on the CPU; both track each other on the GPU
+    # 16 x 4096; docs/decisions.md, "The compiled loss"), eager on the CPU; both track each other on the GPU
     # (tests/test_gpu.py)
     loss_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # a mixture of experts' experts: library (transformers' grouped-GEMM experts) or lean (the same

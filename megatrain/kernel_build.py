@@ -4,7 +4,7 @@ Inductor builds a GPU graph's Triton kernels in a pool of worker processes (its 
 one per core, at most 32), started at the first compile and kept for the life of the process, each
 a Python with torch imported. The engine builds a handful of small kernels once (the norms, the
 gated MLP's product, the loss), so the pool saves seconds once and holds host memory for
-the whole run: 6.6 GiB on the H100 host's 16 cores (results/h100/speed/kernels_2026-11-23), where
+the whole run: 6.6 GiB on the H100 host's 16 cores (docs/decisions.md, "Kernels built in-process"), where
 every GiB of host is model state. Each call of a kernel from here sets compile_threads to 1 first:
 from the first one on, inductor builds in this process, and no pool starts. The setting is the
 process's (inductor has no per-graph one that reaches the pool: the backend warms the pool before
@@ -16,7 +16,7 @@ row statistics, their weight's gradient) is the one its heuristic names, not the
 timed at the first launch. Those configurations sum in different orders, so a choice by the clock
 could differ between a run and its resumption; the heuristic's does not. Measured on the H100, the
 7B step with both against the timed, pooled build: 466.2 against 464.0 model TFLOP/s
-(results/h100/speed/kernel_build_2026-11-23).
+(docs/decisions.md, "Kernels built in-process").
 
 Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
 whether a tensor requires gradients, a float's value), at most recompile_limit (8) times a process,

@@ -7,7 +7,7 @@ the rows by the router and put them back in token order, summing each token's pi
 does work this engine never needs, and autograd takes costly routes back:
 - three masked fills and a comparison for expert parallelism's sentinel rows (picks of experts on
   another device), which a run without expert parallelism never has: the largest single kernel of a
-  Qwen3-30B-A3B layer on the H200 (16% of its time, results/h200x4/probes_2026-11-26);
+  Qwen3-30B-A3B layer on the H200 (16% of its time, docs/decisions.md, "The lean experts");
 - the tokens' gather `x[perm // k]`, whose backward is a scatter with accumulation (autograd's
   index backward: a sort and a serial add per duplicate);
 - the experts' biases gathered per row (GPT-OSS), `b[expert]`, whose backward scatters every row

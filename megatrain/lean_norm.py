@@ -39,7 +39,7 @@ def _width_of_the_kernel(x: torch.Tensor) -> None:
     ran Qwen3's head norms (q_norm, k_norm: 128-wide rows, 32 and 4 to a token) at that width's
     configuration: a Qwen3-30B-A3B layer's ceiling at 8 x 4096 tokens took 72.1 ms on the H200, the
     norms' kernels about 19 of it, and 58.1 with a kernel a width
-    (results/h200/probes_2026-11-28/norm_width)."""
+    (docs/decisions.md, "A norm kernel a row width")."""
     if torch.compiler.is_compiling():
         torch._dynamo.mark_static(x, -1)
 

@@ -17,7 +17,7 @@ the backward, a first-come order leaves the first layers' updates for last, and 
 waits for all of them. The worker instead applies, of the pieces whose copy has landed, the one
 the next forward reads first; the pieces it leaves hold their slabs, so the backward runs ahead
 by up to the slabs' count, and what is left at the step's end is the last layers' updates, which
-overlap the next forward (results/h100x2/speed/short_step_2026-11-25).
+overlap the next forward (docs/decisions.md, "The CPU optimizer's order").
 """
 from __future__ import annotations
 

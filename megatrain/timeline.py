@@ -18,7 +18,7 @@ seconds from the step's start, and `summary()` the exposed-time breakdown:
                      sync), or a wait the timeline does not record
   idle_while_issuing_s  the part of it during which the main thread was inside an op's issuing and
                      not in a recorded wait: the launches fell behind the GPU, or the thread could
-                     not run (another thread holding the GIL did this, results/h100/speed/README.md)
+                     not run (another thread holding the GIL did this, docs/decisions.md, "The host AdamW")
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", 
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
 # kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
 # H100 host, held about 0.4 GiB each of the host peak the harness counts
-POOLED = {"kernels_2026-11-23/7b_16seq_kernels_compiled.json": 16, "kernel_build_2026-11-23/7b_16seq_pool.json": 16}
+POOLED = {"layer_kernels/7b_16seq_kernels_compiled.json": 16, "kernel_build/7b_16seq_pool.json": 16}
 COMPILE_WORKER = 0.4 * GiB
 
 
@@ -81,8 +81,8 @@ class MachineModel:
 
 # The MoE layers' probes on the H200 (experiments/probes/layer_kernels.py, the compiled norms), for
 # every machine with that GPU: the library's experts on the four-GPU host's
-# (results/h200x4/probes_2026-11-26), the lean ones, without and with their compiled gate, on the
-# one-GPU machine's (results/h200/probes_2026-11-26; the library's there: 235.7 and 201.6)
+# (results/h200x4/probes/moe_layers), the lean ones, without and with their compiled gate, on the
+# one-GPU machine's (results/h200/probes/moe_layers; the library's there: 235.7 and 201.6)
 H200_MOE = {"qwen3_moe": {"library": (236.1, ("qwen3-30b-a3b", 8, 4096)), "lean": (300.6, ("qwen3-30b-a3b", 8, 4096)),
                           "lean_gate": (302.0, ("qwen3-30b-a3b", 8, 4096))},
             "gpt_oss": {"library": (199.1, ("gpt-oss-20b", 8, 4096)), "lean": (248.8, ("gpt-oss-20b", 8, 4096)),
@@ -95,8 +95,8 @@ def experts_variant(s) -> str:
     return "library" if s.experts_kernel == "library" else "lean_gate" if s.mlp_kernel == "compiled" else "lean"
 
 # The compiled norms and MLP product against the eager ones in one dense layer: the H100's 7B layer
-# (results/h100/speed/kernels_2026-11-23/layer_7b_b8.json: 121.7 -> 105.6 ms), the H200's 14B layer
-# (results/h200/probes_2026-11-28/compiled_saving: 143.3 -> 125.8 ms; its 7B layer saved 11.6 ms at
+# (results/h100/probes/layer_kernels/layer_7b_b8.json: 121.7 -> 105.6 ms), the H200's 14B layer
+# (results/h200/probes/compiled_saving: 143.3 -> 125.8 ms; its 7B layer saved 11.6 ms at
 # 8 x 4096 and 11.5 at 1 x 32768, 0.95x and 0.94x of the 14B's a token and hidden unit)
 H100_SAVING = (0.0162, ("qwen2.5-7b", 8, 4096))
 H200_SAVING = (0.0175, ("qwen2.5-14b", 8, 4096))
@@ -105,7 +105,7 @@ H200_SAVING = (0.0175, ("qwen2.5-14b", 8, 4096))
 MACHINES = {m.name: m for m in (
     MachineModel("h100", 78.5, 124.0, 54.5, 55.0, 74.0, 421.6, ("qwen2.5-7b", 8, 4096),
                  "nvidia-h100-x1: bandwidth probe 54-55 GB/s pinned each way, memcpy 74 GB/s, "
-                 "the 7B layer probe at 8 x 4096 (results/h100/speed/7b_16seq_mb8_K1_dt3_guard_after.json)",
+                 "the 7B layer probe at 8 x 4096 (results/h100/probes/guard_ab/after.json)",
                  ("NVIDIA H100 80GB HBM3", 16), compiled_saving=H100_SAVING),
     MachineModel("h100x2", 78.5, 250.0, 50.9, 54.9, 99.7, 421.6, ("qwen2.5-7b", 8, 4096),
                  "one H100 of nvidia-h100-x2 (32 cores, 256 GiB): bandwidth probe 50.9/54.9 GB/s pinned, "
@@ -116,8 +116,8 @@ MACHINES = {m.name: m for m in (
                  "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE, H200_SAVING),
     MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 435.1, ("qwen2.5-14b", 8, 4096),
                  "one H200 of nvidia-h200-x2: bandwidth probe 55.5/55.3 GB/s pinned, memcpy 105.9 GB/s "
-                 "(results/h200/probes_2026-11-26/bandwidth.json); the 14B layer probe at 8 x 4096 (eager: 435.1, "
-                 "results/h200/probes_2026-11-28/compiled_saving/14b.json); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
+                 "(results/h200/probes/bandwidth_x2.json); the 14B layer probe at 8 x 4096 (eager: 435.1, "
+                 "results/h200/probes/compiled_saving/14b.json); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
     MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
                  "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
                  "(eager) at 4 x 4096: 438; the library's MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, "

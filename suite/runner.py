@@ -73,7 +73,7 @@ def classify(returncode: int | None, timed_out: bool, worker_status: str | None,
 def worker_env(spec: RunSpec, scratch: str | Path | None = None) -> dict:
     """The worker's environment. Several ranks each get their share of the host's cores for their
     CPU work (a baseline's CPU Adam, OpenMP): unless told, torchrun gives each worker one thread,
-    and a baseline's optimizer then runs serially (results/h200/speed/baselines_2026-11-23). The
+    and a baseline's optimizer then runs serially (docs/decisions.md, "Each rank's share of the cores"). The
     engine's ranks take the same share themselves (trainer.py).
     `scratch`: the worker tree's temporary directory (TMPDIR), which the runner removes however the
     worker ends: a baseline's swap files (ZeRO-Infinity's, Ratel's: tens of GiB) made under the temp

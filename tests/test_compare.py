@@ -11,7 +11,7 @@ from megatrain.units import GiB
 from suite import compare
 
 ROOT = Path(__file__).resolve().parent.parent
-BASELINES = ROOT / "results" / "h100" / "baselines"
+BASELINES = ROOT / "results" / "h100" / "probes" / "baselines"
 
 
 def result(system="megatrain", batch=4, status="ok", tflops=300.0, host_gib=50.0, device_gib=20.0, options=None):

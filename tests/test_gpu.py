@@ -98,7 +98,7 @@ def test_device_tiles_track_host_tiles(tmp_path, cuda_only, engine):
     AdamW's float32 rounding differs (measured 7.5e-9 on the H100; an error would be lr = 1e-3).
     From the next step a weight one bf16 rounding apart changes the forward, and Adam turns the
     rounding noise of near-zero gradients into steps of up to lr on a few percent of the elements
-    (measured: experiments/probes/device_tile_drift.py, results/h100/engine/device_tile_drift.json),
+    (measured: experiments/probes/device_tile_drift.py, results/h100/probes/engine/device_tile_drift.json),
     so after three steps the losses agree to 1e-4 and the updates point the same way."""
     start = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES).state_dict()
     if engine.get("device_tiles") == "auto":
@@ -342,7 +342,7 @@ def test_a_closed_trainer_is_freed_once_dropped(tmp_path, cuda_only, preset):
     loss, the host AdamW), a closed trainer, once dropped, leaves its host store to be freed, as on
     the CPU (tests/test_run_outputs.py). The layer probe, one trainer per variant in one process,
     found the earlier trainers' host memory not all given back on a GPU host
-    (results/h200/probes_2026-11-26/exits.txt); the referrers are named if the store outlives it."""
+    (results/h200/probes/layer_probe_exits.txt); the referrers are named if the store outlives it."""
     import gc
     import weakref
     tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])
@@ -469,7 +469,7 @@ def _page_locked(t: torch.Tensor) -> bool:
     """Whether CUDA holds `t`'s first byte page-locked: cudaPointerGetAttributes reads a registered
     host range as host memory, another as unregistered. Not `Tensor.is_pinned`: that asks about the
     first byte of the tensor's storage, and a store block starts up to a page into its storage (the
-    test asking so failed on registered blocks: results/h200/speed/adamw_2026-11-23)."""
+    test asking so failed on registered blocks: docs/log.md, 2026-11-23)."""
     import ctypes
     import ctypes.util
     path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line), None)

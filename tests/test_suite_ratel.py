@@ -347,7 +347,7 @@ def test_optimizer_sub_groups_follow_the_models_order():
     assert ratel_memory.sub_groups(ratel_memory.tensors(5120, 48, 152064, 4096))[0] == 152064 * 5120
     disk = ratel_memory.host_bytes({"hidden_dim": 3584, "num_layers": 28, "vocab_size": 152064,
                                     "max_seq_len": 4096, "batch_size": 8}, ARTIFACT, "disk")[0]
-    assert 100 * GiB < disk < 115 * GiB  # the 7B point's prediction (results/h200/next/x2_calls.sh)
+    assert 100 * GiB < disk < 115 * GiB  # the 7B point's prediction (docs/log.md, 2026-11-27)
 
 
 def test_a_run_the_host_cannot_hold_is_refused_before_anything_is_made(checkout, monkeypatch, tmp_path):

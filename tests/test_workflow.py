@@ -19,7 +19,7 @@ from workflows.scripts import aggregate, grid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GRIDS = sorted((ROOT / "workflows" / "grids").glob("*.yaml"))
-BASELINES = sorted((ROOT / "results" / "h100" / "baselines").glob("*.json"))
+BASELINES = sorted((ROOT / "results" / "h100" / "probes" / "baselines").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", GRIDS, ids=lambda p: p.stem)
@@ -132,18 +132,18 @@ def test_grid_command_line_runs_a_point_outside_the_workflow(capsys):
         grid.main([path, "targets/nowhere"])
 
 
-def test_profiles_pick_existing_grids_and_are_linked():
+def test_profiles_pick_existing_grids():
+    """Each profile is named by its folder (`--profile profiles/NAME`): no link at the root."""
     for profile in sorted((ROOT / "profiles").glob("*/config.yaml")):
         [configfile] = yaml.safe_load(profile.read_text())["configfiles"]
         assert (ROOT / configfile).parent == profile.parent, profile
         assert (ROOT / yaml.safe_load((ROOT / configfile).read_text())["grid"]).is_file(), profile
-        link = ROOT / profile.parent.name
-        assert link.is_symlink() and link.resolve() == profile.parent.resolve(), link
+        assert not (ROOT / profile.parent.name).exists(), profile.parent.name
 
 
 def test_a_config_on_the_command_line_adds_to_the_profiles():
     """`--config host_memory_gb=N` with a profile keeps the profile's grid and states the host's size."""
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", "-f",  # made or not
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/h200", "-n", "-f",  # made or not
                           "results/h200/points/scale/7b_zero3.json", "--config", "host_memory_gb=250"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
@@ -151,7 +151,7 @@ def test_a_config_on_the_command_line_adds_to_the_profiles():
 
 
 def test_the_main_command_runs_the_points_a_committed_partial_table_lacks():
-    """The h200 tables and figures are committed from a partial drawing; `snakemake --profile h200`
+    """The h200 tables and figures are committed from a partial drawing; `snakemake --profile profiles/h200`
     must still run every point without a result (Snakemake reruns nothing for a missing input of an
     output that exists), and a partial drawing must run none."""
     points = grid.points(grid.load(ROOT / "workflows/grids/h200.yaml"))
@@ -162,7 +162,7 @@ def test_the_main_command_runs_the_points_a_committed_partial_table_lacks():
         pytest.skip("every h200 point with a committed table has a result")
     missing = lacking[0]
     for extra, scheduled in (([], True), (["--config", "partial=true"], False)):
-        dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", *extra],
+        dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/h200", "-n", *extra],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert dry.returncode == 0, dry.stderr[-2000:]
         assert (f"output: {missing}" in dry.stdout + dry.stderr) == scheduled, extra
@@ -172,7 +172,7 @@ def test_partial_tables_run_no_probe_on_the_drawing_machine():
     """`--config partial=true` draws tables from what was measured: no bandwidth probe runs here to
     be filed as the grid's machine's Table 1 (the h200 grid has no probe result committed)."""
     assert not (ROOT / "results/h200/probes/bandwidth.json").exists()
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "h200", "-n", "-F", "tables", "--config",
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/h200", "-n", "-F", "tables", "--config",
                           "partial=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     out = dry.stdout + dry.stderr

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_killed_workflow_stops_its_points_and_resumes(tmp_path):
-    """SIGKILL of `snakemake --profile cpu` while a point trains: the point's harness and worker end
+    """SIGKILL of `snakemake --profile profiles/cpu` while a point trains: the point's harness and worker end
     too (no job tree outlives the workflow); the README's recovery command (unlock, then the same
     command) finishes the point, which the profile's rerun-incomplete redoes."""
     hw = f"killtest{tmp_path.name[-6:]}".replace("_", "")
@@ -26,7 +26,7 @@ def test_a_killed_workflow_stops_its_points_and_resumes(tmp_path):
     grid.write_text(f"hardware: {hw}\ndefaults: {{seq: 32, batch: 1, accum: 1, steps: 100000, warmup: 0, timeout: 45}}\n"
                     "experiments:\n  slow:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n")
     target = f"results/{hw}/points/slow/p.json"
-    command = [sys.executable, "-m", "snakemake", "--profile", "cpu", target, "--config", f"grid={grid}"]
+    command = [sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", target, "--config", f"grid={grid}"]
     subprocess.run(command + ["--unlock"], cwd=ROOT, check=True, capture_output=True)  # an earlier run's lock
     try:
         flow = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

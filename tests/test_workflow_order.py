@@ -25,7 +25,7 @@ def test_points_run_in_the_grids_order_whatever_the_targets_order(tmp_path):
                               for n, i in enumerate(ids)))
     targets = [f"results/{hw}/points/quick/{i}.json" for i in reversed(ids)]
     try:
-        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "cpu", "-c1", *targets,
+        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", "-c1", *targets,
                                "--config", f"grid={grid}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
         log = done.stdout + done.stderr
@@ -46,7 +46,7 @@ def test_a_gpu_grid_runs_no_point_without_a_gpu(tmp_path):
     grid.write_text(f"hardware: {hw}\nneeds_gpu: true\ndefaults: {{seq: 8, batch: 1, accum: 1, steps: 1, warmup: 0, "
                     "timeout: 60}\nexperiments:\n  quick:\n    points:\n      - {id: a, system: native, preset: tiny-llama}\n")
     try:
-        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "cpu", "-c1",
+        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", "-c1",
                                f"results/{hw}/points/quick/a.json", "--config", f"grid={grid}"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})

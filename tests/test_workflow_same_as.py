@@ -69,7 +69,7 @@ def test_a_same_as_point_takes_its_sources_one_run():
                     "  depth:\n    points:\n"
                     f"      - {{id: b, system: native, preset: tiny-llama, layers: {TINY_LAYERS}, same_as: scale/a}}\n")
     try:
-        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "cpu", "-c1",
+        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", "-c1",
                                f"results/{hw}/points/depth/b.json", "--config", f"grid={grid}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})

@@ -105,7 +105,7 @@ def test_the_workflow_names_a_stale_result_and_keeps_it():
     result.write_text(json.dumps(_result({"system": "native", "preset": "tiny-llama", "seq": 8, "batch": 1, "accum": 1,
                                           "steps": 1, "warmup": 0, "timeout": 60, "options": {}})))
     try:
-        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "cpu", "-c1", "-n", str(result.relative_to(ROOT)),
+        done = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", "-c1", "-n", str(result.relative_to(ROOT)),
                                "--config", f"grid={grid}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert f"stale result, kept: results/{hw}/points/scale/a.json: ran with accum 1 (now 2)" in done.stderr

@@ -65,7 +65,7 @@ def gpu_guard(wildcards):
         return ""
     found = "[ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU '"
     why = (f"grid {HW} needs an NVIDIA GPU and this machine has none: its point is not run (--config "
-           "partial=true draws the tables without running points; --profile cpu runs the CPU grid)")
+           "partial=true draws the tables without running points; --profile profiles/cpu runs the CPU grid)")
     return f"{{ {found}; }} || {{ echo '{why}' >&2; exit 1; }}; "
 
 

@@ -2,7 +2,7 @@
 memory of the examples, and the data time of a step, on a generated dataset with MetaMathQA's
 schema (query, response, type, original_question) and about its length distribution.
 
-    python experiments/probes/data_pipeline.py --rows 395000 --out results/cpu-bench/data_pipeline.json
+    python experiments/probes/data_pipeline.py --rows 395000 --out results/cpu-bench/probes/data_pipeline.json
 
 The tokenizer is a byte-level BPE trained here on the generated text (32K vocabulary) with the
 Qwen2.5 chat template (tests/fixtures), so every example goes through the chat template, the exact

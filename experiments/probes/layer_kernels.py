@@ -20,7 +20,7 @@ At long context, the attention kernels alone (the math backend's square does not
 --overrides '{"max_position_embeddings": 524288}'.
 Each variant builds its own trainer in this process. On a GPU host the earlier trainers' host memory
 is not all given back (GPT-OSS-20B's layer: 69 GiB at the peak alone, 119 GiB for two variants in one
-process, results/h200/probes_2026-11-26/exits.txt; the CPU gives it back), and past the host's memory
+process, results/h200/probes/layer_probe_exits.txt; the CPU gives it back), and past the host's memory
 the kernel kills the process without a word: give a large model's variants a process each there.
 Each trainer is closed, dropped and collected before the next, and `pinned_after_drop` records the
 pinned host memory left then.

@@ -2,7 +2,7 @@
 (position_ids restarting, no mask) or one padded row each, two steps from one init; and the
 held-out forward (Engine.evaluate) against the step's loss before any update.
 
-    python experiments/probes/packing_gpu_check.py --out results/h100/engine/packing_gpu_check.json
+    python experiments/probes/packing_gpu_check.py --out results/h100/probes/engine/packing_gpu_check.json
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The probe does the same with one tensor of 1 GiB: it pins it, sends it to a chil
 slice of it again, writes into that slice from the GPU, and asks where the write landed. It also
 reads each process's resident memory by kind (anonymous, file, shared memory) at each stage: where
 pinned and shared pages show, for the harness's count of a process tree's host memory.
-What it showed with torch 2.11 (results/h200/probes_2026-11-27/), as read from torch's code
+What it showed with torch 2.11 (results/h200/probes/pinned_share.json), as read from torch's code
 beforehand: the send moves the tensor's storage into shared memory, which is not pinned. The
 slice's `pin_memory()` is then a copy, so the write reaches neither the parent's tensor nor the
 child's. A GPU is needed, since pinning needs CUDA.
