@@ -1,12 +1,14 @@
 # The two commands a newcomer needs (README, first section):
 #   make run     set up, then the main job: the reproduction workflow on this machine's profile
-#                (`cpu`, the tiny grid, without an NVIDIA GPU; the GPU's own profile with one)
+#                (`cpu`, the tiny grid, without an NVIDIA GPU; the GPU's own profile with one),
+#                measured into runs/<hardware>/<run>/ and compared with the committed results
 #   make test    set up, then the whole test suite: pytest, the workflow's lint, the CPU workflow
 #                (what CI runs: .ci/run)
 # Setup is a file target (a stamp in the environment): a second call reuses what the first
 # installed, until pyproject.toml, constraints-cpu.txt or this file changes.
 # Settings: PYTHON (the interpreter that makes .venv), VENV (the environment), PROFILE, ARGS
-# (more snakemake arguments, e.g. ARGS=-n for a dry run).
+# (more snakemake arguments and targets, e.g. ARGS=-n for a dry run, ARGS="scale depth"), CONFIG
+# (workflow config items, e.g. CONFIG=host_memory_gb=500 on a host whose MemTotal grows as it is used).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -23,6 +25,7 @@ PY := $(VENV_ABS)/bin/python
 STAMP := $(VENV_ABS)/.megatrain-setup
 PROFILE ?=
 ARGS ?=
+CONFIG ?=
 PROFILES := $(sort $(notdir $(patsubst %/config.yaml,%,$(wildcard profiles/*/config.yaml))))
 
 # An NVIDIA GPU is there when nvidia-smi lists one (no torch needed to ask).
@@ -103,10 +106,16 @@ profile:
 	@$(detect_profile); echo "$$p"
 
 # Tools run as `python -m` from the environment, even where a system-site package provides them.
+# The run measures this machine into a folder of its own (runs/<hardware>/<time>-<commit>-<machine>),
+# then compares it with the committed results of its hardware (or its last run) and prints that
+# table last; `python -m workflows.scripts.runs promote <folder>` makes it the committed results.
 run: $(STAMP)
 	@$(detect_profile); \
-	echo "make: python -m snakemake --profile profiles/$$p $(ARGS)"; \
-	$(PY) -m snakemake --profile "profiles/$$p" $(ARGS)
+	dir=$$($(PY) -m workflows.scripts.runs name "profiles/$$p") || exit 2; \
+	echo "make: python -m snakemake --profile profiles/$$p $(ARGS) --config run=$$dir $(CONFIG)"; \
+	$(PY) -m snakemake --profile "profiles/$$p" $(ARGS) --config run=$$dir $(CONFIG); status=$$?; \
+	$(PY) -m workflows.scripts.runs compare "$$dir" || status=$$((status ? status : $$?)); \
+	exit $$status
 
 # The CPU workflow is forced (--forceall): its outputs from an earlier run would otherwise pass
 # untested (the profiles rerun on mtime only).

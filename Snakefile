@@ -55,10 +55,10 @@ for _experiment in EXPERIMENTS:
         conda:
             "workflows/envs/megatrain.yaml"
         log:
-            f"logs/{HW}/{_experiment}.log",
+            f"{LOGS}/{_experiment}.log",
         params:
-            hardware=HW,
+            results=RESULTS,
             experiment=_experiment,
         localrule: True
         shell:
-            "python -m suite table results/{params.hardware}/points/{params.experiment} 2>&1 | tee {log}"
+            "python -m suite table {params.results}/points/{params.experiment} 2>&1 | tee {log}"

@@ -47,7 +47,7 @@ def _timeout_reason(spec: RunSpec, steps: list[dict], wall: float) -> str:
     """How far a point got before its time limit: steps done and where the time went."""
     done = len(steps)
     spent = sum(step.get("step_time_s", 0) for step in steps)
-    return (f"no result within the timeout of {spec.timeout_s:.0f} s: {done} of {spec.warmup + spec.steps} or more steps "
+    return (f"no result within the timeout of {spec.timeout_s:.0f} s: {done} of at least {spec.warmup + spec.steps} steps "
             f"done ({spent:.0f} s in steps, {wall - spent:.0f} s before and between them)")
 
 

@@ -410,7 +410,7 @@ def test_harness_on_two_gpus_tracks_one_gpu(tmp_path, cuda_only, system):
     losses = {}
     for gpus in (1, 2):
         spec = RunSpec(system=system, model={"preset": "tiny-qwen2", "overrides": OVERRIDES}, seq_len=SEQ,
-                       batch_size=BATCH, grad_accum=2, steps=3, warmup=1, timeout_s=600.0, gpus=gpus)
+                       batch_size=BATCH, grad_accum=2, steps=3, max_steps=3, warmup=1, timeout_s=600.0, gpus=gpus)
         r = run_point(spec, tmp_path / f"{system}{gpus}.json")
         assert r["status"] == "ok", r.get("log_tail")
         losses[gpus] = [s["loss"] for s in r["steps"]]

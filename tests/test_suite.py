@@ -277,7 +277,7 @@ def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")
     assert r["status"] == "timeout"
     assert r["partial_samples"] == len(r["steps"]) - 1 > 0
-    assert f"{len(r['steps'])} of 100001 steps done" in r["reason"]
+    assert f"{len(r['steps'])} of at least 100001 steps done" in r["reason"]
     assert r["median"]["step_time_s"] > 0
     # where it was when the limit came: the worker's Python stacks, its step loop among them, and
     # each of its threads as the kernel saw it

@@ -6,8 +6,8 @@ ACCURACY_ARGS = " ".join(
        ("model", "problems", "steps", "batch", "seq", "lr", "eval_limit", "eval_batch", "timeout") if key in ACCURACY]
 ) if ACCURACY else ""
 ACCURACY_OUTPUTS = (
-    expand(f"results/{HW}/tables/table3_accuracy.{{ext}}", ext=("csv", "md"))
-    + expand(f"plots/{HW}/table3_accuracy_losses.{{ext}}", ext=("png", "pdf"))
+    expand(f"{RESULTS}/tables/table3_accuracy.{{ext}}", ext=("csv", "md"))
+    + expand(f"{PLOTS}/table3_accuracy_losses.{{ext}}", ext=("png", "pdf"))
 ) if ACCURACY else []
 
 
@@ -16,11 +16,11 @@ rule accuracy:
     and evaluate each: per-system results and summary.json. Data, the initial model and the trained
     checkpoints go to work/ (not results)."""
     output:
-        f"results/{HW}/accuracy/summary.json",
+        f"{RESULTS}/accuracy/summary.json",
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/accuracy.log",
+        f"{LOGS}/accuracy.log",
     params:
         args=ACCURACY_ARGS,
         out=lambda wildcards, output: os.path.dirname(output[0]),
@@ -34,18 +34,18 @@ rule accuracy:
 rule table3_accuracy:
     """The summary -> Table 3 (the paper's rows apart) and the overlaid loss curves."""
     input:
-        f"results/{HW}/accuracy/summary.json",
+        f"{RESULTS}/accuracy/summary.json",
     output:
-        csv=f"results/{HW}/tables/table3_accuracy.csv",
-        md=report(f"results/{HW}/tables/table3_accuracy.md", caption="report/table3.rst",
+        csv=f"{RESULTS}/tables/table3_accuracy.csv",
+        md=report(f"{RESULTS}/tables/table3_accuracy.md", caption="report/table3.rst",
                   category="Tables", subcategory=HW),
-        png=report(f"plots/{HW}/table3_accuracy_losses.png", caption="report/accuracy.rst",
+        png=report(f"{PLOTS}/table3_accuracy_losses.png", caption="report/accuracy.rst",
                    category="Figures", subcategory=HW),
-        pdf=f"plots/{HW}/table3_accuracy_losses.pdf",
+        pdf=f"{PLOTS}/table3_accuracy_losses.pdf",
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/tables/table3_accuracy.log",
+        f"{LOGS}/tables/table3_accuracy.log",
     params:
         hardware=HW,
     shell:

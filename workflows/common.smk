@@ -3,6 +3,8 @@
 import os
 import sys
 
+import psutil
+
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)  # workflows.scripts and megatrain's suite, from the repo root
@@ -14,11 +16,25 @@ GRID = gridlib.load(GRID_FILE)
 validate(GRID, "schemas/grid.schema.yaml")
 gridlib.check(GRID)
 HW = GRID["hardware"]
+# `--config run=FOLDER`: this run's points, tables, figures and logs go to a folder of their own
+# (`make run` names one by machine and commit: workflows/scripts/runs.py), the committed
+# results/<hardware> staying the baseline they are compared with; without it, the committed tree
+# itself (a maintainer's redraw, e.g. with partial=true, or a promoted run's points).
+RUN = config.get("run")
+RESULTS = RUN or f"results/{HW}"
+PLOTS = f"{RUN}/plots" if RUN else f"plots/{HW}"
+LOGS = f"{RUN}/logs" if RUN else f"logs/{HW}"
 POINTS = gridlib.points(GRID)
 EXPERIMENTS = list(GRID["experiments"])
 
 
-for _path, _why in gridlib.stale_results(GRID):  # never deleted: their tables mark them `stale`
+_stated = config.get("host_memory_gb")
+if _stated and _stated * 2**30 > 1.05 * psutil.virtual_memory().total:
+    print(f"warning: host_memory_gb={_stated} is stated, and the OS reads {psutil.virtual_memory().total / 2**30:.0f} GiB: "
+          "every admission takes the statement (right on a host whose MemTotal grows as it is used, wrong on a "
+          "smaller one, where a point the statement admits is ended by the OOM killer)", file=sys.stderr)
+
+for _path, _why in [] if RUN else gridlib.stale_results(GRID):  # never deleted: their tables mark them `stale`
     print(f"warning: stale result, kept: {_path}: {_why}; run it again with --forcerun", file=sys.stderr)
 
 
@@ -30,12 +46,13 @@ wildcard_constraints:
 def point_source(wildcards):
     """A `same_as` point's source result (made first, and once); none for a point that runs."""
     same_as = POINTS[(wildcards.experiment, wildcards.id)].get("same_as")
-    return [f"results/{HW}/points/{same_as}.json"] if same_as else []
+    return [f"{RESULTS}/points/{same_as}.json"] if same_as else []
 
 
 def point_args(wildcards):
     source = point_source(wildcards)
-    return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]) + [f"--same-as {s}" for s in source])
+    smoke = ["--smoke"] if GRID.get("smoke_test") else []  # a check that it runs: never judged on speed
+    return " ".join(gridlib.argv(POINTS[(wildcards.experiment, wildcards.id)]) + smoke + [f"--same-as {s}" for s in source])
 
 
 ORDER = {key: n for n, key in enumerate(POINTS)}
@@ -76,7 +93,7 @@ PARTIAL = config.get("partial", False)
 
 def point_files(experiment):
     ids = [p["id"] for p in GRID["experiments"][experiment]["points"]]
-    return expand(f"results/{HW}/points/{experiment}/{{id}}.json", id=ids)
+    return expand(f"{RESULTS}/points/{experiment}/{{id}}.json", id=ids)
 
 
 def experiment_results(wildcards):
@@ -89,7 +106,7 @@ def moe_results(wildcards):
     `moe` experiment, which a scale grid of the same hardware runs), as they are now."""
     if wildcards.experiment != "scale":
         return []
-    folder = f"results/{HW}/points/moe"
+    folder = f"{RESULTS}/points/moe"
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".json")) if os.path.isdir(folder) else []
 
 
@@ -110,15 +127,15 @@ def all_points():
 
 
 def all_tables():
-    return expand(f"results/{HW}/tables/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("csv", "md"))
+    return expand(f"{RESULTS}/tables/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("csv", "md"))
 
 
 def all_figures():
-    return expand(f"plots/{HW}/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("png", "pdf"))
+    return expand(f"{PLOTS}/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("png", "pdf"))
 
 
 def experiment_outputs(experiment):
     """One experiment's points, table and figure: the input of its target rule (`snakemake ... depth`)."""
     return (experiment_points(experiment)
-            + expand(f"results/{HW}/tables/{experiment}.{{ext}}", ext=("csv", "md"))
-            + expand(f"plots/{HW}/{experiment}.{{ext}}", ext=("png", "pdf")))
+            + expand(f"{RESULTS}/tables/{experiment}.{{ext}}", ext=("csv", "md"))
+            + expand(f"{PLOTS}/{experiment}.{{ext}}", ext=("png", "pdf")))

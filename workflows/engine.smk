@@ -3,10 +3,10 @@ rule engine_smoke:
     input:
         "configs/tiny-cpu.yaml",
     output:
-        "results/cpu/engine/tiny-cpu.jsonl",
+        f"{RESULTS}/engine/tiny-cpu.jsonl",
     conda:
         "envs/megatrain.yaml"
     log:
-        "logs/engine_smoke.log",
+        f"{LOGS}/engine_smoke.log",
     shell:
         "megatrain train --config {input} --no-progress > {output} 2> {log}"

@@ -10,11 +10,11 @@ BANDWIDTH_ARGS = " ".join(
     + [f"--{key.replace('_', '-')} {BANDWIDTH[key]}"
        for key in ("size_gib", "disk_gib", "disk_dir") if key in BANDWIDTH]
 )
-PROBE = f"results/{HW}/probes/bandwidth.json"
+PROBE = f"{RESULTS}/probes/bandwidth.json"
 # `--config partial=true` runs nothing but tables and figures: Table 1 only where this machine's
 # probe has run (never a probe of the machine that draws the tables, filed under the grid's)
 HARDWARE_TABLES = expand(
-    f"results/{HW}/tables/{{name}}.{{ext}}", ext=("csv", "md"),
+    f"{RESULTS}/tables/{{name}}.{{ext}}", ext=("csv", "md"),
     name=[n for n in ("table1_memory_hierarchy", "table2_models")
           if not (PARTIAL and n == "table1_memory_hierarchy" and not os.path.exists(PROBE))],
 )
@@ -28,7 +28,7 @@ rule bandwidth:
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/probes/bandwidth.log",
+        f"{LOGS}/probes/bandwidth.log",
     params:
         args=BANDWIDTH_ARGS,
     # All the cores: the probe runs alone, so no grid point competes for memory, PCIe or disk.
@@ -43,12 +43,12 @@ rule table1_memory_hierarchy:
         probe=PROBE,
         paper="workflows/paper/table1_memory_hierarchy.yaml",
     output:
-        csv=f"results/{HW}/tables/table1_memory_hierarchy.csv",
-        md=f"results/{HW}/tables/table1_memory_hierarchy.md",
+        csv=f"{RESULTS}/tables/table1_memory_hierarchy.csv",
+        md=f"{RESULTS}/tables/table1_memory_hierarchy.md",
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/tables/table1_memory_hierarchy.log",
+        f"{LOGS}/tables/table1_memory_hierarchy.log",
     params:
         hardware=HW,
     shell:
@@ -63,12 +63,12 @@ rule table2_models:
         presets="megatrain/presets.py",
         paper="workflows/paper/table2_models.yaml",
     output:
-        csv=f"results/{HW}/tables/table2_models.csv",
-        md=f"results/{HW}/tables/table2_models.md",
+        csv=f"{RESULTS}/tables/table2_models.csv",
+        md=f"{RESULTS}/tables/table2_models.md",
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/tables/table2_models.log",
+        f"{LOGS}/tables/table2_models.log",
     shell:
         "python -m workflows.scripts.model_table --paper {input.paper} "
         "--csv {output.csv} --md {output.md} > {log} 2>&1"

@@ -12,11 +12,11 @@ rule point:
     input:
         point_source,  # a `same_as` point's: its source's result, copied (suite run --same-as)
     output:
-        f"results/{HW}/points/{{experiment}}/{{id}}.json",
+        f"{RESULTS}/points/{{experiment}}/{{id}}.json",
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/points/{{experiment}}/{{id}}.log",
+        f"{LOGS}/points/{{experiment}}/{{id}}.log",
     priority: point_priority
     resources:
         gpu=point_gpus,  # a data-parallel point's ranks, one GPU each

@@ -12,13 +12,13 @@ rule table:
         points=experiment_results,
         moe=moe_results,
     output:
-        csv=f"results/{HW}/tables/{{experiment}}.csv",
-        md=report(f"results/{HW}/tables/{{experiment}}.md", caption="report/table.rst",
+        csv=f"{RESULTS}/tables/{{experiment}}.csv",
+        md=report(f"{RESULTS}/tables/{{experiment}}.md", caption="report/table.rst",
                   category="Tables", subcategory=HW),
     conda:
         "envs/megatrain.yaml"
     log:
-        f"logs/{HW}/tables/{{experiment}}.log",
+        f"{LOGS}/tables/{{experiment}}.log",
     params:
         paper=paper_option,
         hardware=HW,
@@ -37,16 +37,16 @@ for _experiment in EXPERIMENTS:
         name:
             f"figure_{_experiment}"
         input:
-            f"results/{HW}/tables/{_experiment}.csv",
+            f"{RESULTS}/tables/{_experiment}.csv",
         output:
-            png=report(f"plots/{HW}/{_experiment}.png",
+            png=report(f"{PLOTS}/{_experiment}.png",
                        caption=f"report/{_experiment if _experiment in KNOWN_EXPERIMENTS else 'generic'}.rst",
                        category="Figures", subcategory=HW),
-            pdf=f"plots/{HW}/{_experiment}.pdf",
+            pdf=f"{PLOTS}/{_experiment}.pdf",
         conda:
             "envs/megatrain.yaml"
         log:
-            f"logs/{HW}/figures/{_experiment}.log",
+            f"{LOGS}/figures/{_experiment}.log",
         params:
             hardware=HW,
             experiment=_experiment,
