@@ -9,6 +9,10 @@ from snakemake.utils import min_version
 
 min_version("8.0")
 
+# Every job's shell ends, with all it started, when Snakemake dies, however it dies: no job runs on
+# and writes after the workflow (workflows/job_shell.py).
+shell.executable(f"{workflow.basedir}/workflows/job_shell")
+
 
 include: "workflows/common.smk"
 include: "workflows/points.smk"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import load_config
 from megatrain.io import check_writable
 from suite.system import System, check_options
 
@@ -22,17 +21,7 @@ class MegaTrain(System):
     def __init__(self, spec, device: torch.device):
         check_options("megatrain", spec.options, self.OPTIONS)
         self.options = spec.options
-        tree = {
-            "model": spec.model,
-            "engine": {"device": str(device), **spec.options.get("engine", {})},
-            "optim": {"lr": spec.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": spec.weight_decay,
-                      "betas": list(spec.betas), "eps": spec.eps, "max_grad_norm": spec.options.get("max_grad_norm")},
-            "data": {"source": "synthetic", "seq_len": spec.seq_len, "batch_size": spec.batch_size,
-                     "grad_accum": spec.grad_accum, "seed": spec.seed, "repeat_batch": spec.repeat_batch},
-            "steps": spec.total_steps,
-            "seed": spec.seed,
-        }
-        cfg = load_config(None, [], base=tree)
+        cfg = spec.megatrain_config(str(device))
         if trace := spec.options.get("trace"):  # refused now, not once the steps have run
             if not cfg.engine.timeline:
                 raise ValueError("megatrain options: trace writes the engine's timeline; it needs engine.timeline: true")

@@ -1,6 +1,12 @@
 """MegaTrain: host-authoritative, layer-streaming training of Hugging Face causal LMs on one GPU."""
-from megatrain.config import TrainConfig, load_config
-from megatrain.batch import Batch
+from megatrain.lifetime import end_with_launcher
+
+# first, before torch's seconds of imports: a rank of torchrun's ends with its agent, however that
+# ends, from the instant the kernel is told; an agent killed before it would leave an orphan
+end_with_launcher()
+
+from megatrain.config import TrainConfig, load_config  # noqa: E402
+from megatrain.batch import Batch  # noqa: E402
 
 __all__ = ["Batch", "TrainConfig", "Trainer", "load_config"]
 

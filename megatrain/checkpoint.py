@@ -73,9 +73,11 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
 _STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-def save_state(store: HostStore, path: str | Path, meta: dict, advance: Advance = nothing) -> None:
-    """Master weights and both moments of every tile, plus `meta` (step, data position, config)."""
-    with atomic_dir(path) as tmp:
+def save_state(store: HostStore, path: str | Path, meta: dict, advance: Advance = nothing,
+               keep_previous: bool = False) -> None:
+    """Master weights and both moments of every tile, plus `meta` (step, data position, config).
+    `keep_previous`: the state it replaces is kept until `io.drop_previous` or `io.roll_back`."""
+    with atomic_dir(path, keep_previous) as tmp:
         for tile in store.tiles:
             with tile.plain_state() as state:
                 save_file({k: state[k].cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")

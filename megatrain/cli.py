@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from megatrain.config import load_config, settings_help
+from megatrain.launch import refuse
 
 
 def parse_with_settings(parser: argparse.ArgumentParser, argv: list[str] | None, dest: str) -> argparse.Namespace:
@@ -45,6 +47,13 @@ def saved_where(output_dir: str | None) -> str:
     return f"{output_dir}/state holds step {step}: resume=true continues from it"
 
 
+def rank_arguments(args: argparse.Namespace) -> list[str]:
+    """`megatrain train` as each rank of `--gpus` runs it: the same flags and settings, --gpus aside."""
+    return ["train", *(["--config", args.config] if args.config else []), *(args.overrides or []),
+            *(["--debug"] if args.debug else []), *(["--no-progress"] if args.no_progress else []),
+            *([] if args.json is None else ["--json" if args.json else "--no-json"])]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatrain", description="Layer-streaming full-precision LLM training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     plan.add_argument("--gpus", type=count, default=1,
                       help="plan for this many data-parallel ranks on the host (torchrun --nproc-per-node)")
+    train.add_argument("--gpus", type=count, default=1,
+                       help="train on this many data-parallel ranks of this host, one per GPU (torchrun started "
+                            "by this command; on the CPU, ranks through gloo)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--json", action=argparse.BooleanOptionalAction, default=None,
                        help="every step's metrics as a JSON line on stdout (default: when stdout is not a "
@@ -66,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_with_settings(parser, argv, "overrides")
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "train" and args.gpus > 1:
+            if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+                raise ValueError("--gpus starts the ranks itself: run `megatrain train --gpus N` without torchrun")
+            from megatrain.launch import launch
+            return launch(args.gpus, rank_arguments(args))
         from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid
         if args.command == "plan":
             print(plan_report(cfg, args.gpus))
@@ -74,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a setting, a file or the memory plan refused the run: nothing was built
         if args.debug:
             raise
-        print(f"megatrain: error: {e}", file=sys.stderr)
+        if not refuse(str(e)):  # under `megatrain train --gpus`, the command says it once for every rank
+            print(f"megatrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.debug:
@@ -84,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         json_lines = args.json if args.json is not None else not sys.stdout.isatty()
         trainer.fit(log=sys.stdout if json_lines else None, progress=not args.no_progress)
-    except FloatingPointError as e:  # a non-finite step: nothing of it was applied or saved
+    except FloatingPointError as e:  # a non-finite or diverged step: nothing of it was applied or saved
         if args.debug:
             raise
-        print(f"megatrain: error at step {trainer.step + 1}: {e}", file=sys.stderr)
+        from megatrain.trainer import Diverged
+        where = "" if isinstance(e, Diverged) else f" at step {trainer.step + 1}"  # a divergence names its step
+        print(f"megatrain: error{where}: {e}; {saved_where(cfg.output_dir)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # Ctrl-C: a save cut short leaves the last complete one (io.atomic_dir)
         if args.debug:

@@ -74,6 +74,14 @@ def _type_name(hint: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
+SEED_MAX = 2**32 - 1  # every generator a seed reaches takes it (numpy's bound), with room for offsets
+
+
+def check_seed(value: int, name: str) -> None:
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{name} must be a whole number from 0 to {SEED_MAX} (2^32 - 1), not {value}")
+
+
 def check_types(settings: Any, section: str) -> None:
     """Convert or refuse every field of a settings dataclass by its declared type, naming the
     setting, the value and the type it needs."""
@@ -326,6 +334,7 @@ class DataConfig:
                              f"not {self.eval_fraction}")
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
+        check_seed(self.seed, "data.seed")
 
 
 @dataclass
@@ -351,6 +360,11 @@ class TrainConfig:
     log_every: int = 10  # steps between the console's summary lines
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard
     save_dtype: Literal["float32", "bfloat16"] = "float32"  # weights of the saved model (output_dir/model)
+    # stop the run (exit 3) at a step whose loss is over this many times the median of the last 20
+    # steps' losses, and over that median by a nat or more (a blip near zero loss
+    # is no divergence): a run diverging without a NaN; the state saved before it is kept, nothing
+    # of it saved (a save whose weights gave that loss is rolled back); null: no guard
+    divergence_factor: float | None = 10.0
 
     def __post_init__(self):
         check_types(self, "")
@@ -367,6 +381,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, or null")
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, not {self.log_every}")
+        check_seed(self.seed, "seed")
+        if self.divergence_factor is not None and not self.divergence_factor > 1:
+            raise ValueError(f"divergence_factor must be above 1 (a multiple of the recent losses' median), or null "
+                             f"for no guard, not {self.divergence_factor}")
         if not self.output_dir and (given := [k for k in ("save_every", "resume", "overwrite", "tensorboard")
                                               if getattr(self, k)] + (["save_dtype"] if self.save_dtype != "float32" else [])):
             raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} output_dir (where the run saves)")

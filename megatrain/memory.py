@@ -129,11 +129,23 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None,
-          shared_available: int | None = None) -> None:
+          shared_available: int | None = None, device_is_host: bool = False) -> None:
     """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit.
     `shared_available`: the shared-memory file system's free bytes, where the ranks' one host store
-    goes (distributed.py); None: the store is not shared."""
+    goes (distributed.py); None: the store is not shared. `device_is_host`: a CPU run, whose
+    "device" side (activations, checkpoints, buffers; no GPU workspace) is host memory too."""
     shortages = []
+    if device_is_host:
+        on_host = p.device_bytes - p.detail["device.workspace"]
+        if p.host_bytes + on_host > host_available:
+            acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))
+            shortages.append(Shortage(
+                "host", p.host_bytes + on_host, host_available,
+                f"a CPU run computes in host memory: the plan's host side {p.host_bytes / GiB:.1f} GiB and its "
+                f"compute side {on_host / GiB:.1f} GiB, of which activations {acts / GiB:.1f} GiB; lower "
+                f"data.batch_size, data.grad_accum or data.seq_len, engine.checkpoint_every or "
+                f"engine.loss_chunk_tokens, or state engine.host_memory_gb if the OS under-reports it"))
+            raise DoesNotFit("the run", shortages)
     if shared_available is not None and p.detail["store"] > shared_available:
         shortages.append(Shortage(
             "host", p.detail["store"], shared_available,

@@ -90,6 +90,14 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     if compute == "auto":
         compute = "bfloat16" if machine.is_cuda else "float32"
     splittable = engine.master_dtype == "float32" and compute == "bfloat16"  # store.can_split
+    if engine.split_masters is True and not splittable:  # asked for, it would do nothing
+        why = ("with engine.master_dtype bfloat16 there are no float32 masters to split: set engine.master_dtype "
+               "float32" if engine.master_dtype != "float32" else
+               f"this run computes in {compute}" + (" (a CPU run's auto compute_dtype)" if engine.compute_dtype == "auto"
+                                                    else "") + ", so there is no bfloat16 copy to split into: set "
+               "engine.compute_dtype bfloat16")
+        raise ValueError(f"engine.split_masters: true holds float32 masters as their bfloat16 compute copy plus "
+                         f"the low 16 bits; {why}, or leave engine.split_masters auto")
     norm = engine.norm_kernel if engine.norm_kernel != "auto" else "compiled" if machine.is_cuda else "eager"
     experts = engine.experts_kernel if engine.experts_kernel != "auto" else (
         "lean" if machine.is_cuda and shape.experts else "library")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from megatrain.device import Device
 from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_batch,
                                    shared_memory_free)
 from megatrain.engine import Engine
-from megatrain.io import check_writable, write_json
+from megatrain.io import check_writable, drop_previous, remove_stale, roll_back, write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at
 from megatrain.progress import bar, say
@@ -46,8 +48,30 @@ RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "state", "model")
 
 
 def earlier_outputs(out: Path) -> list[Path]:
-    """The run outputs in `out`, with the copies a save cut short between its renames left (io.atomic_dir)."""
-    return [p for name in RUN_OUTPUTS for p in (out / name, out / f".{name}.old") if p.exists()]
+    """The run outputs in `out`, with the copies a save cut short between its renames left, and the
+    one a save keeps until the next step's loss is judged (io.atomic_dir)."""
+    return [p for name in RUN_OUTPUTS for p in (out / name, out / f".{name}.old", out / f".{name}.previous")
+            if p.exists()]
+
+
+# the divergence guard's window: the median of the last steps' losses a step's loss is judged by
+DIVERGENCE_WINDOW = 20
+DIVERGENCE_NATS = 1.0  # and by at least this much over it: near zero loss a blip is a multiple
+
+
+class Diverged(FloatingPointError):
+    """A step's loss far above the recent ones' (divergence_factor): the run diverged without a NaN."""
+
+
+def divergence(loss: float, recent: list[float], factor: float | None) -> str | None:
+    """Why `loss` is a divergence from the `recent` losses (the guard, divergence_factor), or None."""
+    if factor is None or not recent:
+        return None
+    median = statistics.median(recent[-DIVERGENCE_WINDOW:])
+    if math.isfinite(loss) and not (loss > factor * median and loss > median + DIVERGENCE_NATS):
+        return None
+    return (f"the loss {loss:.6g} is over divergence_factor {factor:g} times the median {median:.4g} of the last "
+            f"{min(len(recent), DIVERGENCE_WINDOW)} steps' losses: the run diverged")
 
 
 # Settings whose change alters what a resumed run means: the schedule's length and shape, the
@@ -94,13 +118,13 @@ class Trainer:
         shared = shared_memory_free() if ranks.distributed else None
         # the model is admitted before the data is read, the data before the store is allocated:
         # a run that cannot fit, or a bad dataset, costs nothing
-        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared)
+        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared, not machine.is_cuda)
         self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
         if data_bytes:  # the data's bytes may be what makes split masters needed (engine.split_masters: auto)
             self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
         self.memory_plan = memory.plan(shape, s, data_bytes)
-        memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared)
+        memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared, not machine.is_cuda)
         self.comm = Comm.init(ranks, self.device.torch)
         self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         self._threads_before = torch.get_num_threads()  # the process's again at close
@@ -179,8 +203,11 @@ class Trainer:
         if self.cfg.resume:
             saved = checkpoint.saved_state(out / "state")
             if saved is None:
-                raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; "
-                                 f"leave resume unset to start the run)")
+                earlier = earlier_outputs(out)  # a run killed before its first save was whole
+                raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; " + (
+                    f"it holds an earlier run's {', '.join(p.name for p in earlier)} but no complete save: "
+                    f"overwrite=true instead of resume=true starts the run afresh, replacing them)" if earlier else
+                    "leave resume unset to start the run)"))
             changes = meaning_changes(checkpoint.check_state(self.shape, saved)["config"], self.cfg)
             if changes and not self.cfg.resume_changes:
                 raise ValueError(f"resume=true: this run's settings differ from the saved run's in {'; '.join(changes)}; "
@@ -244,6 +271,10 @@ class Trainer:
         the held-out data every eval_every steps and at the end; the state and the model saved."""
         cfg = self.cfg
         out = Path(cfg.output_dir) if cfg.output_dir else None
+        if out and self.ranks.local_rank == 0:  # what saves cut short by a kill left (io.remove_stale)
+            remove_stale(out)
+            if cfg.resume and self.ranks.rank == 0:  # a save kept for a roll-back that never came
+                drop_previous(out / "state")
         if out and cfg.overwrite and self.ranks.rank == 0:  # the earlier run's outputs go before any of this one's
             for path in earlier_outputs(out):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -253,6 +284,10 @@ class Trainer:
             runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.tensorboard, log)
         history: list[dict] = []
         pending: dict | None = None  # the last step's record, awaiting its gradient norm
+        losses: list[float] = []  # this run's, for the divergence guard
+        # the last save's weights, until the next step's loss judges them: a divergence (or a
+        # non-finite step) rolls it back to the state it replaced
+        judged = True
 
         def emit(norm_known: bool = False) -> None:
             nonlocal pending
@@ -266,20 +301,37 @@ class Trainer:
         try:
             runlog.say(self.describe() + (f"\nresuming at step {self.step}" if self.step else ""))
             while self.step < self.total_steps:
-                m = self.train_step(self.next_microbatches())
+                try:
+                    m = self.train_step(self.next_microbatches())
+                except FloatingPointError:
+                    if not judged:
+                        self._roll_back(out / "state")
+                    raise
                 runlog.advance(m)
                 if pending is not None:
                     pending["grad_norm"] = m["prev_grad_norm"]
                     emit(norm_known=True)
                 pending = m
                 history.append(m)
+                if why := divergence(m["loss"], losses, cfg.divergence_factor):
+                    emit()
+                    if not judged:
+                        self._roll_back(out / "state")
+                    raise Diverged(f"step {self.step}: {why} (lower optim.lr, keep optim.max_grad_norm set, or "
+                                   f"set divergence_factor: null to train on); nothing of it was saved")
+                losses.append(m["loss"])
+                if not judged:
+                    if self.ranks.rank == 0:
+                        drop_previous(out / "state")
+                    judged = True
                 last = self.step == self.total_steps
                 if self.held_out and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     emit()
                     runlog.evaluation(self.evaluate())
                 if out and cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     emit()
-                    self.save_state(out / "state")
+                    self.save_state(out / "state", keep_previous=True)
+                    judged = False
             emit()
             if out:
                 self.save_state(out / "state")
@@ -339,14 +391,21 @@ class Trainer:
         self.comm.barrier()
         return self.ranks.rank == 0
 
-    def save_state(self, path: str | Path) -> None:
+    def _roll_back(self, path: Path) -> None:
+        """The last save's weights gave a diverged or non-finite loss: back to the state it replaced
+        (none where it was the first), on the rank that writes."""
+        if self.ranks.rank == 0:
+            roll_back(path)
+
+    def save_state(self, path: str | Path, keep_previous: bool = False) -> None:
+        """`keep_previous`: the state replaced is kept until the caller drops or rolls back to it."""
         if not self._all_updated():
             return
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
                 "settings": dataclasses.asdict(self.settings)}
         with bar(f"saving the training state to {path}", self._params(), self.progress) as advance:
-            checkpoint.save_state(self.store, path, meta, advance)
+            checkpoint.save_state(self.store, path, meta, advance, keep_previous)
 
     def load_state(self, path: str | Path) -> None:
         """Every rank reads the step and data position; a shared store is read once per host
@@ -462,7 +521,7 @@ def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
     p = memory.plan(shape, s, data_bytes)
     try:
-        memory.admit(p, machine.host_available, machine.device_free, shm)
+        memory.admit(p, machine.host_available, machine.device_free, shm, not machine.is_cuda)
         verdict = f"fits {where}"
     except memory.DoesNotFit as e:
         verdict = str(e)

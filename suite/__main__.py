@@ -51,7 +51,9 @@ def _run(args) -> int:
     model = {"preset": args.preset} if args.preset else {"config": args.config}
     try:
         overrides = dict(parse_overrides(args.override))
-        if args.layers:
+        if args.layers is not None:
+            if args.layers < 1:
+                raise ValueError(f"--layers must be at least 1 (decoder layers), not {args.layers}")
             overrides["num_hidden_layers"] = args.layers
         if overrides:
             model["overrides"] = overrides

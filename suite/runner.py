@@ -19,7 +19,6 @@ host memory) waits until the result is written, and is raised then.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from megatrain.io import write_json
+from megatrain.lifetime import die_with_parent
 from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite import launch
@@ -172,19 +172,6 @@ def _disk_io() -> tuple[int, int] | None:
     """Bytes read from and written to the host's disks so far (psutil; None where the OS says not)."""
     counters = psutil.disk_io_counters()
     return (counters.read_bytes, counters.write_bytes) if counters else None
-
-
-def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
-    """Have the kernel send this process `sig` when its parent dies, however it dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing); exit at once if the parent (`parent`, else the current
-    one) is already gone."""
-    parent = os.getppid() if parent is None else parent
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 _INTERRUPTS = {signal.SIGTERM, signal.SIGINT}

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatrain.metrics import model_flops
 from megatrain.shapes import ModelShape, load_hf_config
-from megatrain.config import DataConfig, ModelConfig
+from megatrain.config import DataConfig, ModelConfig, TrainConfig, load_config
 from suite.system import DATA_PARALLEL, FIXED_STEPS, SYSTEMS
 
 
@@ -88,6 +88,8 @@ class RunSpec:
                 raise ValueError("repeat_batch applies to synthetic data, not to a data file")
             self.data_config()  # a missing file or a bad field fails here
         hf = self.hf_config()  # an unknown preset, a missing config or a bad override fails here
+        if self.system == "megatrain":  # its engine settings through megatrain's own loader, before a worker starts
+            self.megatrain_config()
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and self.seq_len > limit:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings {limit}")
@@ -125,6 +127,28 @@ class RunSpec:
     def hf_config(self, cuda: bool | None = None):
         """`cuda`: plan for a machine with a GPU or without one (None: this machine)."""
         return load_hf_config(self.model_config(), cuda)
+
+    def megatrain_config(self, device: str = "auto") -> TrainConfig:
+        """The run as MegaTrain's TrainConfig (baselines/megatrain.py trains it on `device`): the
+        options' `engine` settings and `max_grad_norm` read by megatrain.config's loader, which
+        names an unknown key or a bad value."""
+        engine = self.options.get("engine", {})
+        if not isinstance(engine, dict):
+            raise ValueError(f"megatrain options: engine must be a mapping of engine settings, not {engine!r}")
+        tree = {
+            "model": self.model,
+            "engine": {"device": device, **engine},
+            "optim": {"lr": self.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": self.weight_decay,
+                      "betas": list(self.betas), "eps": self.eps, "max_grad_norm": self.options.get("max_grad_norm")},
+            "data": {"source": "synthetic", "seq_len": self.seq_len, "batch_size": self.batch_size,
+                     "grad_accum": self.grad_accum, "seed": self.seed, "repeat_batch": self.repeat_batch},
+            "steps": self.total_steps,
+            "seed": self.seed,
+        }
+        try:
+            return load_config(None, [], base=tree)
+        except ValueError as e:
+            raise ValueError(f"megatrain options: {e}") from None
 
     def data_config(self) -> DataConfig:
         common = dict(seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed)

@@ -234,6 +234,8 @@ def bad_files(tmp_path):
     save_tokenizer(tmp_path / "tok")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "corrupt.jsonl").write_text('{"text": "a b"}\n{"text": "c d"\n{"text": "e"}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": "a b c"}\n{"text": 5}\n')
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "a b"}\n{"text": "caf\xe9"}\n')
     shard = next((tmp_path / "init").glob("*.safetensors"))
     for kind, content in (("trunc", shard.read_bytes()[: shard.stat().st_size // 2]), ("garbage", b"not safetensors" * 9)):
         shutil.copytree(tmp_path / "init", tmp_path / kind)
@@ -271,9 +273,17 @@ def bad_files(tmp_path):
     (["model.pretrained={d}/nowhere"], r"model.pretrained: .*nowhere does not exist"),
     (["model.pretrained={d}/init", "data.source=file", "data.path={d}/corrupt.jsonl", "data.tokenizer={d}/nowhere"],
      r"data.tokenizer: .*nowhere does not exist \(a local tokenizer's"),
+    (["model.pretrained={d}/init", "data.source=file", "data.path={d}/number.jsonl", "data.tokenizer={d}/tok"],
+     r"data: .*number.jsonl line 2: text is 5, not a string"),
+    (["model.pretrained={d}/init", "data.source=file", "data.path={d}/latin1.jsonl", "data.tokenizer={d}/tok"],
+     r"data: .*latin1.jsonl line 2 \(byte 14 of the line\) is not UTF-8 text"),
+    (["model.pretrained={d}/init", "data.seed=1180591620717411303424"],
+     r"data.seed must be a whole number from 0 to 4294967295 \(2\^32 - 1\), not 1180591620717411303424"),
+    (["model.pretrained={d}/init", "seed=-1"], r"seed must be a whole number from 0 to 4294967295"),
 ], ids=["empty-data", "corrupt-jsonl-line", "truncated-shard", "garbage-shard", "config-the-library-refuses",
         "checkpoint-missing-a-tensor", "checkpoint-tensor-of-another-shape", "mxfp4-checkpoint",
-        "checkpoint-a-file", "checkpoint-nowhere", "tokenizer-nowhere"])
+        "checkpoint-a-file", "checkpoint-nowhere", "tokenizer-nowhere", "a-row-that-is-no-text",
+        "not-utf8", "data-seed-out-of-range", "seed-out-of-range"])
 def test_every_bad_file_is_named_without_a_traceback(bad_files, capsys, monkeypatch, overrides, message):
     """Each is refused by name before the host store is allocated, and nothing is written; `megatrain
     plan` refuses it too."""

@@ -148,11 +148,13 @@ def test_memory_plan_counts_bytes_per_parameter():
     assert 17.99 < per_param("float32", True) < 18.01  # + a float32 gradient waiting for the norm
     assert 11.99 < per_param("float32", False, SPLIT) < 12.01  # fp32 master as bf16 shadow + low halves
     assert 15.99 < per_param("float32", True, SPLIT) < 16.01
-    assert 9.99 < per_param("bfloat16", False) < 10.01 and 9.99 < per_param("bfloat16", False, SPLIT) < 10.01
+    assert 9.99 < per_param("bfloat16", False) < 10.01
+    with pytest.raises(ValueError, match="engine.split_masters: true .* no float32 masters to split"):
+        per_param("bfloat16", False, SPLIT)  # asked for where it can do nothing: refused, not ignored
     # the fixed part: the optimizer's scratch for a split tile's chunk (docs/host-store.md), only where split
     from megatrain.optim import SCRATCH_BYTES
     assert SCRATCH_BYTES == 1 << 27
-    for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", None, 0), ("bfloat16", SPLIT, 0)):
+    for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", None, 0), ("bfloat16", None, 0)):
         assert plan(arch, settings(arch, engine, master=master)).detail["optimizer_scratch"] == scratch
 
 
@@ -161,7 +163,7 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
     fits the stated host memory (engine.host_memory_gb); split (12 B/param) when only that one fits;
     where neither does at 4 gradient slabs, the same choice at 2 (auto slabs only); whole again
     when neither fits even so (the refusal then names what splitting would save). true and false
-    hold whatever the host; float32 compute or bf16 masters have nothing to split."""
+    hold whatever the host; float32 compute or bf16 masters have nothing to split (true refused)."""
     from megatrain.memory import DoesNotFit, admit
     from megatrain.resolve import host_available_bytes
     GiB = 2**30
@@ -200,9 +202,10 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
         admit(plan(arch, s), machine.host_available, None)
     assert auto(4096, SPLIT)[0].split_masters  # forced, with the host to spare
     for kw in ({"compute": "float32"}, {"master": "bfloat16"}):  # the master is its own shadow: nothing to split
-        for engine in (None, SPLIT):
-            s, machine = auto(split / GiB, engine, **kw)
-            assert not s.split_masters and plan(arch, s).split_saves == 0 and plan(arch, s).detail["optimizer_scratch"] == 0
+        s, machine = auto(split / GiB, None, **kw)
+        assert not s.split_masters and plan(arch, s).split_saves == 0 and plan(arch, s).detail["optimizer_scratch"] == 0
+        with pytest.raises(ValueError, match="engine.split_masters: true holds float32 masters"):
+            auto(split / GiB, SPLIT, **kw)  # asked for where it can do nothing: refused, not ignored
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
     assert [load_config(tiny, [f"engine.split_masters={v}"]).engine.split_masters for v in ("true", "false", "auto")] \
         == [True, False, "auto"]

@@ -61,7 +61,7 @@ def load_rows(path: str | Path):
                 raise ValueError(f"data.path {path} holds the splits {sorted(ds)}; name one folder, or keep a 'train' split")
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return ds
-    files = sorted(p for p in path.iterdir() if p.suffix in LOADERS) if path.is_dir() else [path]
+    files = _files(path)
     kinds = {LOADERS.get(p.suffix) for p in files}
     if not files or None in kinds:
         raise ValueError(f"data.path {path}: no data files; use {sorted(LOADERS)} files, a folder of them, "
@@ -107,6 +107,8 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
                          f"it has {rows.column_names}")
     if len(rows) == 0:
         raise ValueError(f"data: {path} holds no examples")
+    if cfg.format == "text":
+        _check_text(rows, cfg.text_field, path)
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
                                              "messages_field", "template", "separator")}
     key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
@@ -115,9 +117,60 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "targets": datasets.List(datasets.Value("bool")),
                                   "problem": datasets.Value("string")})
-    return rows.select_columns(needed).map(
-        formats.encode, fn_kwargs={"cfg": cfg, "tok": tok}, batched=True, batch_size=1000, num_proc=num_proc,
-        remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
+    try:
+        return rows.select_columns(needed).map(
+            formats.encode, fn_kwargs={"cfg": cfg, "tok": tok}, batched=True, batch_size=1000, num_proc=num_proc,
+            remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
+    except UnicodeDecodeError as e:  # Arrow keeps the bytes as read; they fail once decoded, unnamed
+        where = _first_undecodable(_files(path)) or f"{path} ({e})"
+        raise ValueError(f"data: {where} is not UTF-8 text: save it as UTF-8 (iconv -t utf-8)") from None
+
+
+def _files(path: str | Path) -> list[Path]:
+    """The data files at `path` in the order load_rows reads them (none for a save_to_disk folder)."""
+    path = Path(path)
+    return sorted(p for p in path.iterdir() if p.suffix in LOADERS) if path.is_dir() else [path]
+
+
+def _first_undecodable(files: list[Path]) -> str | None:
+    """`file line N (byte B)` of the first line of `files` that is not UTF-8, if there is one."""
+    for file in files:
+        if not file.is_file():
+            continue
+        with open(file, "rb") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return f"{file} line {number} (byte {e.start + 1} of the line)"
+    return None
+
+
+def _check_text(rows, field: str, path: str) -> None:
+    """Every row's `field` is a string (the text format tokenises it as one): the first that is not
+    is named by its file and line (JSON lines) or row, where the tokenizer's own error names none."""
+    import datasets
+    if rows.features[field] == datasets.Value("string"):
+        return
+    for k, value in enumerate(rows[field]):
+        if not isinstance(value, str):
+            raise ValueError(f"data: {_place(path, k)}: {field} is {value!r}, not a string (the text format's "
+                             f"data.text_field)")
+
+
+def _place(path: str, index: int) -> str:
+    """Where row `index` (0-based, across the files in order) stands: `file line N` in JSON lines
+    files (blank lines are no rows), else `path row N`."""
+    files = _files(path)
+    if files and all(f.suffix == ".jsonl" and f.is_file() for f in files):
+        for file in files:
+            with open(file, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        if index == 0:
+                            return f"{file} line {number}"
+                        index -= 1
+    return f"{path} row {index + 1}"
 
 
 def _flat(column) -> tuple[np.ndarray, np.ndarray]:
