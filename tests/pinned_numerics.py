@@ -21,6 +21,16 @@ from pathlib import Path
 PINS = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def skip_unless_recorded_torch(golden: dict) -> None:
+    """Golden bits are one torch version's: its kernels (the CPU's GEMMs and AdamW among them) change
+    their order of roundings between versions, so another version (a GPU image's) skips, saying so."""
+    import pytest
+    import torch
+    recorded, here = str(golden.get("torch", "")).split("+")[0], torch.__version__.split("+")[0]
+    if recorded != here:
+        pytest.skip(f"golden numbers recorded with torch {recorded}; this is torch {here}")
+
+
 def run(script: Path, *args: str):
     """`python script args` with the pins, in a fresh process: the JSON its last line prints."""
     done = subprocess.run([sys.executable, str(script), *args], env={**os.environ, **PINS},

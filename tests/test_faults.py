@@ -219,7 +219,7 @@ def test_a_workflow_job_that_is_no_point_ends_with_snakemake(tmp_path):
                     "accuracy: {systems: [megatrain, native], model: tiny, problems: 40, steps: 100000, batch: 2, "
                     "seq: 160, eval_limit: 4, timeout: 120}\n"
                     "experiments:\n  one:\n    points:\n      - {id: p, system: native, preset: tiny-llama}\n")
-    command = [sys.executable, "-m", "snakemake", "--profile", "cpu", f"results/{hw}/accuracy/summary.json",
+    command = [sys.executable, "-m", "snakemake", "--profile", "profiles/cpu", f"results/{hw}/accuracy/summary.json",
                "--config", f"grid={grid}"]
     try:
         flow = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
