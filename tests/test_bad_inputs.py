@@ -361,6 +361,7 @@ def test_an_unknown_system_or_empty_check_is_named_before_any_runs(tmp_path, cap
     assert message in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_point_whose_log_is_the_commands_output_is_refused(tmp_path):
     """`python -m suite run ... --out p.json > p.log`: the harness writes the worker's log to p.log,
     so the command's own output there would overwrite its first bytes. Refused by name before the

@@ -34,6 +34,8 @@ from megatrain.distributed import Ranks, check, part
 from megatrain.trainer import Trainer
 from tiny_tokenizer import WORDS, save_tokenizer
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 SEQ, BATCH, ACCUM, STEPS = 16, 4, 2, 3
 HERE = Path(__file__).parent
 # the repository ahead of the caller's path (a GPU host's carried packages live on PYTHONPATH)

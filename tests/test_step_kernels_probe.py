@@ -7,6 +7,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -272,6 +272,7 @@ def test_the_partial_result_has_the_set_up_before_the_first_step(tmp_path, monke
     assert first["model_flops_per_step"] == 123.0 and first["setup_s"] >= 0
 
 
+@pytest.mark.slow
 def test_a_timeout_keeps_the_steps_measured_before_it(tmp_path):
     # a tiny run whose steps are many: it measures a few, then the limit kills it
     r = run_point(tiny(steps=100_000, seq_len=64, timeout_s=20.0), tmp_path / "slow.json")
@@ -325,6 +326,7 @@ def _suite_run(out, *python_code: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_suite_run_forks_its_worker_from_its_imports(tmp_path):
     """`suite run` forks the worker from its own imports: the point trains as a fresh worker's does
     (the same losses, bit for bit), its start without the imports (start_s counted from the fork)."""
@@ -338,6 +340,7 @@ def test_suite_run_forks_its_worker_from_its_imports(tmp_path):
     assert forked["launch_s"] > 0.5  # the imports the fork spared the worker, made by the runner
 
 
+@pytest.mark.slow
 def test_a_runner_that_touched_cuda_starts_a_fresh_worker(tmp_path):
     """A child torch marks as forked after its parent's first CUDA call replaces itself by the fresh
     interpreter: the point trains all the same, its worker not forked."""
@@ -368,6 +371,7 @@ def test_a_killed_runner_leaves_no_orphan_worker(tmp_path):
     assert not [p for p in alive if _running(p)]
 
 
+@pytest.mark.slow
 def test_failures_are_results(tmp_path):
     r = run_point(tiny("megatrain", options={"engine": {"no_such_knob": 1}}), tmp_path / "e.json")
     assert r["status"] == "error" and "no_such_knob" in r["reason"]
@@ -401,6 +405,7 @@ def test_sampler_sees_a_child_process_tree():
     assert sampler.peak_host_bytes > 300 * 2**20
 
 
+@pytest.mark.slow
 def test_check_passes_when_systems_track_native(tmp_path):
     summary = check(["megatrain", "fsdp2"], tmp_path, steps=4)
     assert passed(summary)

@@ -17,6 +17,8 @@ from suite.spec import RunSpec
 from baselines.ratel import Ratel, parse_output
 from suite.system import Unsupported
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 CPU = torch.device("cpu")
 PAPER = Path(__file__).resolve().parents[1] / "baselines" / "paper_ratel.json"
 

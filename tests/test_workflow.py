@@ -168,6 +168,7 @@ def test_the_main_command_runs_the_points_a_committed_partial_table_lacks():
         assert (f"output: {missing}" in dry.stdout + dry.stderr) == scheduled, extra
 
 
+@pytest.mark.slow
 def test_partial_tables_run_no_probe_on_the_drawing_machine():
     """`--config partial=true` draws tables from what was measured: no bandwidth probe runs here to
     be filed as the grid's machine's Table 1 (the h200 grid has no probe result committed)."""

@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 pytest.importorskip("snakemake")
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 pytest.importorskip("snakemake")
 ROOT = Path(__file__).resolve().parents[1]
 

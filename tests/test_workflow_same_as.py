@@ -12,6 +12,8 @@ import pytest
 from megatrain.presets import PRESETS
 from workflows.scripts import grid as gridlib
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LAYERS = PRESETS["tiny-llama"]["num_hidden_layers"]
 

@@ -15,6 +15,8 @@ from suite.__main__ import _options
 from suite.spec import RunSpec
 from workflows.scripts import grid as gridlib
 
+pytestmark = pytest.mark.slow  # minutes on the 2-core machine: `pytest -m "not slow"` leaves them out
+
 ROOT = Path(__file__).resolve().parents[1]
 POINT = {"system": "megatrain", "preset": "tiny-llama", "layers": 2, "seq": 32, "batch": 2, "accum": 1, "steps": 3,
          "warmup": 1, "timeout": 60, "options": {"engine.checkpoint_every": 1, "engine.grad_slabs": 2}}

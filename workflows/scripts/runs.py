@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "name":
             print(name(a.profile))
             return 0
-        if not a.run.is_dir() or a.run.resolve().parent.parent != RUNS.resolve():
-            raise ValueError(f"{a.run}: not a run folder (runs/<hardware>/<run>)")
+        if not a.run.is_dir():
+            raise ValueError(f"{a.run}: not a run folder (runs/<hardware>/<run>, as `make run` names them)")
         return compare(a.run) if a.command == "compare" else promote(a.run)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
