@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 from megatrain.units import GiB
+from suite.timing import relative_noise
 
-COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'TFLOP/s':>8} {'ratio':>6} "
+COLUMNS = (f"{'point':34} {'system':13} {'status':11} {'batch':>6} {'step s':>7} {'+-%':>5} {'steps':>5} {'TFLOP/s':>8} {'ratio':>6} "
            f"{'busy':>5} {'opt exp':>7} {'idle un':>7} {'issuing':>7} {'dev GiB':>7} {'host GiB':>8} {'B/param':>7} "
            f"{'setup s':>7} {'wall s':>6}")  # set-up and the whole point's wall: what packs a GPU call
 
@@ -38,7 +39,11 @@ def line(name: str, r: dict) -> str:
     exposed = med.get("exposed") or {}
     host, params = peak.get("host_rss_bytes"), r.get("params")
     batch = f"{spec['batch_size']}x{spec['grad_accum']}"
+    noise = relative_noise(r) if r.get("steps") else None
+    timing = r.get("timing") or {}
+    steps = f"{timing.get('measured_steps', '')}{'' if timing.get('steady', True) else '!'}"
     return (f"{name:34} {r['system']:13} {r['status']:11} {batch:>6} {med.get('step_time_s') or 0:7.2f} "
+            f"{f'{100 * noise:5.1f}' if noise is not None else '    -'} {steps:>5} "
             f"{med.get('model_tflops') or 0:8.1f} {r.get('ratio_to_ceiling') or 0:6.3f} "
             f"{_number(exposed, 'gpu_busy_frac', 5, 2)} {_number(exposed, 'optimizer_exposed_s', 7, 3)} "
             f"{_number(exposed, 'idle_unattributed_s', 7, 3)} {_number(exposed, 'idle_while_issuing_s', 7, 3)} "
@@ -47,6 +52,8 @@ def line(name: str, r: dict) -> str:
 
 
 def main(folders: list[str]) -> int:
+    """The table; `+-%` is the half-width of the median step's interval over the median (suite/timing.py),
+    `steps` the measured steps after the warm-up, `!` where their last window never steadied."""
     print(COLUMNS)
     for name, r in rows(folders):
         print(line(name, r))
