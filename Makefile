@@ -2,7 +2,7 @@
 #   make run     set up, then the main job: the reproduction workflow on this machine's profile
 #                (`cpu`, the tiny grid, without an NVIDIA GPU; the GPU's own profile with one),
 #                measured into runs/<hardware>/<run>/ and compared with the committed results
-#   make test    set up, then the whole test suite: pytest, the workflow's lint, the CPU workflow
+#   make test    set up, then the whole test suite: ruff, pytest, the workflow's lint, the CPU workflow
 #                (what CI runs: .ci/run)
 # Setup is a file target (a stamp in the environment): a second call reuses what the first
 # installed, until pyproject.toml, constraints-cpu.txt or this file changes.
@@ -41,7 +41,7 @@ NEWER_PYTHON = install it, or name one with PYTHON=, e.g. make $(or $(MAKECMDGOA
 help:
 	@echo "make run      set up (the current virtual environment, else .venv), then the reproduction workflow on"
 	@echo "              this machine's profile: cpu without a GPU, else the GPU's (PROFILE=name to choose)"
-	@echo "make test     set up, then the whole test suite (pytest, snakemake --lint, the CPU workflow)"
+	@echo "make test     set up, then the whole test suite (ruff, pytest, snakemake --lint, the CPU workflow)"
 	@echo "make setup    only set up: the CPU build of torch without a GPU, the installed torch kept with one"
 	@echo "make profile  print the profile make run would use; profiles: $(PROFILES)"
 
@@ -120,6 +120,7 @@ run: $(STAMP)
 # The CPU workflow is forced (--forceall): its outputs from an earlier run would otherwise pass
 # untested (the profiles rerun on mtime only).
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --timeout 900
 	$(PY) -m snakemake --lint
 	$(PY) -m snakemake --profile profiles/cpu --forceall

@@ -265,7 +265,8 @@ def test_a_change_within_the_pairs_noise_is_the_same_and_beyond_it_worse(base, t
 
 def test_smoke_points_are_never_judged_on_speed(base, tmp_path):
     b, n = tmp_path / "b", tmp_path / "n"
-    smoke = lambda r: {**r, "spec": {**r["spec"], "smoke": True}}
+    def smoke(r):
+        return {**r, "spec": {**r["spec"], "smoke": True}}
     write(b, "a", smoke(result("megatrain", 4, tflops=300.0)))
     write(n, "a", smoke(result("megatrain", 4, tflops=100.0)))
     report = compare.compare(b, n)

@@ -385,8 +385,8 @@ def test_every_system_takes_the_same_rows_of_a_global_batch():
     batch = Batch(ids, ids + 100, torch.ones_like(ids), ids % 4)
     parts = [shard_batch(batch, Ranks(r, 3, r, 3)) for r in range(3)]
     assert parts[1].input_ids[:, 0].tolist() == [4, 16]
-    for part in parts:
-        assert torch.equal(part.labels, part.input_ids + 100) and torch.equal(part.position_ids, part.input_ids % 4)
+    for shard in parts:
+        assert torch.equal(shard.labels, shard.input_ids + 100) and torch.equal(shard.position_ids, shard.input_ids % 4)
     assert sorted(torch.cat([p.input_ids for p in parts])[:, 0].tolist()) == ids[:, 0].tolist()
     assert shard_batch(batch, Ranks()) is batch
 

@@ -121,7 +121,8 @@ def main() -> None:
         def inductor():
             step["k"] += 1
             t = step["k"]
-            scalar = lambda x: torch.tensor(x, dtype=torch.float32)
+            def scalar(x):
+                return torch.tensor(x, dtype=torch.float32)
             kernel(tile.master, grad, tile.exp_avg, tile.exp_avg_sq, tile.shadow, scalar(1 - lr * cfg.weight_decay),
                    scalar(lr / (1 - beta1 ** t)), scalar(math.sqrt(1 - beta2 ** t)), beta1, beta2, cfg.eps)
         start = time.perf_counter()
