@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +21,11 @@ import pandas as pd
 
 from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
+from suite.timing import median_interval
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
-                    "options", "kernels", "status", "reason", "model_tflops", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
+                    "options", "kernels", "status", "reason", "model_tflops", "model_tflops_low", "model_tflops_high",
+                    "steps_measured", "steady", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
                     "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
 
 INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "gpus", "params", "hidden_size"]
@@ -209,6 +212,27 @@ def _width(result: dict, model: dict) -> float | None:
     return float(hidden) / base if hidden and base else (1.0 if base else None)
 
 
+def rate_interval(result: dict) -> dict:
+    """The model TFLOP/s at the ends of the median step's interval (suite/timing.py: from the
+    result's `timing`, else from its steps after the warm-up), the steps measured and whether their
+    last window steadied (None where the result predates `timing`)."""
+    timing, rate = result.get("timing") or {}, (result.get("median") or {}).get("model_tflops")
+    spec = result.get("spec") or {}
+    times = [s["step_time_s"] for s in (result.get("steps") or [])[spec.get("warmup", 0):]
+             if isinstance(s.get("step_time_s"), (int, float))]
+    if timing.get("interval_s"):
+        (low_s, high_s), median_s = timing["interval_s"], timing["median_s"]
+    elif len(times) >= 2:
+        low_s, high_s, _ = median_interval(times)
+        median_s = statistics.median(times)
+    else:
+        low_s = high_s = median_s = None
+    known = rate is not None and median_s and low_s and high_s
+    return {"model_tflops_low": rate * median_s / high_s if known else None,
+            "model_tflops_high": rate * median_s / low_s if known else None,
+            "steps_measured": timing.get("measured_steps", len(times) or None), "steady": timing.get("steady")}
+
+
 def flatten(result: dict, point_id: str, experiment: str) -> dict:
     """One harness result (suite.runner's JSON) as one row."""
     spec, med, peak = result["spec"], result.get("median") or {}, result.get("peak") or {}
@@ -226,6 +250,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "status": result["status"],
         "reason": " ".join(reason.split())[:300] if reason else None,
         "model_tflops": med.get("model_tflops"),
+        **rate_interval(result),
         # MegaTrain with `ceiling`: model TFLOP/s over one decoder layer's alone on the same batch
         "ceiling_ratio": result.get("ratio_to_ceiling"), "step_time_s": med.get("step_time_s"),
         "tokens_per_s": med.get("tokens_per_s"), "params": params,

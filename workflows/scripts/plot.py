@@ -343,6 +343,24 @@ def _log_ticks(ax, ours: pd.DataFrame, paper: pd.DataFrame, spec: Experiment) ->
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
+def _interval(ax, rows: pd.DataFrame, y: str, color: str, horizontal: bool = False, at=None) -> None:
+    """The median step's interval as an error bar on a model TFLOP/s value (aggregate.rate_interval),
+    where the point has one."""
+    if y != "model_tflops" or "model_tflops_low" not in rows:
+        return
+    have = rows["model_tflops_low"].notna() & rows["model_tflops_high"].notna() & rows[y].notna()
+    if not have.any():
+        return
+    r = rows[have]
+    err = [(r[y] - r["model_tflops_low"]).clip(lower=0), (r["model_tflops_high"] - r[y]).clip(lower=0)]
+    if horizontal:
+        ax.errorbar(r[y], np.asarray(at)[have.to_numpy()], xerr=err, fmt="none", ecolor="black", elinewidth=0.8,
+                    capsize=2, label="_nolegend_", gid="interval")
+    else:
+        ax.errorbar(r["x"], r[y], yerr=err, fmt="none", ecolor=color, elinewidth=0.8, capsize=2,
+                    label="_nolegend_", gid="interval")
+
+
 def _draw_runs(ax, g: pd.DataFrame, spec: Experiment, y: str, name: str, label: str, marker: str, color: str,
                notes: list[str]) -> None:
     """A series' points: solid between points of the same settings, dotted where they change (the
@@ -350,6 +368,7 @@ def _draw_runs(ax, g: pd.DataFrame, spec: Experiment, y: str, name: str, label: 
     pieces = runs(g, spec)
     for k, piece in enumerate(pieces):
         ax.plot(piece["x"], piece[y], marker=marker, color=color, label=label if k == 0 else "_nolegend_", **MEASURED)
+        _interval(ax, piece, y, color)
         if k:
             a, b = pieces[k - 1].iloc[-1], piece.iloc[0]
             ax.plot([a["x"], b["x"]], [a[y], b[y]], linestyle=":", color=color, alpha=0.7,
@@ -528,6 +547,8 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             at = np.flatnonzero((ours["system"] == system).to_numpy())
             ax.barh(at, shown.iloc[at].fillna(0), color=SYSTEM_COLORS.get(system, "C7"),
                     label=f"measured ({hardware}): {system}")
+            if not relative:
+                _interval(ax, ours.iloc[at], y, "black", horizontal=True, at=at)
         reasons = ours["reason"] if "reason" in ours else pd.Series("", index=ours.index)
         for i, (status, reason, v, raw) in enumerate(zip(ours["status"], reasons, shown, vals)):
             if status != "ok":
