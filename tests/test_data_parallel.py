@@ -327,7 +327,7 @@ def test_a_harness_point_on_two_ranks_runs_under_torchrun(tmp_path):
     results = {}
     for gpus in (1, 2):
         spec = RunSpec(system="megatrain", model={"preset": "tiny-llama"}, seq_len=32, batch_size=2, grad_accum=2,
-                       steps=2, warmup=1, timeout_s=240.0, gpus=gpus)
+                       steps=2, max_steps=2, warmup=1, timeout_s=240.0, gpus=gpus)  # both the same steps
         results[gpus] = run_point(spec, tmp_path / f"{gpus}.json")
         assert results[gpus]["status"] == "ok", results[gpus].get("log_tail")
     torch.testing.assert_close([s["loss"] for s in results[2]["steps"]], [s["loss"] for s in results[1]["steps"]],

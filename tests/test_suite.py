@@ -321,8 +321,8 @@ def _suite_run(out, *python_code: str) -> None:
     """`suite run` of a tiny megatrain point to `out`, with `python_code` run before it in its process."""
     code = "; ".join([*python_code, "import sys; from suite.__main__ import main; sys.exit(main(sys.argv[1:]))"])
     done = subprocess.run([sys.executable, "-c", code, "run", "--system", "megatrain", "--preset", "tiny-llama",
-                           "--seq", "32", "--batch", "2", "--accum", "2", "--steps", "3", "--warmup", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--seq", "32", "--batch", "2", "--accum", "2", "--steps", "3", "--max-steps", "3",
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -332,7 +332,7 @@ def test_suite_run_forks_its_worker_from_its_imports(tmp_path):
     (the same losses, bit for bit), its start without the imports (start_s counted from the fork)."""
     _suite_run(tmp_path / "forked.json")
     forked = json.loads((tmp_path / "forked.json").read_text())
-    fresh = run_point(tiny("megatrain"), tmp_path / "fresh.json")
+    fresh = run_point(tiny("megatrain", max_steps=3), tmp_path / "fresh.json")  # the same steps as forked's
     assert forked["status"] == fresh["status"] == "ok", forked.get("log_tail")
     assert forked["forked"] and not fresh["forked"]
     assert [s["loss"] for s in forked["steps"]] == [s["loss"] for s in fresh["steps"]]
