@@ -27,8 +27,7 @@ class RunSpec:
     steps: int = 5  # measured steps at least, after the warm-up: the window the medians are of
     warmup: int = 2
     # measured steps at most: more than `steps` are taken until the last `steps` agree within
-    # steady_spread (suite/timing.py); None: 4 x steps, or steps where the run's meaning fixes its
-    # count (a data file, saved weights, the repeated batch, a system that runs a fixed script)
+    # steady_spread (suite/timing.py); None: 4 x steps, or steps where the count is fixed (fixed_count)
     max_steps: int | None = None
     steady_spread: float = 0.05  # the window's range over its median that counts as steady
     smoke: bool = False  # a check that the point runs, whose timing is never judged (the CPU grid's)
@@ -66,7 +65,8 @@ class RunSpec:
             raise ValueError(f"max_steps: must be an integer of at least steps ({self.steps}), got {self.max_steps!r}")
         if self.max_steps is not None and self.max_steps > self.steps and self.fixed_count:
             raise ValueError(f"max_steps {self.max_steps}: this point's step count is fixed (a data file, saved "
-                             f"weights, the repeated batch or {self.system}'s fixed script): leave max_steps unset")
+                             f"weights, the repeated batch, a smoke point or {self.system}'s fixed script): "
+                             "leave max_steps unset")
         if not (isinstance(self.steady_spread, (int, float)) and self.steady_spread > 0):
             raise ValueError(f"steady_spread: must be a positive fraction, got {self.steady_spread!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
@@ -168,9 +168,11 @@ class RunSpec:
 
     @property
     def fixed_count(self) -> bool:
-        """Whether the run's meaning fixes its step count: a training run on a data file or one that
-        saves its weights, the loss check's repeated batch, a system that runs a fixed script."""
-        return self.data is not None or self.save_to is not None or self.repeat_batch or self.system in FIXED_STEPS
+        """Whether the point takes exactly `steps`: a training run on a data file or one that saves its
+        weights, the loss check's repeated batch, a system that runs a fixed script (their count is
+        their meaning), a smoke point (its timing is never judged)."""
+        return (self.data is not None or self.save_to is not None or self.repeat_batch or self.smoke
+                or self.system in FIXED_STEPS)
 
     @property
     def measured_steps_limit(self) -> int:

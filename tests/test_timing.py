@@ -46,8 +46,9 @@ def test_the_time_budget_stops_an_unsteady_point():
 
 
 def test_a_fixed_count_point_takes_its_steps_and_no_more():
-    """A data file, saved weights or the repeated batch fix the run's meaning by their step count."""
-    assert spec(repeat_batch=True).measured_steps_limit == 5
+    """A data file, saved weights or the repeated batch fix the run's meaning by their step count; a
+    smoke point's timing is never judged, so more steps would only cost time."""
+    assert spec(repeat_batch=True).measured_steps_limit == spec(smoke=True).measured_steps_limit == 5
     assert spec().measured_steps_limit == 20 and spec(max_steps=7).measured_steps_limit == 7
     with pytest.raises(ValueError, match="max_steps 9: this point's step count is fixed"):
         spec(repeat_batch=True, max_steps=9)
