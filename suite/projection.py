@@ -286,6 +286,8 @@ def measured_points(roots: list[Path]) -> list[tuple[Path, dict]]:
     out = []
     for root in roots:
         for f in [root] if root.is_file() else sorted(root.rglob("*.json")):
+            if "runs" in f.relative_to(root).parts[:-1]:
+                continue  # a user's run of the main job, committed as its evidence: not this folder's machine
             try:
                 r = json.loads(f.read_text())
             except (OSError, ValueError):
