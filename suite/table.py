@@ -41,7 +41,7 @@ def line(name: str, r: dict) -> str:
     batch = f"{spec['batch_size']}x{spec['grad_accum']}"
     noise = relative_noise(r) if r.get("steps") else None
     timing = r.get("timing") or {}
-    steps = f"{timing.get('measured_steps', '')}{'' if timing.get('steady', True) else '!'}"
+    steps = f"{timing['measured_steps']}{'' if timing.get('steady', True) else '!'}" if timing else "-"
     return (f"{name:34} {r['system']:13} {r['status']:11} {batch:>6} {med.get('step_time_s') or 0:7.2f} "
             f"{f'{100 * noise:5.1f}' if noise is not None else '    -'} {steps:>5} "
             f"{med.get('model_tflops') or 0:8.1f} {r.get('ratio_to_ceiling') or 0:6.3f} "
