@@ -12,7 +12,8 @@ median step time has a distribution-free interval (suite/timing.py), and a rate 
 only where it moved beyond the two intervals' half-widths together (root of the sum of squares) and
 beyond the stated floor (`--threshold`, which alone judges memory). A rerun of one commit on one
 machine so stays quiet, and a point of 3 noisy steps needs a large change to be called worse.
-Smoke points (the CPU grid's) are never judged on speed.
+Smoke points (the CPU grid's) are never judged on speed or memory, and a peak that moved by less
+than MEMORY_FLOOR_GIB is the same.
 
 Each pair's environments (the result's `env`) are compared too: the machine (GPU, CPU, cores, host
 memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the commit, each
@@ -55,6 +56,9 @@ METRICS = {
 DEFAULT_METRICS = ("model_tflops", "peak_host", "peak_device")
 # the metrics a step's time drives, whose noise is the step time's
 TIMED = ("model_tflops", "tokens_per_s", "step_time_s")
+# a peak that moved by less is the same: one process's RSS, sampled every 0.2 s, moves by tens of MB
+# between runs of one point (0.282 and 0.303 GiB for a tiny CPU point)
+MEMORY_FLOOR_GIB = 0.25
 KEY_FIELDS = ("system", "model", "seq_len", "batch_size", "grad_accum", "options")
 
 # The fields of a result's `env` that tell where and with what a point ran, by what a difference means:
@@ -279,8 +283,10 @@ def compare(base: str | Path, new: str | Path, threshold: float = 0.05,
                 continue
             limit = max(threshold, pair_noise or 0.0) if name in TIMED else threshold
             change, verdict = _verdict(bv, nv, m, limit) if None not in (bv, nv) else (None, "missing")
+            if name not in TIMED and verdict in ("worse", "better") and abs(nv - bv) / m.scale < MEMORY_FLOOR_GIB:
+                verdict = "same"  # a few tens of MB: the sampler's and the allocator's noise, not the code's
             regression = verdict == "worse" and not machine
-            if smoke and name in TIMED:
+            if smoke:
                 verdict, regression = "smoke: not judged", False
             elif machine and name in TIMED and verdict != "missing":
                 verdict, regression = _across_machines(br, nr, verdict, m, limit)
