@@ -61,8 +61,7 @@ for _experiment in EXPERIMENTS:
         log:
             f"{LOGS}/{_experiment}.log",
         params:
-            results=RESULTS,
             experiment=_experiment,
         localrule: True
         shell:
-            "python -m suite table {params.results}/points/{params.experiment} 2>&1 | tee {log}"
+            f"python -m suite table {RESULTS}/points/{{params.experiment}} 2>&1 | tee {{log}}"
