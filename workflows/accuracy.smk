@@ -7,7 +7,7 @@ ACCURACY_ARGS = " ".join(
 ) if ACCURACY else ""
 ACCURACY_OUTPUTS = (
     expand(f"{RESULTS}/tables/table3_accuracy.{{ext}}", ext=("csv", "md"))
-    + expand(f"{PLOTS}/table3_accuracy_losses.{{ext}}", ext=("png", "pdf"))
+    + expand(f"{PLOTS}/table3_accuracy_losses.{{ext}}", ext=("png", "pdf", "inputs.json"))
 ) if ACCURACY else []
 
 
@@ -42,6 +42,7 @@ rule table3_accuracy:
         png=report(f"{PLOTS}/table3_accuracy_losses.png", caption="report/accuracy.rst",
                    category="Figures", subcategory=HW),
         pdf=f"{PLOTS}/table3_accuracy_losses.pdf",
+        record=f"{PLOTS}/table3_accuracy_losses.inputs.json",  # its inputs' hashes (workflows/scripts/outputs.py)
     conda:
         "envs/megatrain.yaml"
     log:

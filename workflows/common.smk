@@ -8,7 +8,7 @@ import psutil
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)  # workflows.scripts and megatrain's suite, from the repo root
-from workflows.scripts import grid as gridlib, settings  # noqa: E402
+from workflows.scripts import grid as gridlib, outputs, settings  # noqa: E402
 
 settings.checked(config)
 GRID_FILE = config.get("grid", "workflows/grids/cpu.yaml")
@@ -91,35 +91,19 @@ def gpu_guard(wildcards):
 PARTIAL = config.get("partial", False)
 
 
-def point_files(experiment):
-    ids = [p["id"] for p in GRID["experiments"][experiment]["points"]]
-    return expand(f"{RESULTS}/points/{experiment}/{{id}}.json", id=ids)
-
-
 def experiment_results(wildcards):
-    files = point_files(wildcards.experiment)
-    return [f for f in files if os.path.exists(f)] if PARTIAL else files
+    return outputs.point_files(GRID, wildcards.experiment, RESULTS, PARTIAL)
 
 
 def moe_results(wildcards):
-    """For the scale table: the mixtures of experts measured at reduced depth on this hardware (the
-    `moe` experiment, which a scale grid of the same hardware runs), as they are now."""
-    if wildcards.experiment != "scale":
-        return []
-    folder = f"{RESULTS}/points/moe"
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".json")) if os.path.isdir(folder) else []
-
-
-def paper_option(wildcards):
-    paper = GRID["experiments"][wildcards.experiment].get("paper") or []
-    return " ".join(f"--paper {name}" for name in ([paper] if isinstance(paper, str) else paper))
+    return outputs.moe_files(wildcards.experiment, RESULTS)
 
 
 def experiment_points(experiment):
     """An experiment's point results, every one asked for by name: a table or figure already there
     (drawn with partial=true and committed) would otherwise let Snakemake skip the points it lacks,
     since a missing input of an existing output reruns nothing. None with partial=true."""
-    return [] if PARTIAL else point_files(experiment)
+    return [] if PARTIAL else outputs.point_files(GRID, experiment, RESULTS, partial=False)
 
 
 def all_points():
@@ -131,11 +115,14 @@ def all_tables():
 
 
 def all_figures():
-    return expand(f"{PLOTS}/{{experiment}}.{{ext}}", experiment=EXPERIMENTS, ext=("png", "pdf"))
+    """Every experiment's figure; with partial=true, only those of experiments with a point that ran
+    (a figure of nothing measured is not drawn, so not committed)."""
+    drawn = EXPERIMENTS if not PARTIAL else [e for e in EXPERIMENTS if e in outputs.measured_experiments(RESULTS)]
+    return expand(f"{PLOTS}/{{experiment}}.{{ext}}", experiment=drawn, ext=("png", "pdf", "inputs.json"))
 
 
 def experiment_outputs(experiment):
     """One experiment's points, table and figure: the input of its target rule (`snakemake ... depth`)."""
     return (experiment_points(experiment)
             + expand(f"{RESULTS}/tables/{experiment}.{{ext}}", ext=("csv", "md"))
-            + expand(f"{PLOTS}/{experiment}.{{ext}}", ext=("png", "pdf")))
+            + expand(f"{PLOTS}/{experiment}.{{ext}}", ext=("png", "pdf", "inputs.json")))

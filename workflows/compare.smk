@@ -16,6 +16,7 @@ rule compare_hardware:
     output:
         png="plots/compare/{experiment}.png",
         pdf="plots/compare/{experiment}.pdf",
+        record="plots/compare/{experiment}.inputs.json",  # its inputs' hashes (workflows/scripts/outputs.py)
     conda:
         "envs/megatrain.yaml"
     log:

@@ -22,6 +22,7 @@ import pandas as pd
 
 from megatrain.io import atomic_file, save_figure, write_text
 from workflows.paper import rows as paper_rows
+from workflows.scripts import outputs
 from workflows.scripts.aggregate import md_table
 
 PAPER = "table3_accuracy"
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     write_text(a.md, markdown(ours, paper, a.hardware, summary))
     fig = figure(summary, a.hardware)
     save_figure(fig, a.png, a.pdf)
+    outputs.record([a.png, a.pdf], [a.summary], [__file__])
     return 0
 
 

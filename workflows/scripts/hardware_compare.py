@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt
 from suite.compare import describe, load, point_label
 
 from megatrain.io import save_figure
+from workflows.scripts import outputs
 
 
 def machines(hardware: list[str] | None, experiment: str, own: str) -> list[str]:
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     fig, _ = figure(labels, by_hw, args.title)
     save_figure(fig, args.png, args.pdf)
+    read = [f for _, folder in args.folders for f in glob.glob(f"{folder}/**/*.json", recursive=True)]
+    outputs.record([args.png, args.pdf], read, [__file__])
     print(f"{len(labels)} points on {', '.join(by_hw)} -> {args.png}, {args.pdf}", file=sys.stderr)
     return 0
 

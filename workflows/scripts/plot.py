@@ -46,6 +46,7 @@ from matplotlib.lines import Line2D
 
 from megatrain.io import save_figure
 from megatrain.units import GB_PER_GiB
+from workflows.scripts import aggregate, outputs
 from workflows.scripts.aggregate import Experiment, _size_b, experiment
 
 # Marker shapes: measured series (filled, coloured), the paper's (open, black) and its bounds, and the
@@ -669,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     fig = figure(pd.read_csv(a.csv), a.experiment, a.hardware, smoke=a.smoke_test)
     save_figure(fig, a.png, a.pdf)
     plt.close(fig)
+    outputs.record([a.png, a.pdf], [a.csv], [__file__, aggregate.__file__])
     return 0
 
 

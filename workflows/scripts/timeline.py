@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from megatrain.io import atomic_file
 from megatrain.timeline import Kind  # noqa: E402
+from workflows.scripts import outputs  # noqa: E402
 
 COLORS = {Kind.FORWARD: "tab:blue", Kind.RECOMPUTE: "tab:cyan", Kind.BACKWARD: "tab:green",
           Kind.HEAD: "tab:purple", Kind.EMBEDDING: "tab:olive", Kind.LOAD: "tab:orange",
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     fig.tight_layout(rect=(0, 0.07, 1, 1 - 0.45 / fig.get_figheight()))  # two legend rows above
     with atomic_file(args.out) as tmp:
         fig.savefig(tmp, dpi=130)
+    outputs.record([args.out], [args.trace], [__file__])
 
 
 if __name__ == "__main__":
