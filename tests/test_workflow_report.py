@@ -248,23 +248,40 @@ def _lines(fig) -> dict[str, list]:
     return out
 
 
-def test_refused_and_never_attempted_points_have_their_own_markers_below_zero(tmp_path):
-    """A refusal and a point without a result file are told apart, and neither reads as a value of
-    zero: they sit in the band under zero, each status its own marker and legend entry."""
-    df = _table(tmp_path, "depth", {"L2": _result("megatrain", layers=2), "L4": _result("megatrain", layers=4,
-                                                                                        status="oom_host")}, paper=[])
+def test_refusals_observed_failures_and_never_attempted_points_have_their_own_markers_below_zero(tmp_path):
+    """A refusal by the harness's estimate (by memory: host, device, disk), an out-of-memory seen
+    while running and a point without a result file are told apart, and none reads as a value of
+    zero: they sit in the band under zero, each kind its own marker and legend entry, each point in
+    its system's colour but grey where nothing ran."""
+    refusal = {**_result("zero3", layers=4, status="oom_host"),
+               "reason": "ZeRO-3 Offload does not fit: host memory: needs 9.0 GiB, 8.0 GiB available"}
+    disk = {**_result("zero_infinity", layers=4, status="oom_host"),
+            "reason": "ZeRO-Infinity does not fit: disk space: needs 9.0 GiB, 8.0 GiB available"}
+    observed = {**_result("megatrain", layers=4, status="oom_host"),
+                "reason": "killed by SIGKILL with the process tree at 7.9 GiB of 8.0 GiB host memory"}
+    df = _table(tmp_path, "depth", {"L2": _result("megatrain", layers=2), "L4": observed, "L4_zero3": refusal,
+                                    "L4_zero_infinity": disk}, paper=[])
+    assert list(df.set_index("id").loc[["L4", "L4_zero3", "L4_zero_infinity"], "refused"].fillna("")) == \
+        ["", "host", "disk"]
     missing = aggregate.flatten({"system": "megatrain", "status": "not_run", "params": 1,
                                  "spec": {"model": {"preset": "tiny-llama", "overrides": {"num_hidden_layers": 8}},
                                           "seq_len": 64, "batch_size": 2, "grad_accum": 1}}, "L8", "depth")
     df = pd.concat([df, pd.DataFrame([missing | {"x": 8}])], ignore_index=True)
     fig = plot.figure(df, "depth", "cpu")
     lines = _lines(fig)
-    refused, absent = lines["refused (oom_host)"], lines["not attempted (no result file)"]
-    assert refused[0].get_marker() != absent[0].get_marker()
-    for ln, x in [(ln, 4) for ln in refused] + [(ln, 8) for ln in absent]:
-        assert list(ln.get_xdata()) == [x] and all(y < 0 for y in ln.get_ydata())
+    kinds = {k: lines[plot.NO_VALUE[k][2]] for k in ("refused_host", "refused_disk", "oom_host", "not_run")}
+    assert len({ln[0].get_marker() for ln in kinds.values()}) == 4  # the legend's: one marker per kind
+    drawn = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "_nolegend_" and len(ln.get_xdata())
+             and all(y < 0 for y in ln.get_ydata())]
+    by_marker = {(ln.get_marker(), ln.get_color(), tuple(ln.get_xdata())) for ln in drawn}
+    assert (plot.NO_VALUE["refused_host"][0], plot.SYSTEM_COLORS["zero3"], (4,)) in by_marker
+    assert (plot.NO_VALUE["refused_disk"][0], plot.SYSTEM_COLORS["zero_infinity"], (4,)) in by_marker
+    assert (plot.NO_VALUE["oom_host"][0], plot.SYSTEM_COLORS["megatrain"], (4,)) in by_marker
+    assert (plot.NO_VALUE["not_run"][0], "grey", (8,)) in by_marker
+    for ln in drawn:
         assert ln.axes.get_ylim()[0] < min(ln.get_ydata())  # inside the band, not on the frame
-    assert plot.no_value_style("oom_host")[0] != plot.no_value_style("not_run")[0]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "measured (cpu): zero3, no value" in legend  # its colour is named though it has no line
     assert plot.no_value_style("weird")[2] == "failed (weird)"
 
 
@@ -289,7 +306,8 @@ def test_paper_points_sit_at_our_models_and_a_bound_looks_like_one(tmp_path):
 
 
 def test_a_line_breaks_where_the_settings_change(tmp_path):
-    """A 3B point with device tiles and kept layers and a 7B point without: not one solid line."""
+    """A 3B point with device tiles and kept layers and a 7B point without: two lines, not joined,
+    the second with open markers."""
     tiles = {"engine": {"checkpoint_every": 1, "device_tiles": 20, "no_recompute_layers": "auto"}}
     points = {"3b": _result("megatrain", "qwen2.5-3b", params=3_085_938_688, tflops=370.0, options=tiles),
               "7b": _result("megatrain", "qwen2.5-7b", params=7_615_616_512, tflops=310.0,
@@ -303,15 +321,16 @@ def test_a_line_breaks_where_the_settings_change(tmp_path):
     ax = fig.axes[0]
     mega = [ln for ln in ax.get_lines() if ln.get_color() == plot.SYSTEM_COLORS["megatrain"]]
     solid = [ln for ln in mega if ln.get_linestyle() == "-"]
-    dotted = [ln for ln in mega if ln.get_gid() == plot.SETTINGS_CHANGE]
-    assert [len(ln.get_xdata()) for ln in solid] == [1, 1] and len(dotted) == 1
+    apart = [ln for ln in mega if ln.get_gid() == plot.SETTINGS_CHANGE]
+    assert [len(ln.get_xdata()) for ln in solid] == [1, 1] and len(apart) == 1
+    assert apart[0].get_markerfacecolor() == "white"
     native = [ln for ln in ax.get_lines() if ln.get_label() == "measured (h100): native"]
     assert len(native[0].get_xdata()) == 2  # same settings: one line
     assert not [ln for ln in ax.get_lines() if ln.get_gid() == plot.SETTINGS_CHANGE and ln.get_color() == "C2"]
     assert "engine.device_tiles 20->3" in plot.setting_changes(
         plot.settings(df.iloc[0], aggregate.experiment("scale")), plot.settings(df.iloc[1], aggregate.experiment("scale")))
     legend = fig.legends[0].get_texts()
-    assert any("settings differ" in t.get_text() for t in legend)
+    assert any("other settings" in t.get_text() for t in legend)
     # Table 7 varies the batch by design: a batch change alone does not break its line
     ctx = aggregate.experiment("context")
     assert plot.settings(pd.Series({"seq": 1024, "batch": 64, "accum": 1, "options": ""}), ctx) == \
@@ -354,7 +373,7 @@ def test_the_legend_fits_the_figure_and_a_cut_model_names_its_layers(tmp_path):
 
 def test_an_auto_option_says_what_the_run_chose_and_a_line_breaks_where_that_differs(tmp_path):
     """FSDP2's `accumulate: auto` as each run resolved it (its info): the table says which, and a
-    line joining a device-summed point and a host-summed one is dotted, the note naming the change."""
+    device-summed point and a host-summed one are not one line, the note naming the change."""
     points = {f"w{w}": {**_result("fsdp2", "qwen2.5-7b", hidden=h, params=p, tflops=t, options={"accumulate": "auto"}),
                         "info": {"accumulate": where}}
               for w, h, p, t, where in [("1.0", 3584, 2_721_402_880, 315.0, "device"), ("1.5", 5376, 5_305_595_904, 333.0, "device"),
@@ -412,7 +431,7 @@ def test_ablation_bars_are_relative_to_their_own_full_configuration(tmp_path):
               "K2": _result("megatrain", tflops=404.0)}
     fig = plot.figure(_table(tmp_path, "ablations", points), "ablations", "h100")
     ax = fig.axes[0]
-    labels = [t.get_text() for t in ax.get_yticklabels()]
+    labels = [t.get_text().split("\n")[0] for t in ax.get_yticklabels()]  # under each id: its setup
     widths = dict(zip(labels, [p.get_width() for p in ax.patches]))
     assert labels[0].startswith("measured: base_K1")  # our full configuration first
     assert widths[labels[0]] == 0 and widths["measured: one_buffer"] == pytest.approx(-5.0)
@@ -424,21 +443,24 @@ def test_ablation_bars_are_relative_to_their_own_full_configuration(tmp_path):
 
 def test_bars_take_their_systems_colour_and_print_their_value(tmp_path):
     """The MoE experiment's bars: one colour and one legend entry per system, the value beside each
-    bar, a point that did not run named by its status in every panel (a refusal for the swap's disk
-    space as the disk's)."""
+    bar, its model, depth and tokens under its id, a point that did not run named by what happened
+    in every panel (a refusal by estimate for the swap's disk space as the disk's, an out-of-memory
+    seen while running apart)."""
     swap = _result("zero3", status="oom_host") | {"reason": "ZeRO-Infinity does not fit: disk space: needs 9 GiB"}
     points = {"q_megatrain": _result("megatrain", tflops=142.4), "q_native": _result("native", tflops=79.6),
               "q_zero3": _result("zero3", tflops=72.0), "big_megatrain": _result("megatrain", status="error"),
               "big_zero3": _result("zero3", status="oom_host"), "big_swap": swap}
     fig = plot.figure(_table(tmp_path, "moe", points), "moe", "h200")
-    assert len(fig.axes) == 3  # throughput, host and device memory
+    assert len(fig.axes) == 4  # throughput, step time, host and device memory
     ax = fig.axes[0]
-    labels = [t.get_text() for t in ax.get_yticklabels()]
+    full = [t.get_text() for t in ax.get_yticklabels()]
+    assert full[0] == "measured: q_megatrain\n0.000144 B params, all layers, 2 x 1 x 64 tokens"
+    labels = [t.split("\n")[0] for t in full]
     colour = {lab: p.get_facecolor() for lab, p in zip(labels, sorted(ax.patches, key=lambda p: p.get_y()))}
     assert colour["measured: q_megatrain"] != colour["measured: q_native"] != colour["measured: q_zero3"]
     assert colour["measured: q_megatrain"] == pytest.approx(plot.matplotlib.colors.to_rgba(plot.SYSTEM_COLORS["megatrain"]))
     texts = [t.get_text() for t in ax.texts]
-    assert {"142", "79.6", "72", "error", "oom_host", "oom_host (disk)"} <= set(texts)
+    assert {"142", "79.6", "72", "error", "out of host memory (observed)", "refused (estimate): disk space"} <= set(texts)
     assert ax.get_xlim()[1] > 142.4  # the largest value's label inside the axes
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == [f"measured (h200): {s}" for s in ("megatrain", "native", "zero3")]
@@ -462,7 +484,7 @@ def test_smoke_test_figure_says_so_and_keeps_to_its_own_scale(tmp_path):
 
 def test_gpus_figure_scales_each_line_and_lists_a_refused_point_without_drawing_it(tmp_path):
     """The GPU-count experiment: tokens/s over the table's `gpus`, the 1-GPU point's ideal scaling
-    dashed in the line's colour and the speed-up beside the 2-GPU point; a refusal is listed by id
+    dashed in the line's colour and the speed-up beside the 2-GPU point; a failed point is listed by id
     under the axes, in no panel; no paper points, so the title names none."""
     def point(system: str, gpus: int, tokens: float | None, status: str = "ok") -> dict:
         r = _result(system, "qwen2.5-7b", status=status)
@@ -488,7 +510,7 @@ def test_gpus_figure_scales_each_line_and_lists_a_refused_point_without_drawing_
     # the refused point (its host memory is in the table) is drawn nowhere, not even in the band
     assert {ln.get_label() for ax in fig.axes for ln in ax.get_lines()} == {line.get_label(), "_nolegend_"}
     assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
-    assert any(t.get_text() == "not drawn, refused (oom_host): 7b_g2_zero3" for t in fig.texts)
+    assert any(t.get_text() == "not drawn, ran out of host memory (observed): 7b_g2_zero3" for t in fig.texts)
     assert fig._suptitle.get_text() == "gpus: measured on h200"
 
 

@@ -57,7 +57,7 @@ def markdown(ours: pd.DataFrame, paper: pd.DataFrame, hardware: str, summary: di
             f"## Measured ({hardware})", "", md_table(ours.drop(columns=["source"]))]
     cols = [c for c in paper.columns if c not in ("source", "artefact")]
     return "\n".join(head + ["", "## Paper (Table 3; Qwen2.5 on MetaMathQA, its hardware, not ours)", "",
-                             md_table(paper[cols])]) + "\n"
+                             md_table(paper[cols], printed=True)]) + "\n"
 
 
 def figure(summary: dict, hardware: str):

@@ -24,9 +24,10 @@ from megatrain.units import GiB
 from suite.timing import median_interval
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
-                    "options", "kernels", "status", "reason", "model_tflops", "model_tflops_low", "model_tflops_high",
-                    "steps_measured", "steady", "ceiling_ratio", "step_time_s", "tokens_per_s", "params",
-                    "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "hidden_size", "width", "params_B"]
+                    "options", "kernels", "status", "refused", "reason", "model_tflops", "model_tflops_low",
+                    "model_tflops_high", "steps_measured", "steady", "ceiling_ratio", "hardware_tflops", "step_time_s",
+                    "tokens_per_s", "params", "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "host_GiB",
+                    "hidden_size", "width", "params_B"]
 
 INTEGER_COLUMNS = ["layers", "batch", "accum", "seq", "gpus", "params", "hidden_size"]
 
@@ -88,6 +89,24 @@ def kernels(result: dict) -> str | None:
     label = "compiled" if len(compiled) == 2 else f"{compiled[0]} compiled" if compiled else "eager"
     return (label + (", loss compiled" if engine.get("loss_kernel") == "compiled" else "")
             + (", experts lean" if engine.get("experts_kernel") == "lean" else ""))
+
+
+# what a result's reason says when the memory ran out while the point ran (the worker's own error, or
+# the runner's reading of how it died: suite/worker.py, suite/runner.py), not an admission's estimate
+OBSERVED_OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|killed by SIGKILL")
+
+
+def refused(result: dict) -> str | None:
+    """The memory ("host", "device", "disk") for which the harness refused the point by its estimate
+    before anything ran (a system's admission: `megatrain.memory.DoesNotFit`, whose disk refusals the
+    result records as oom_host); None for a point that ran out of memory while it ran, or did not
+    fail for memory."""
+    status, reason = result.get("status"), result.get("reason") or ""
+    if status not in ("oom_host", "oom_device") or result.get("steps") or OBSERVED_OOM.search(reason):
+        return None
+    if "disk space" in reason or re.search(r"swaps? .* free there", reason):  # the older ZeRO-Infinity words
+        return "disk"
+    return "device" if status == "oom_device" else "host"
 
 
 def _label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
@@ -169,18 +188,36 @@ EXPERIMENTS: dict[str, Experiment] = {
                              "memory, and the optimizer steps on the first step's (baselines/ratel.md). Its "
                              "host peak counts that process's shared buffers twice, once in each process."),
     # Table 8 is the three PCIe systems' specifications: tabulated beside, never drawn as throughput.
-    "devices": Experiment(("table9_consumer_gpus", "table8_pcie_systems"), "system", "system", kind="bars",
-                          paper_x=lambda r: _label(r, ["gpu", "model", "method"]),
+    "devices": Experiment(("table9_consumer_gpus", "figure7_devices", "table8_pcie_systems"), "system", "system",
+                          kind="bars", paper_x=lambda r: _label(r, ["artefact", "gpu", "model", "method", "system"]),
                           paper_y={"model_tflops": "tflops", "peak_host_GiB": "cpu_mem_GB",
                                    "peak_device_GiB": "gpu_mem_GB"},
-                          paper_hardware="RTX A6000 / RTX 3090"),
+                          paper_quantity={"peak_host_GiB": "\"CPU Mem\" (Table 9)",
+                                          "peak_device_GiB": "\"GPU Mem\" (Table 9; device, not said how measured)"},
+                          paper_hardware="RTX A6000 / RTX 3090 (Table 9), A100 PCIe (Figure 7)",
+                          note="The paper's rows ran on its PCIe machines (Table 8, tabulated beside: an A100 PCIe "
+                               "for Figure 7, an RTX A6000 and an RTX 3090 for Table 9), none of which is here: the "
+                               "measured rows run Table 9's shapes (8192 tokens a sequence, MegaTrain at the A6000's "
+                               "batches, the baselines at 1) with Figure 7's systems on this machine's GPU, so they "
+                               "compare the systems, not the machines. Figure 7 states no batch or sequence."),
     # data-parallel ranks on one host (docs/data-parallel.md): the same batch per GPU, so the batch
     # grows with the count by design; no paper artefact (the paper trains on one GPU)
     "gpus": Experiment((), "gpus", "GPU count (data-parallel ranks on one host)", kind="scaling",
                        panels=("tokens_per_s", "peak_host_GiB"), varies=("batch",)),
     # mixtures of experts at reduced depth beside the baselines on a shape they fit (docs/moe.md): no
     # paper artefact (the paper prints no MoE measurement)
-    "moe": Experiment((), "id", "grid point", kind="bars"),
+    "moe": Experiment((), "id", "grid point", kind="bars",
+                      panels=("model_tflops", "step_time_s", "peak_host_GiB", "peak_device_GiB")),
+    # the largest model a host holds: its size and the host memory it takes are the point
+    "largest": Experiment((), "id", "grid point", kind="bars", panels=("model_tflops", "params_B", "peak_host_GiB")),
+    # beyond the paper's 512K: a step's model FLOPs count attention's whole score square, which at a
+    # million tokens is most of them, so the FLOPs the step ran stand beside
+    "long_context": Experiment((), "id", "grid point", kind="bars",
+                               panels=("model_tflops", "hardware_tflops", "step_time_s", "peak_device_GiB"),
+                               note="Model TFLOP/s: the model's FLOPs a token, 6 x its matmul parameters + 12 x "
+                                    "layers x width x the keys it attends (the whole causal square, though a causal "
+                                    "kernel computes about half), over the step's time; executed TFLOP/s adds the "
+                                    "recomputed forward the step runs (megatrain/metrics.py)."),
 }
 GENERIC = Experiment((), "id", "grid point", kind="bars", panels=("model_tflops",))
 
@@ -237,7 +274,11 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
     """One harness result (suite.runner's JSON) as one row."""
     spec, med, peak = result["spec"], result.get("median") or {}, result.get("peak") or {}
     model = spec.get("model") or {}
-    host, device, params = peak.get("host_rss_bytes"), peak.get("device_allocated_bytes"), result.get("params")
+    # the parameters of the model the system trains: Ratel trains a GPT of its own at the spec's
+    # shape (4.88 B at 7B's), not the spec's model
+    params = (result.get("info") or {}).get("ratel_params") or result.get("params")
+    host, device = peak.get("host_rss_bytes"), peak.get("device_allocated_bytes")
+    host_total = (result.get("env") or {}).get("host_memory_bytes")
     reason = result.get("reason")
     return {
         "source": "measured", "experiment": experiment, "id": point_id, "system": result["system"],
@@ -247,16 +288,20 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         "gpus": spec.get("gpus") or 1,  # results from before the field ran on one GPU
         "options": options_text(spec.get("options"), result.get("info")),
         "kernels": kernels(result),
-        "status": result["status"],
+        "status": result["status"], "refused": refused(result),
         "reason": " ".join(reason.split())[:300] if reason else None,
         "model_tflops": med.get("model_tflops"),
         **rate_interval(result),
         # MegaTrain with `ceiling`: model TFLOP/s over one decoder layer's alone on the same batch
-        "ceiling_ratio": result.get("ratio_to_ceiling"), "step_time_s": med.get("step_time_s"),
+        "ceiling_ratio": result.get("ratio_to_ceiling"),
+        # the FLOPs the step executed (recomputation included) over its time; the same formula's
+        # attention as model_tflops (the whole score square)
+        "hardware_tflops": med.get("hardware_tflops"), "step_time_s": med.get("step_time_s"),
         "tokens_per_s": med.get("tokens_per_s"), "params": params,
         "peak_host_GiB": host / GiB if host else None,
         "peak_device_GiB": device / GiB if device else None,
         "host_bytes_per_param": host / params if host and params else None,
+        "host_GiB": host_total / GiB if host_total else None,  # the host the point ran on (as the OS read it)
         "hidden_size": _hidden_size(model), "width": _width(result, model),
         "params_B": params / 1e9 if params else None,
     }
@@ -328,18 +373,22 @@ def table(paths: list[str | Path], experiment: str, paper: str | list[str] | Non
     return df
 
 
-def _cell(v) -> str:
+def _cell(v, printed: bool = False) -> str:
+    """A measured number to three significant figures (whole above 1000); with `printed`, a paper's
+    number as the paper prints it (Table 3's 88.97 beside 88.99)."""
     if v is None or (not isinstance(v, str) and pd.isna(v)):
         return ""
     if isinstance(v, float):
+        if printed:
+            return f"{v:.15g}"
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v).replace("|", "/")
 
 
-def md_table(df: pd.DataFrame) -> str:
+def md_table(df: pd.DataFrame, printed: bool = False) -> str:
     cols = [c for c in df.columns if df[c].notna().any()]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    lines += ["| " + " | ".join(_cell(v, printed) for v in row) + " |" for row in df[cols].itertuples(index=False)]
     return "\n".join(lines)
 
 
@@ -377,8 +426,13 @@ def ratios(df: pd.DataFrame, experiment: str, hardware: str) -> list[str]:
            "|---|---|---|---|---|---|---|"]
     for _, c in claims.iterrows():
         quantity = RATIO_QUANTITY.get(c.get("panel"), "model_tflops")
-        at = ours[pd.to_numeric(ours["x"], errors="coerce").sub(float(c["x"])).abs() <= 1e-3 * abs(float(c["x"]))] \
-            if pd.notna(c["x"]) else ours.iloc[:0]
+        x = pd.to_numeric(pd.Series([c["x"]]), errors="coerce").iloc[0]
+        if pd.notna(x):
+            at = ours[pd.to_numeric(ours["x"], errors="coerce").sub(x).abs() <= 1e-3 * abs(x)]
+        elif "model" in c and pd.notna(c["model"]):  # bars, whose x is a label: the same model size
+            at = ours[ours["preset"].map(_size_b) == _size_b(c["model"])]
+        else:
+            at = ours.iloc[:0]
         first, second = (at[at["system"] == PAPER_SYSTEMS.get(name)] for name in (c["system"], c["versus"]))
         pairs = first[first["status"] == "ok"].merge(second[second["status"] == "ok"], on=SAME_SPEC)
         if len(pairs):
@@ -390,7 +444,7 @@ def ratios(df: pd.DataFrame, experiment: str, hardware: str) -> list[str]:
                                ((c["system"], first), (c["versus"], second)) if not (rows["status"] == "ok").any())
             values = values or "no two points with the same spec"
         x = c["model"] if "model" in c and pd.notna(c["model"]) else _cell(c["x"])
-        out.append(f"| {x} | {c['system']} | {c['versus']} | {quantity} | {_cell(c['ratio'])} ({c['artefact']}) "
+        out.append(f"| {x} | {c['system']} | {c['versus']} | {quantity} | {_cell(c['ratio'], True)} ({c['artefact']}) "
                    f"| {measured} | {values} |")
     return out
 
@@ -408,7 +462,7 @@ def markdown(df: pd.DataFrame, experiment: str, hardware: str, results: list[str
     paper = df[df["source"] == "paper"]
     for artefact, ref in (paper.groupby("artefact", sort=False) if len(paper) else ()):
         cols = [c for c in ref.columns if c not in ("source", "experiment", "artefact", "x")]
-        out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols])]
+        out += ["", f"## Paper ({artefact}; its hardware, not {hardware})", "", md_table(ref[cols], printed=True)]
     out += ratios(df, experiment, hardware)
     if moe:
         rows = measured(moe, "moe")

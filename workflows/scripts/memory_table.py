@@ -59,7 +59,7 @@ def markdown(df: pd.DataFrame, hardware: str, quick: bool) -> str:
         own = [c for c in ref.columns if c not in MEASURED_COLUMNS + ["artefact"]]
         cols = [c for c in own[:1] + ["tier"] + own[1:] if ref[c].notna().any()]  # platform, tier, ...
         out += ["", f"## Paper ({ref['artefact'].iloc[0]}; vendor specifications of H200 SXM and GH200, "
-                f"not {hardware})", "", md_table(ref[cols])]
+                f"not {hardware})", "", md_table(ref[cols], printed=True)]
     return "\n".join(out) + "\n"
 
 

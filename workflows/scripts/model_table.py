@@ -73,7 +73,7 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join([
         "# Table 2: model configurations", "",
         "## Computed (megatrain.presets -> megatrain.shapes.ModelShape)", "", md_table(ours), "",
-        f"## Paper ({ref['artefact'].iloc[0]}, as printed)", "", md_table(ref[ref_cols]),
+        f"## Paper ({ref['artefact'].iloc[0]}, as printed)", "", md_table(ref[ref_cols], printed=True),
     ]) + "\n"
 
 

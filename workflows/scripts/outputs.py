@@ -133,8 +133,20 @@ def record(figures: list[str | Path], inputs: list[str | Path], code: list[str |
             "inputs": {_relative(f): sha256(f) for f in sorted(map(str, inputs))},
             "code": {_relative(f): sha256(f) for f in code}}
     path = record_path(figures[0])
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _write(path, data)
     return path
+
+
+def _write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def moved(path: Path, old: str, new: str) -> None:
+    """A figure's record whose inputs under folder `old` now lie under `new` (a run's promotion:
+    runs/<hardware>/<run> -> results/<hardware>)."""
+    data = json.loads(path.read_text())
+    data["inputs"] = {(new + f[len(old):] if f.startswith(old + "/") else f): h for f, h in data["inputs"].items()}
+    _write(path, data)
 
 
 def stale_record(path: Path) -> list[str]:

@@ -37,6 +37,7 @@ import textwrap
 
 import matplotlib
 import matplotlib.ticker
+import matplotlib.transforms
 
 matplotlib.use("Agg")  # files only; no display on the workflow's machines
 import matplotlib.pyplot as plt
@@ -54,31 +55,43 @@ from workflows.scripts.aggregate import Experiment, _size_b, experiment
 MEASURED_MARKERS = ("o", "D", "p", "h", "8", "H")
 PAPER_MARKERS = ("s", "<", ">", "P", "d", "*")
 BOUND_MARKERS = {"lower": "^", "upper": "v"}
-NO_VALUE = {  # status -> (marker, colour, legend label)
-    "oom_host": ("x", "red", "refused (oom_host)"),
-    "oom_device": ("+", "red", "out of device memory (oom_device)"),
-    "timeout": ("X", "darkorange", "timed out (timeout)"),
-    "unsupported": ("1", "darkorange", "unsupported"),
+# A point without a value, by what happened (`no_value_kind`) -> (marker, legend colour, legend
+# label). The point's own marker takes its system's colour, but for the grey kinds (nothing ran).
+NO_VALUE = {
+    "refused_host": ("x", "black", "refused by its estimate, before running: host memory"),
+    "refused_device": ("+", "black", "refused by its estimate, before running: device memory"),
+    "refused_disk": ("1", "black", "refused by its estimate, before running: disk space"),
+    "oom_host": ("X", "black", "ran out of host memory (observed)"),
+    "oom_device": ("3", "black", "ran out of device memory (observed)"),
+    "timeout": ("4", "black", "timed out (timeout)"),
+    "unsupported": ("$\\emptyset$", "black", "unsupported"),
     "not_run": ("$?$", "grey", "not attempted (no result file)"),
-    "stale": ("3", "grey", "stale (run before its grid point changed)"),
+    "stale": ("2", "grey", "stale (run before its grid point changed)"),
 }
-OTHER_NO_VALUE = ("X", "purple", "failed ({})")
-SETTINGS_CHANGE = "settings-change"  # gid of the dotted segment between points of differing settings
+GREY_KINDS = ("not_run", "stale")
+OTHER_NO_VALUE = ("$!$", "black", "failed ({})")
+# a point's no-value kind as a bar figure writes it beside its bar
+SHORT = {"refused_host": "refused (estimate): host memory", "refused_device": "refused (estimate): device memory",
+         "refused_disk": "refused (estimate): disk space", "oom_host": "out of host memory (observed)",
+         "oom_device": "out of device memory (observed)", "not_run": "not run"}
+SETTINGS_CHANGE = "settings-change"  # gid of a line whose settings differ from its series' earlier points
 IDEAL = "ideal-scaling"  # gid of the dashed ideal linear scaling from a line's 1-GPU point
 # one colour per system in every figure; a second series of a system (fewer layers) takes the next
 # marker and a colour of its own
 SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
-                 "gemini": "C8", "ratel": "C6"}  # red is kept for the points without a value
-# (neither a system's colour nor a no-value colour: grey is "not attempted", red "refused")
+                 "gemini": "C8", "ratel": "C6"}
+# (neither a system's colour, nor grey, "not attempted", nor the paper's black)
 SPARE_COLORS = ("C9", "navy", "saddlebrown", "darkgreen", "goldenrod", "slateblue")
 MEASURED = dict(linestyle="-")
 PAPER = dict(linestyle="--", markerfacecolor="none", color="black")
 LEGEND_COLUMNS = 3
 BAND = 0.14  # the "no value" band under zero, as a fraction of the axis' top
 YLABELS = {"model_tflops": "throughput (model TFLOP/s)", "tokens_per_s": "throughput (tokens/s)",
+           "hardware_tflops": "executed TFLOP/s (recomputation included)", "step_time_s": "step time (s)",
+           "params_B": "parameters (billions)",
            "peak_host_GiB": "peak host memory (GiB)", "peak_device_GiB": "peak device memory, allocated (GiB)"}
-TITLES = {"model_tflops": "Throughput", "tokens_per_s": "Throughput", "peak_host_GiB": "Host memory",
-          "peak_device_GiB": "Device memory"}
+TITLES = {"model_tflops": "Throughput", "tokens_per_s": "Throughput", "hardware_tflops": "Executed FLOPs",
+          "step_time_s": "Step time", "params_B": "Model size", "peak_host_GiB": "Host memory", "peak_device_GiB": "Device memory"}
 SMOKE_TITLE = "CPU smoke test: not a performance result"
 LOWER = ("above", "over", "more than", "at least", ">")
 UPPER = ("below", "under", "less than", "at most", "<")
@@ -96,18 +109,24 @@ def _split(df: pd.DataFrame):
     return df[df["source"] == "measured"], df[df["source"] == "paper"]
 
 
-def status_note(status: str, reason) -> str:
-    """A point's status as a bar chart notes it: a refusal for the swap's disk space says so (the
-    harness records it as oom_host, the host's disk)."""
-    return f"{status} (disk)" if status == "oom_host" and "disk space" in str(reason) else status
+def no_value_kind(row) -> str:
+    """What happened to a point without a value: a refusal by the harness's estimate (by memory),
+    else its status (an out-of-memory status then says it was observed)."""
+    refused = row.get("refused") if hasattr(row, "get") else None
+    return f"refused_{refused}" if isinstance(refused, str) and refused else str(row["status"])
 
 
-def no_value_style(status: str) -> tuple[str, str, str]:
-    """(marker, colour, legend label) of a point with `status` and no value."""
-    if status in NO_VALUE:
-        return NO_VALUE[status]
+def no_value_style(kind: str) -> tuple[str, str, str]:
+    """(marker, legend colour, legend label) of a point of no-value `kind`."""
+    if kind in NO_VALUE:
+        return NO_VALUE[kind]
     marker, color, label = OTHER_NO_VALUE
-    return marker, color, label.format(status)
+    return marker, color, label.format(kind)
+
+
+def point_color(system: str, kind: str) -> str:
+    """A no-value point's colour: its system's, grey where nothing ran."""
+    return "grey" if kind in GREY_KINDS else SYSTEM_COLORS.get(system, "C7")
 
 
 def _bound(qualifier, printed) -> str | None:
@@ -248,12 +267,15 @@ def _fmt(x) -> str:
 
 
 def _failed_note(rows: pd.DataFrame, spec: Experiment) -> str:
-    """One line per series (system) and status of the points without a value, with their x values."""
+    """One line per series (system) and kind of the points without a value, with their x values."""
     bad = rows[rows["status"] != "ok"]
+    if bad.empty:
+        return ""
+    kinds = bad.apply(no_value_kind, axis=1).rename("kind")
     parts = []
-    for (system, status), g in bad.groupby([_series(bad, spec).rename("series"), "status"], sort=True):
-        parts.append(f"{system} {status} at {', '.join(_fmt(x) for x in sorted(g['x'].dropna()))}")
-    return f"no value (x: {spec.label}): " + "; ".join(parts) if parts else ""
+    for (system, kind), g in bad.groupby([_series(bad, spec).rename("series"), kinds], sort=True):
+        parts.append(f"{system} {SHORT.get(kind, kind)} at {', '.join(_fmt(x) for x in sorted(g['x'].dropna()))}")
+    return f"no value (x: {spec.label}): " + "; ".join(parts)
 
 
 def _axis_top(values) -> float:
@@ -264,24 +286,43 @@ def _axis_top(values) -> float:
 
 
 def _no_value(ax, rows: pd.DataFrame, top: float, words: list[tuple] = ()) -> None:
-    """The points without a value in the grey band under zero: a marker per status, its own entry;
-    under them the paper's points printed as a word (`words`: x, word, its series' label and marker),
-    a row per paper series, its open marker with the word beside it."""
+    """The points without a value in the grey band under zero: a row per kind (refused by estimate,
+    by memory; observed out of memory; timed out; ...), each point in its system's colour (grey where
+    nothing ran), side by side where systems share an x, the kind's own legend entry; under them
+    the paper's points printed as a word (`words`: x, word, its series' label and marker), a row per
+    paper series, its open marker with the word beside it."""
     bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
-    statuses = sorted(bad["status"].unique(), key=lambda s: (s == "not_run", s))
+    bad = bad.assign(kind=bad.apply(no_value_kind, axis=1)) if len(bad) else bad.assign(kind=[])
+    kinds = sorted(bad["kind"].unique(), key=lambda k: (k in GREY_KINDS, k))
     series = list(dict.fromkeys(label for _, _, label, _ in words))
-    levels = len(statuses) + len(series)
-    for k, status in enumerate(statuses):
-        marker, color, label = no_value_style(status)
-        xs = bad[bad["status"] == status]["x"]
+    levels = len(kinds) + len(series)
+    for k, kind in enumerate(kinds):
+        marker, color, label = no_value_style(kind)
         y = -BAND * top * (k + 1) / (levels + 1)
-        ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=color, markersize=7,
-                label=label, zorder=3, clip_on=False)
+        these = bad[bad["kind"] == kind]
+        systems = list(dict.fromkeys(these["system"]))
+        for j, system in enumerate(systems):  # side by side, 0.09 inch apart, so that none hides another
+            shift = matplotlib.transforms.ScaledTranslation(0.09 * (j - (len(systems) - 1) / 2), 0,
+                                                           ax.figure.dpi_scale_trans)
+            xs = these[these["system"] == system]["x"]
+            ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=point_color(system, kind),
+                    markersize=7, label="_nolegend_", zorder=3, clip_on=False, transform=ax.transData + shift)
+            ax.update_datalim([(x, y) for x in xs])  # a shifted line is no data to the autoscale: its points are
+            ax.autoscale_view()
+        ax.plot([], [], linestyle="none", marker=marker, color=color, markersize=7, label=label)
     for x, word, label, marker in words:
-        y = -BAND * top * (len(statuses) + series.index(label) + 1) / (levels + 1)
+        y = -BAND * top * (len(kinds) + series.index(label) + 1) / (levels + 1)
         ax.plot([x], [y], linestyle="none", marker=marker, markerfacecolor="none", color="black", markersize=5,
                 label=label, zorder=3, clip_on=False)
         ax.annotate(word, (x, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=6)
+
+
+def _systems_without_value(ax, ours: pd.DataFrame, drawn: set[str], hardware: str) -> None:
+    """A legend entry (its colour) for each system whose points here all lack a value, so that the
+    colour of its markers in the band is named."""
+    for system in dict.fromkeys(ours[ours["status"] != "ok"]["system"]):
+        if system not in drawn:
+            ax.bar([], [], color=SYSTEM_COLORS.get(system, "C7"), label=f"measured ({hardware}): {system}, no value")
 
 
 def _floor(ax, top: float, band: bool) -> None:
@@ -364,16 +405,17 @@ def _interval(ax, rows: pd.DataFrame, y: str, color: str, horizontal: bool = Fal
 
 def _draw_runs(ax, g: pd.DataFrame, spec: Experiment, y: str, name: str, label: str, marker: str, color: str,
                notes: list[str]) -> None:
-    """A series' points: solid between points of the same settings, dotted where they change (the
-    change added to `notes`)."""
+    """A series' points: one line through the points of one setting; where the settings change, the
+    next points are a line of their own, not joined to the last, with open markers (the change
+    added to `notes`)."""
     pieces = runs(g, spec)
     for k, piece in enumerate(pieces):
-        ax.plot(piece["x"], piece[y], marker=marker, color=color, label=label if k == 0 else "_nolegend_", **MEASURED)
+        other = dict(markerfacecolor="white", gid=SETTINGS_CHANGE) if k else {}
+        ax.plot(piece["x"], piece[y], marker=marker, color=color, label=label if k == 0 else "_nolegend_",
+                **MEASURED, **other)
         _interval(ax, piece, y, color)
         if k:
             a, b = pieces[k - 1].iloc[-1], piece.iloc[0]
-            ax.plot([a["x"], b["x"]], [a[y], b[y]], linestyle=":", color=color, alpha=0.7,
-                    gid=SETTINGS_CHANGE, label="_nolegend_")
             note = f"{name} {_fmt(a['x'])}->{_fmt(b['x'])}: {setting_changes(settings(a, spec), settings(b, spec))}"
             if note not in notes:
                 notes.append(note)
@@ -417,6 +459,7 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
                 ax.set_xlim(*((lo / 1.5, hi * 1.5) if spec.log_x else (lo - 0.05 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)))
         _floor(ax, top, band=len(bad) > 0 or bool(words))
         _no_value(ax, ours, top, words)
+        _systems_without_value(ax, ours, set(ok_all["system"]), hardware)
         ylabel = YLABELS[y]
         if spec.paper_quantity.get(y) and ref is not None and len(ref):  # two quantities: say which is which
             ylabel = f"{TITLES[y].lower()} (GiB)\nours: peak allocated; paper: {spec.paper_quantity[y].split(' (')[0]}"
@@ -429,8 +472,10 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
             xs = set(ours["x"].dropna()) | (set(paper["x"].dropna()) if "x" in paper and len(paper) else set())
             if len(xs) == 1:  # one x (the CPU's one tiny model): centred, not at the frame
                 ax.set_xlim(min(xs) / 3, min(xs) * 3)
+            elif xs:  # room at both ends for the band's markers set side by side
+                ax.set_xlim(min(xs) / 1.15, max(xs) * 1.15)
     shapes = shape_notes(ok_all, spec, _series(ok_all, spec)) if len(ok_all) else []
-    return fig, axes, [*((f"settings differ (dotted): {n}", "0.25") for n in notes),
+    return fig, axes, [*((f"settings differ (open markers): {n}", "0.25") for n in notes),
                        *((f"shape differs: {n}", "0.25") for n in shapes)]
 
 
@@ -440,13 +485,17 @@ def _model_series(rows: pd.DataFrame) -> pd.Series:
 
 
 def _not_drawn(rows: pd.DataFrame) -> list[tuple[str, str]]:
-    """The points without a value by id, a line per status (refused apart from not attempted), in the
-    status' colour."""
+    """The points without a value by id, a line per kind (refused by estimate apart from observed out
+    of memory, apart from not attempted), grey where nothing ran."""
     bad = rows[rows["status"] != "ok"]
+    if bad.empty:
+        return []
+    kinds = bad.apply(no_value_kind, axis=1)
     out = []
-    for status in sorted(bad["status"].unique(), key=lambda s: (s == "not_run", s)):
-        _, color, label = no_value_style(status)
-        out.append((f"not drawn, {label}: {', '.join(sorted(bad[bad['status'] == status]['id']))}", color))
+    for kind in sorted(kinds.unique(), key=lambda k: (k in GREY_KINDS, k)):
+        _, _, label = no_value_style(kind)
+        out.append((f"not drawn, {label}: {', '.join(sorted(bad[kinds == kind]['id']))}",
+                    "grey" if kind in GREY_KINDS else "0.15"))
     return out
 
 
@@ -495,7 +544,7 @@ def scaling(df: pd.DataFrame, spec: Experiment, hardware: str):
             ax.set_xticks(counts, [_fmt(c) for c in counts])
             ax.set_xlim(lo - 0.25 * max(hi - lo, 1), hi + 0.35 * max(hi - lo, 1))
         ax.set(xlabel=spec.label, ylabel=YLABELS[y], title=f"{TITLES[y]} by {spec.label.split(' (')[0]}")
-    return fig, axes, [*_not_drawn(ours), *((f"settings differ (dotted): {n}", "0.25") for n in notes)]
+    return fig, axes, [*_not_drawn(ours), *((f"settings differ (open markers): {n}", "0.25") for n in notes)]
 
 
 def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
@@ -509,7 +558,8 @@ def _reference(rows: pd.DataFrame, column: str, match) -> pd.Series | None:
 def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
     """One horizontal bar per measured point (labelled by the experiment's x, coloured by its
     system, its value beside it), then the paper's rows as open hatched bars below; a point that did
-    not run is a red status note at zero, a paper row printed as a word ("OOM") that word, in black.
+    not run is a note of what happened at zero, in its system's colour (grey where nothing ran), a
+    paper row printed as a word ("OOM") that word, in black.
     With the experiment's `reference`, each bar is its change against its own side's full
     configuration."""
     ours, paper = _split(df)
@@ -524,15 +574,19 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
                  if spec.paper_reference and len(paper) else None)
     relative = ref_ours is not None
     labels = [f"measured: {i}" if str(x) == str(i) else f"measured: {x} ({i})" for x, i in zip(ours["x"], ours["id"])]
+    if spec.x == "id":  # a grid point's id names no setup: its model, depth and tokens under it
+        labels = [f"{label}\n{_bar_setup(row)}" for label, (_, row) in zip(labels, ours.iterrows())]
     labels += [f"paper: {v}" for v in paper["x"].astype(str)] if len(paper) else []
     if relative:
         labels = [lab + ("  [full: 0%]" if i == ref_ours.name else "") for i, lab in zip(ours.index, labels[:n])] + \
                  [lab + ("  [full: 0%]" if ref_paper is not None and i == ref_paper.name else "")
                   for i, lab in zip(paper.index, labels[n:])]
-    fig, axes = plt.subplots(1, len(spec.panels), figsize=(5.8 * len(spec.panels), 0.35 * len(labels) + 1.9),
-                             squeeze=False, sharey=True)
+    per_bar = 0.5 if spec.x == "id" else 0.35  # two-line labels
+    fig, axes = plt.subplots(1, len(spec.panels), figsize=((5.8 if len(spec.panels) < 4 else 4.4) * len(spec.panels),
+                                                            per_bar * len(labels) + 1.9), squeeze=False, sharey=True)
     axes = list(axes[0])
-    unit = {"model_tflops": "TFLOP/s", "peak_host_GiB": "GiB", "peak_device_GiB": "GiB"}
+    unit = {"model_tflops": "TFLOP/s", "hardware_tflops": "TFLOP/s", "peak_host_GiB": "GiB", "peak_device_GiB": "GiB",
+            "step_time_s": "s", "tokens_per_s": "tokens/s", "params_B": "B"}
     for ax, y in zip(axes, spec.panels):
         vals = pd.to_numeric(ours[y], errors="coerce").where(ours["status"] == "ok")
         pts = paper_points(paper, spec, y) if len(paper) else None
@@ -550,25 +604,30 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
                     label=f"measured ({hardware}): {system}")
             if not relative:
                 _interval(ax, ours.iloc[at], y, "black", horizontal=True, at=at)
-        reasons = ours["reason"] if "reason" in ours else pd.Series("", index=ours.index)
-        for i, (status, reason, v, raw) in enumerate(zip(ours["status"], reasons, shown, vals)):
-            if status != "ok":
-                ax.annotate(status_note(status, reason), (0, i), xytext=(3, 0), textcoords="offset points",
-                            va="center", fontsize=7, color="red")
+        for i, ((_, row), v, raw) in enumerate(zip(ours.iterrows(), shown, vals)):
+            if row["status"] != "ok":  # what happened, in its system's colour (grey where nothing ran)
+                kind = no_value_kind(row)
+                ax.annotate(SHORT.get(kind, kind), (0, i), xytext=(3, 0), textcoords="offset points",
+                            va="center", fontsize=7, color=point_color(row["system"], kind))
             elif relative and pd.notna(v):
                 ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, i), xytext=(3 if v >= 0 else -3, 0),
                             textcoords="offset points", va="center", ha="left" if v >= 0 else "right", fontsize=6)
-            elif pd.notna(v):
-                ax.annotate(_fmt(v), (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=6)
+            elif pd.notna(v):  # beyond its interval's bar
+                end = max(v, row.get("model_tflops_high", np.nan)) if y == "model_tflops" and pd.notna(
+                    row.get("model_tflops_high")) else v
+                ax.annotate(_fmt(v), (end, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=6)
         if len(paper) and pshown.notna().any():
             ax.barh(range(n, n + len(paper)), pshown.fillna(0), fill=False, hatch="//", edgecolor="black",
                     label=f"paper ({spec.paper_hardware})")
-            if relative:
-                for i, (v, raw) in enumerate(zip(pshown, pvals)):
-                    if pd.notna(v):
-                        ax.annotate(f"{v:+.0f}% ({raw:.3g} {unit[y]})", (v, n + i), xytext=(3 if v >= 0 else -3, 0),
-                                    textcoords="offset points", va="center", ha="left" if v >= 0 else "right",
-                                    fontsize=6)
+            # the paper's value as it prints it (in its unit: GB, not our GiB)
+            cells = paper[spec.paper_y[y]] if spec.paper_y.get(y) in paper else pd.Series(None, index=paper.index)
+            punit = "GB" if y.endswith("_GiB") else unit.get(y, "")
+            for i, (v, cell) in enumerate(zip(pshown, cells)):
+                if pd.notna(v):
+                    text = f"{_printed(cell)} {punit}".strip()
+                    ax.annotate(f"{v:+.0f}% ({text})" if relative else text, (v, n + i),
+                                xytext=(3 if v >= 0 else -3, 0), textcoords="offset points", va="center",
+                                ha="left" if v >= 0 else "right", fontsize=6)
         printed = paper_words(paper, spec, y) if len(paper) else None
         for i, word in enumerate(printed["word"].reindex(paper.index) if printed is not None else ()):
             if isinstance(word, str):  # the paper's word where it printed no number ("OOM")
@@ -579,7 +638,7 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
         if relative:
             ax.axvline(0, color="black", lw=0.8)
             lo, hi = min([0, *shown.dropna(), *pshown.dropna()]), max([0, *shown.dropna(), *pshown.dropna()])
-            pad = max(hi - lo, 10) * 0.45  # room for the value labels
+            pad = max(hi - lo, 10) * 0.75  # room for the value labels
             ax.set_xlim(lo - pad, hi + pad)
             what = TITLES[y].lower()
             ax.set(xlabel=f"{what}: change vs its own full configuration (%)", title=f"{TITLES[y]}, relative")
@@ -587,7 +646,8 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
             top = max([*shown.dropna(), *pshown.dropna()], default=0)
             if top > 0:
                 ax.set_xlim(0, 1.15 * top)  # room for the value labels
-            ax.set(xlabel=YLABELS[y], title=TITLES[y])
+            quantity = spec.paper_quantity.get(y) if len(paper) and pshown.notna().any() else None
+            ax.set(xlabel=YLABELS[y] + (f"\nthe paper's: {quantity}" if quantity else ""), title=TITLES[y])
     axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
     axes[0].invert_yaxis()
     axes[0].set_ylabel(spec.label)
@@ -597,6 +657,57 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
         note.append((f"each bar against its own side's full configuration: ours against {ref_ours['id']}{theirs}",
                      "0.25"))
     return fig, axes, note
+
+
+def _tokens(row) -> str:
+    return f"{int(row['batch'])} x {int(row['accum'])} x {int(row['seq'])}"
+
+
+def _bar_setup(row) -> str:
+    """A point's model, depth and tokens a step: "32.8 B params, all layers, 8 x 2 x 4096 tokens"."""
+    parts = [f"{row['params_B']:.3g} B params"] if pd.notna(row.get("params_B")) else []
+    parts.append("all layers" if pd.isna(row.get("layers")) else f"{int(row['layers'])} layers")
+    if all(pd.notna(row.get(c)) for c in ("batch", "accum", "seq")):
+        parts.append(f"{_tokens(row)} tokens")
+    return ", ".join(parts)
+
+
+def _printed(cell) -> str:
+    """A paper cell as the paper prints it: 88.97, not 89."""
+    return f"{cell:.15g}" if isinstance(cell, (float, np.floating)) else str(cell)
+
+
+def setup_line(ours: pd.DataFrame, spec: Experiment) -> str:
+    """What the measured points ran with that no axis shows: decoder layers, tokens a step (batch x
+    micro-batches x sequence), MegaTrain's kernels, GPUs and the host, each value with the systems
+    that ran it where they differ; the x axis and what the experiment varies by design left out."""
+    rows = ours[ours["status"] == "ok"]
+    rows = rows if len(rows) else ours
+    if rows.empty:
+        return ""
+    fields = []
+    if spec.x != "layers":
+        fields.append(("layers", rows["layers"].map(lambda n: "all" if pd.isna(n) else f"{int(n)}")))
+    if spec.x != "seq" and not {"batch", "accum"} & set(spec.varies) and rows[["batch", "accum", "seq"]].notna().all().all():
+        fields.append(("tokens a step", rows.apply(_tokens, axis=1)))
+    if "kernels" in rows and rows["kernels"].notna().any():
+        fields.append(("MegaTrain's kernels", rows["kernels"]))
+    if spec.x != "gpus" and "gpus" in rows and (rows["gpus"].fillna(1) != 1).any():
+        fields.append(("GPUs", rows["gpus"].fillna(1).map(lambda n: f"{int(n)}")))
+    if "host_GiB" in rows and rows["host_GiB"].notna().any():
+        fields.append(("host", rows["host_GiB"].map(lambda v: f"{v:.0f} GiB" if pd.notna(v) else None)))
+    parts = []
+    for name, values in fields:
+        values = values.where(values.notna(), None)
+        kept = values.dropna()
+        if kept.empty:
+            continue
+        if kept.nunique() == 1:
+            parts.append(f"{name} {kept.iloc[0]}")
+            continue
+        by = {v: ", ".join(dict.fromkeys(rows.loc[kept.index[kept == v], "system"])) for v in dict.fromkeys(kept)}
+        parts.append(f"{name} " + "; ".join(f"{v} ({who})" for v, who in by.items()))
+    return "setup: " + "; ".join(parts) if parts else ""
 
 
 def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
@@ -616,7 +727,8 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
         gids |= {ln.get_gid() for ln in ax.get_lines()}
         ax.grid(alpha=0.3)
     if SETTINGS_CHANGE in gids:
-        entries["settings differ between the joined points (note)"] = Line2D([], [], linestyle=":", color="grey")
+        entries["open markers, a line apart: other settings than the series' earlier points (note)"] = Line2D(
+            [], [], marker="o", markerfacecolor="white", color="grey")
     if IDEAL in gids:
         entries["ideal: linear scaling from the line's 1-GPU point (its colour)"] = Line2D([], [], linestyle="--",
                                                                                           color="black")
@@ -631,7 +743,8 @@ def figure(df: pd.DataFrame, name: str, hardware: str, smoke: bool = False):
                               "measured here" if paper_drawn else ""), int(13 * width))
     fig.suptitle(title, fontsize=10)
     if spec.kind == "line":
-        notes = [(_failed_note(df[df["source"] == "measured"], spec), "red"), *notes]
+        notes = [(_failed_note(df[df["source"] == "measured"], spec), "0.15"), *notes]
+    notes = [(setup_line(df[df["source"] == "measured"], spec), "black"), *notes]
     note_lines = [(w, color) for n, color in notes if n for w in textwrap.wrap(n, int(19 * width))]
     note_in = 0.13 * len(note_lines) + (0.05 if note_lines else 0)
     columns = _legend_columns(list(entries), width)

@@ -25,6 +25,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from workflows.scripts import outputs
+
 RUNS = Path("runs")
 
 
@@ -120,6 +122,8 @@ def promote(run: Path) -> int:
                 target = dst / f.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, target)
+                if f.name.endswith(outputs.SUFFIX):  # a figure's record names its inputs where they now are
+                    outputs.moved(target, os.path.relpath(run), f"results/{hw}")
                 copied += 1
     print(f"{run}: {copied} files copied into results/{hw} and plots/{hw} ({len(points)} points); "
           f"review with git diff, then commit")
