@@ -62,7 +62,7 @@ def test_mapping_covers_the_paper_experiments():
         assert spec.x in aggregate.MEASURED_COLUMNS
     assert aggregate.experiment("scale").paper == ("figure1_scale",)
     assert aggregate.experiment("context").log_x and aggregate.experiment("ablations").kind == "bars"
-    assert set(aggregate.experiment("devices").paper) == {"table8_pcie_systems", "table9_consumer_gpus"}
+    assert set(aggregate.experiment("devices").paper) == {"table8_pcie_systems", "table9_consumer_gpus", "figure7_devices"}
     assert aggregate.experiment("nonsense") is aggregate.GENERIC
 
 
@@ -212,7 +212,7 @@ def test_the_papers_oom_is_drawn_as_its_word_in_the_no_value_band(tmp_path):
                             "model_tflops")["word"].tolist() == ["OOM"]
     bars = plot.figure(aggregate.table(_write(tmp_path / "d", "devices"), "devices"), "devices", "h100").axes[0]
     labels = [t.get_text() for t in bars.get_yticklabels()]
-    row = labels.index("paper: RTX A6000 / Qwen2.5-14B / ZeRO-3 Offload")
+    row = labels.index("paper: Table 9 / RTX A6000 / Qwen2.5-14B / ZeRO-3 Offload")
     assert [t.xy for t in bars.texts if t.get_text() == "OOM"][0] == (0, row)
 
 

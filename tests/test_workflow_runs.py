@@ -3,6 +3,8 @@ named by machine and commit, is compared with the committed results of its hardw
 last run, and becomes the committed results only when promoted."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.scripts import runs
+from workflows.scripts import outputs, runs
 
 pytestmark = pytest.mark.slow  # two CPU workflows: about a minute on the 2-core machine
 pytest.importorskip("snakemake")
@@ -58,6 +60,10 @@ def test_two_runs_of_one_machine_are_no_regression_and_promote_commits_the_secon
         assert (ROOT / "results" / hw / "points" / "one" / "p.json").read_bytes() == \
             (ROOT / folders[1] / "points" / "one" / "p.json").read_bytes()
         assert (ROOT / "plots" / hw / "one.png").exists()
+        record = json.loads((ROOT / "plots" / hw / "one.inputs.json").read_text())
+        assert list(record["inputs"]) == [f"results/{hw}/tables/one.csv"]  # where the figure's table now is
+        with contextlib.chdir(ROOT):
+            assert outputs.stale_record(Path("plots") / hw / "one.inputs.json") == []
     finally:
         for d in (ROOT / "runs" / hw, ROOT / "results" / hw, ROOT / "plots" / hw):
             shutil.rmtree(d, ignore_errors=True)

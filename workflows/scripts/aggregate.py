@@ -170,7 +170,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                           paper_x=lambda r: pd.to_numeric(r["context_K"], errors="coerce") * 1024,
                           paper_y={"model_tflops": "tflops", "peak_device_GiB": "mem_GB"},
                           paper_quantity={"peak_device_GiB": "\"Mem\" (Table 7; device, inferred)"},
-                          varies=("batch", "accum")),
+                          varies=("batch", "accum"),
+                          note="Table 7's 512K on all 28 layers ran on one GPU of the two-H200 host as "
+                               "long_context/ctx512k_L28, its checkpoints (one every 2 layers) offloaded to the "
+                               "host (results/h200/tables/long_context.md)."),
     "ablations": Experiment(("table4_ablations",), "id", "configuration", kind="bars",
                             panels=("model_tflops", "peak_device_GiB"),
                             paper_x=lambda r: r["configuration"],
