@@ -367,7 +367,8 @@ def test_the_legend_fits_the_figure_and_a_cut_model_names_its_layers(tmp_path):
     box, legend = fig.bbox, fig.legends[0].get_window_extent()
     assert box.x0 <= legend.x0 and legend.x1 <= box.x1
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert "2.02\n(7B,\n4 layers)" in ticks and "7.62\n(7B)" in ticks
+    # Ratel's own GPT at the spec's shape (4 layers, 7B's width, 64 tokens), not the preset's count
+    assert "1.16\n(7B,\n4 layers)" in ticks and "4.86\n(7B)" in ticks and "7.62\n(7B)" in ticks
     assert plot._legend_columns(["x" * 60], 3.0) == 1 and plot._legend_columns(["x"], 9.0) == plot.LEGEND_COLUMNS
 
 
@@ -552,3 +553,48 @@ def test_an_experiments_note_is_printed_under_its_figure(tmp_path):
     assert "Ratel's disk route" not in _texts(plot.figure(_table(tmp_path, "ratel", points), "ratel", "cpu",
                                                          smoke=True))
     assert not aggregate.experiment("depth").note
+
+
+def test_a_figure_states_its_setup_and_the_paper_as_it_prints_it(tmp_path):
+    """Under the figure: the layers, tokens a step, MegaTrain's kernels and the host, a value per
+    system where they differ; the paper's numbers as printed (Table 3's 88.97 beside 88.99, not 89)."""
+    mega = {**_result("megatrain", "qwen2.5-7b", layers=7, params=7_615_616_512, tflops=400.0),
+            "info": {"engine": {"norm_kernel": "compiled", "mlp_kernel": "compiled"}},
+            "env": {"host_memory_bytes": 126 * 2**30}}
+    zero = {**_result("zero3", "qwen2.5-7b", layers=4, params=7_615_616_512, tflops=200.0),
+            "env": {"host_memory_bytes": 126 * 2**30}}
+    df = _table(tmp_path, "scale", {"7b": mega, "7b_zero3": zero}, paper=[])
+    line = plot.setup_line(df, aggregate.experiment("scale"))
+    assert line == ("setup: layers: 7 (megatrain), 4 (zero3); tokens a step: 2 x 1 x 64; MegaTrain's kernels: "
+                    "compiled; host: 126 GiB")
+    assert any(t.get_text() == line for t in plot.figure(df, "scale", "h100").texts)
+    printed = aggregate.md_table(pd.DataFrame({"zero_infinity": [88.97], "megatrain": [88.99]}), printed=True)
+    assert "| 88.97 | 88.99 |" in printed
+    assert "| 89 | 89 |" in aggregate.md_table(pd.DataFrame({"a": [88.97], "b": [88.99]}))  # ours: 3 figures
+
+
+def test_ratel_sits_at_the_size_of_the_model_it_trains(tmp_path):
+    """Ratel trains a GPT of its own at the spec's shape: its points, run or refused, at that model's
+    parameters (4.88 B at Qwen2.5-7B's shape and 4096 tokens), not the preset's 7.62 B."""
+    ran = {**_result("ratel", "qwen2.5-7b", params=7_615_616_512, tflops=10.0, seq=4096),
+           "info": {"ratel_params": 4_876_928_000}}
+    refused = {**_result("ratel", "qwen2.5-7b", params=7_615_616_512, status="oom_host", seq=4096),
+               "reason": "ratel does not fit: disk space: needs 83.8 GiB, 63.7 GiB available"}
+    df = _table(tmp_path, "ratel", {"7b_ratel": ran, "7b_ratel_disk": refused}, paper=[]).set_index("id")
+    assert list(df["params"]) == [4_876_928_000, 4_876_928_000]
+    assert df.loc["7b_ratel_disk", "refused"] == "disk"
+
+
+def test_long_context_and_largest_show_what_they_are_about(tmp_path):
+    """long_context: the executed TFLOP/s beside the model TFLOP/s, and the step time; largest: the
+    parameters and the host memory; a bar of a grid point names its model, depth and tokens."""
+    point = {**_result("megatrain", "qwen2.5-7b", layers=4, params=2_020_000_000, seq=1_048_576, tflops=652.0)}
+    point["median"] |= {"hardware_tflops": 864.0, "step_time_s": 304.0}
+    df = _table(tmp_path, "long_context", {"ctx1m_L4": point})
+    assert df.loc[0, "hardware_tflops"] == 864.0
+    fig = plot.figure(df, "long_context", "h200x4")
+    assert [ax.get_title() for ax in fig.axes] == ["Throughput", "Executed FLOPs", "Step time", "Device memory"]
+    assert fig.axes[0].get_yticklabels()[0].get_text() == \
+        "measured: ctx1m_L4\n2.02 B params, 4 layers, 2 x 1 x 1048576 tokens"
+    assert [ax.get_title() for ax in plot.figure(df, "largest", "h200x4").axes] == \
+        ["Throughput", "Model size", "Host memory"]

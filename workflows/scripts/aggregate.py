@@ -252,6 +252,26 @@ def _width(result: dict, model: dict) -> float | None:
     return float(hidden) / base if hidden and base else (1.0 if base else None)
 
 
+def _trained_params(result: dict) -> int | None:
+    """The parameters of the model the system trains where that is not the spec's model: Ratel's
+    GPT at the spec's shape (4.88 B at 7B's), as its info counts it where it ran, else (refused before
+    it built one, or not run) by Ratel's own count from the spec's shape."""
+    counted = (result.get("info") or {}).get("ratel_params")
+    if counted or result.get("system") != "ratel":
+        return counted
+    try:  # only for Ratel's points: its module imports torch
+        from baselines.ratel import Ratel
+        from megatrain.presets import PRESETS
+    except ImportError:  # the workflow scripts also run without the engine installed
+        return None
+    model = (result.get("spec") or {}).get("model") or {}
+    shape = {**(PRESETS.get(model.get("preset")) or {}), **(model.get("overrides") or {})}
+    if not {"hidden_size", "num_hidden_layers", "vocab_size"} <= set(shape):
+        return None
+    return Ratel.ratel_params(shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"],
+                              result["spec"]["seq_len"])
+
+
 def rate_interval(result: dict) -> dict:
     """The model TFLOP/s at the ends of the median step's interval (suite/timing.py: from the
     result's `timing`, else from its steps after the warm-up), the steps measured and whether their
@@ -277,9 +297,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
     """One harness result (suite.runner's JSON) as one row."""
     spec, med, peak = result["spec"], result.get("median") or {}, result.get("peak") or {}
     model = spec.get("model") or {}
-    # the parameters of the model the system trains: Ratel trains a GPT of its own at the spec's
-    # shape (4.88 B at 7B's), not the spec's model
-    params = (result.get("info") or {}).get("ratel_params") or result.get("params")
+    params = _trained_params(result) or result.get("params")
     host, device = peak.get("host_rss_bytes"), peak.get("device_allocated_bytes")
     host_total = (result.get("env") or {}).get("host_memory_bytes")
     reason = result.get("reason")

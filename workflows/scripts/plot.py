@@ -7,24 +7,30 @@ panels and the paper's matching columns); an unknown experiment gets bars of TFL
 - Measured points are filled markers with solid lines, labelled "measured (<hardware>): <system>";
   the paper's are open black markers with dashed lines, labelled "paper (<its hardware>)[: <system>]".
   No two legend entries share a marker and colour.
-- A line is solid only between points run with the same settings (options, MegaTrain's layer
-  kernels as resolved, batch, accumulation, sequence length, but what the experiment varies by design); where they differ the two points are
-  joined by a dotted segment and the note under the figure says what changed.
+- A line joins only points run with the same settings (options, MegaTrain's layer kernels as
+  resolved, batch, accumulation, sequence length, but what the experiment varies by design); where
+  they differ, the next points are a line of their own with open markers, not joined, and the note
+  under the figure says what changed.
+- Under every figure, a setup line: layers, tokens a step, MegaTrain's kernels, GPUs and the host,
+  a value per system where they differ.
 - The paper's lower bounds ("above 250") are carets with an upward arrow, apart from its line; its
-  marked or qualified values carry their mark.
+  marked or qualified values carry their mark; a bar's paper value is printed as the paper prints it.
 - A point without a value sits in a grey "no value" band under the axis' zero, never at zero: a
-  marker per status, "refused (oom_host)" apart from "not attempted (no result file)". Under them,
-  the paper's points printed as a word ("OOM"): a row per paper series, its open marker with the
-  word beside it; on bars the word at zero.
+  marker per kind of what happened (refused by the harness's estimate, by host memory, device
+  memory or disk space; out of memory observed while running; timed out; unsupported; not
+  attempted; stale), each point in its system's colour, grey where nothing ran. Under them, the
+  paper's points printed as a word ("OOM"): a row per paper series, its open marker with the word
+  beside it; on bars the word at zero.
 - Where our quantity and the paper's differ (our device memory is the allocator's peak, the
   paper's Tables 5 and 6 print an allocation), the legend and the axis label say which is which.
-- Bars: one per point, in its system's colour (as on the line figures), its value beside it.
+- Bars: one per point, in its system's colour (as on the line figures), its value beside it; a
+  bar of a grid point (the experiment's x is the id) names its parameters, layers and tokens.
   Ablation bars (aggregate.Experiment.reference): each bar relative to its own side's full
   configuration, ours to ours and the paper's to the paper's.
 - A GPU-count experiment (kind "scaling"): one line per model and system over the GPU count, its
   ideal linear scaling from its 1-GPU point dashed in its colour, each point's speed-up over that
   point beside it; its points without a value are listed by id under the axes (several lines share
-  an x, so a marker in the band would not say whose it is), refused apart from not attempted.
+  an x, so a marker in the band would not say whose it is), a line per kind.
 - The title speaks of the paper's points only where some are drawn.
 - --smoke-test (the CPU grid): the figure says it is a smoke test, without the paper's points.
 The paper's memory (printed in GB, 10^9 bytes) is drawn in GiB like ours.
@@ -262,6 +268,16 @@ def series_styles(names: list[str]) -> dict[str, tuple[str, str]]:
     return style
 
 
+def _series_color(name: str, system: str, style: dict[str, tuple[str, str]]) -> str:
+    """The colour of the drawn series a point belongs to (by name, else by name without its depth,
+    "ratel offload=disk (all layers)" -> "ratel offload=disk"); its system's where none is drawn."""
+    if name in style:
+        return style[name][1]
+    base = name.split(" (")[0]
+    same = [color for drawn, (_, color) in style.items() if drawn.split(" (")[0] == base]
+    return same[0] if same else SYSTEM_COLORS.get(system, "C7")
+
+
 def _fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, (float, np.floating)) else str(x)
 
@@ -285,14 +301,17 @@ def _axis_top(values) -> float:
     return top * 1.12 if top > 0 else 1.0
 
 
-def _no_value(ax, rows: pd.DataFrame, top: float, words: list[tuple] = ()) -> None:
+def _no_value(ax, rows: pd.DataFrame, top: float, words: list[tuple] = (), colors: dict | None = None) -> None:
     """The points without a value in the grey band under zero: a row per kind (refused by estimate,
-    by memory; observed out of memory; timed out; ...), each point in its system's colour (grey where
-    nothing ran), side by side where systems share an x, the kind's own legend entry; under them
-    the paper's points printed as a word (`words`: x, word, its series' label and marker), a row per
-    paper series, its open marker with the word beside it."""
+    by memory; observed out of memory; timed out; ...), each point in its series' colour (`colors`,
+    by row; else its system's), grey where nothing ran, side by side where series share an x, the
+    kind's own legend entry; under them the paper's points printed as a word (`words`: x, word, its
+    series' label and marker), a row per paper series, its open marker with the word beside it."""
     bad = rows[(rows["status"] != "ok") & rows["x"].notna()]
-    bad = bad.assign(kind=bad.apply(no_value_kind, axis=1)) if len(bad) else bad.assign(kind=[])
+    bad = bad.assign(kind=bad.apply(no_value_kind, axis=1) if len(bad) else [],
+                     color=[point_color(s, k) if k in GREY_KINDS else (colors or {}).get(i, point_color(s, k))
+                            for i, s, k in zip(bad.index, bad["system"], bad.apply(no_value_kind, axis=1))]
+                     if len(bad) else [])
     kinds = sorted(bad["kind"].unique(), key=lambda k: (k in GREY_KINDS, k))
     series = list(dict.fromkeys(label for _, _, label, _ in words))
     levels = len(kinds) + len(series)
@@ -300,12 +319,12 @@ def _no_value(ax, rows: pd.DataFrame, top: float, words: list[tuple] = ()) -> No
         marker, color, label = no_value_style(kind)
         y = -BAND * top * (k + 1) / (levels + 1)
         these = bad[bad["kind"] == kind]
-        systems = list(dict.fromkeys(these["system"]))
-        for j, system in enumerate(systems):  # side by side, 0.09 inch apart, so that none hides another
-            shift = matplotlib.transforms.ScaledTranslation(0.09 * (j - (len(systems) - 1) / 2), 0,
+        shades = list(dict.fromkeys(these["color"]))
+        for j, shade in enumerate(shades):  # side by side, 0.09 inch apart, so that none hides another
+            shift = matplotlib.transforms.ScaledTranslation(0.09 * (j - (len(shades) - 1) / 2), 0,
                                                            ax.figure.dpi_scale_trans)
-            xs = these[these["system"] == system]["x"]
-            ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=point_color(system, kind),
+            xs = these[these["color"] == shade]["x"]
+            ax.plot(xs, [y] * len(xs), linestyle="none", marker=marker, color=shade,
                     markersize=7, label="_nolegend_", zorder=3, clip_on=False, transform=ax.transData + shift)
             ax.update_datalim([(x, y) for x in xs])  # a shifted line is no data to the autoscale: its points are
             ax.autoscale_view()
@@ -434,6 +453,8 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
     names = sorted(set(_series(ok_all, spec)), key=lambda n: (n.split(" (")[0], "(all layers)" not in n, n)) \
         if len(ok_all) else []
     style = series_styles(names)
+    # each point's colour: its series' (a system's second series, Ratel's disk route, has its own)
+    colors = {i: _series_color(n, system, style) for i, n, system in zip(ours.index, _series(ours, spec), ours["system"])}
     paper_markers: dict[str, str] = {}
     notes: list[str] = []
     for ax, y in zip(axes, spec.panels):
@@ -458,7 +479,7 @@ def lines(df: pd.DataFrame, spec: Experiment, hardware: str):
                 lo, hi = ours["x"].min(), ours["x"].max()
                 ax.set_xlim(*((lo / 1.5, hi * 1.5) if spec.log_x else (lo - 0.05 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)))
         _floor(ax, top, band=len(bad) > 0 or bool(words))
-        _no_value(ax, ours, top, words)
+        _no_value(ax, ours, top, words, colors)
         _systems_without_value(ax, ours, set(ok_all["system"]), hardware)
         ylabel = YLABELS[y]
         if spec.paper_quantity.get(y) and ref is not None and len(ref):  # two quantities: say which is which
@@ -703,10 +724,10 @@ def setup_line(ours: pd.DataFrame, spec: Experiment) -> str:
         if kept.empty:
             continue
         if kept.nunique() == 1:
-            parts.append(f"{name} {kept.iloc[0]}")
+            parts.append(f"{name}: {kept.iloc[0]}")
             continue
         by = {v: ", ".join(dict.fromkeys(rows.loc[kept.index[kept == v], "system"])) for v in dict.fromkeys(kept)}
-        parts.append(f"{name} " + "; ".join(f"{v} ({who})" for v, who in by.items()))
+        parts.append(f"{name}: " + ", ".join(f"{v} ({who})" for v, who in by.items()))
     return "setup: " + "; ".join(parts) if parts else ""
 
 
