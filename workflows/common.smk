@@ -45,9 +45,9 @@ wildcard_constraints:
 
 def point_source(wildcards):
     """A `same_as` point's source result (made first, and once); none for a point that runs. None
-    with partial=true, which runs no point: a source newer than its copy (as a checkout may leave
-    them) would otherwise have the copy run again, and on a machine without the grid's GPU its job
-    fail and its result be deleted."""
+    with partial=true, which runs no point, so that nothing of a source can make a partial drawing
+    run its copy again (one did, h200's depth/L28_zero3 on a machine without the grid's GPU: the job
+    failed and Snakemake deleted the committed result)."""
     same_as = POINTS[(wildcards.experiment, wildcards.id)].get("same_as")
     return [f"{RESULTS}/points/{same_as}.json"] if same_as and not PARTIAL else []
 
