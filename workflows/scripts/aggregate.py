@@ -438,7 +438,8 @@ def ratios(df: pd.DataFrame, experiment: str, hardware: str) -> list[str]:
     if claims.empty:
         return []
     ours = df[df["source"] == "measured"]
-    label = EXPERIMENTS.get(experiment, GENERIC).label
+    spec = EXPERIMENTS.get(experiment, GENERIC)
+    label = "model" if spec.kind == "bars" else spec.label  # bars pair the two systems' points by model size
     out = ["", f"## The paper's ratios beside the same ratios measured on {hardware}", "",
            "A ratio is the first system's value over the second's at the same x, both on the paper's hardware "
            f"(its section above) or both on {hardware}; a measured ratio pairs two points that ran with the "
