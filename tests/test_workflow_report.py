@@ -435,7 +435,8 @@ def test_ablation_bars_are_relative_to_their_own_full_configuration(tmp_path):
     labels = [t.get_text().split("\n")[0] for t in ax.get_yticklabels()]  # under each id: its setup
     widths = dict(zip(labels, [p.get_width() for p in ax.patches]))
     assert labels[0].startswith("measured: base_K1")  # our full configuration first
-    assert widths[labels[0]] == 0 and widths["measured: one_buffer"] == pytest.approx(-5.0)
+    assert widths[labels[0]] == 0 and widths['measured: one_buffer = paper\'s "w/o Double Buffering"'] == \
+        pytest.approx(-5.0)  # the paper's row of the same configuration named beside it
     assert widths["measured: K2"] == pytest.approx(1.0)
     paper = {k: v for k, v in widths.items() if k.startswith("paper")}
     assert paper["paper: w/o Double Buffering"] == pytest.approx(100 * (182.91 / 266.3 - 1))  # -31%

@@ -143,6 +143,8 @@ class Experiment:
     # relative to its own side's full configuration
     reference: tuple[str, ...] = ()
     paper_reference: str | None = None
+    # bars: our point ids -> the paper's row of the same configuration, named beside the bar
+    paper_rows: dict = field(default_factory=dict)
     # the step model's predictions for the paper's rows on the paper's machines, in a section of
     # their own, with the model against this table's measured points (suite/projection.py)
     predicted: bool = False
@@ -180,7 +182,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                             paper_y={"model_tflops": "tflops", "peak_device_GiB": "device_mem_GB"},
                             paper_quantity={"peak_device_GiB": "\"Device Mem\" (Table 4)"},
                             paper_hardware="GH200 (not stated; inferred)",
-                            reference=("full", "base", "base_K1"), paper_reference="(full)"),
+                            reference=("full", "base", "base_K1"), paper_reference="(full)",
+                            paper_rows={"full": "MegaTrain (full)", "one_buffer": "w/o Double Buffering",
+                                        "sync_grads": "w/o Gradient Slab Pool", "K1": "w/ Checkpoint Interval=1"}),
     # Appendix B: Ratel's throughput per model size (the paper's on GH200; ours where a checkout runs)
     "ratel": Experiment(("appendix_b_ratel",), "params_B", "model size (billion parameters)", log_x=True,
                         panels=("model_tflops",), paper_x=lambda r: r["model"].map(model_params_b),

@@ -595,6 +595,8 @@ def bars(df: pd.DataFrame, spec: Experiment, hardware: str):
                  if spec.paper_reference and len(paper) else None)
     relative = ref_ours is not None
     labels = [f"measured: {i}" if str(x) == str(i) else f"measured: {x} ({i})" for x, i in zip(ours["x"], ours["id"])]
+    labels = [lab + (f" = paper's \"{spec.paper_rows[i]}\"" if i in spec.paper_rows and len(paper) else "")
+              for lab, i in zip(labels, ours["id"])]
     if spec.x == "id":  # a grid point's id names no setup: its model, depth and tokens under it
         labels = [f"{label}\n{_bar_setup(row)}" for label, (_, row) in zip(labels, ours.iterrows())]
     labels += [f"paper: {v}" for v in paper["x"].astype(str)] if len(paper) else []
