@@ -159,8 +159,32 @@ def test_the_one_pass_update_lets_other_threads_run():
     held = ctypes.PyDLL(str(fused_adamw.build().path)).megatrain_adamw_whole
     held.restype, held.argtypes = None, fused_adamw.build().library.megatrain_adamw_whole.argtypes
     args = (master.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), shadow.data_ptr(), n, n, 1.0, 1e-3, 0.9,
-            0.95, 0.0, 1e-8, 1.0, 0, 1)
+            0.95, 0.0, 1e-8, 1.0, 0, 1, fused_adamw.build().form)
     assert all(k < 5 for k in calls_with_ticks_inside(lambda: held(*args))), "the criterion does not tell a held GIL"
+
+
+def test_the_forms_found_are_torchs_and_the_probe_tells_them_apart():
+    """torch's builds fuse different products and sums (its AVX2 and AVX-512 kernels the second
+    moment's differently): the load finds the forms that are torch's here. The probe that finds
+    them tells the forms apart, so it cannot pass a wrong one: of the vector and the scalar forms,
+    each gives numbers no other gives (an update of random state at torch's and the kernel's
+    default betas and weight decay)."""
+    build = fused_adamw.build()
+    assert build.why is None and build.form in {v | s for v in fused_adamw.VECTOR_FORMS for s in fused_adamw.SCALAR_FORMS}
+    gen = torch.Generator().manual_seed(1)
+    for forms, n in ((fused_adamw.VECTOR_FORMS, 64 * fused_adamw.VECTOR), (fused_adamw.SCALAR_FORMS, fused_adamw.VECTOR - 1)):
+        state = [torch.randn(n * 64, generator=gen) * 1e-2, torch.randn(n * 64, generator=gen) * 1e-3,
+                 torch.rand(n * 64, generator=gen) * 1e-5]
+        results = set()
+        for form in forms:
+            p, m, v = torch.zeros(n * 64), state[1].clone(), state[2].clone()
+            for piece in range(64):  # calls of n elements: all vectors, or all scalar tail
+                a, b = piece * n, (piece + 1) * n
+                build.library.megatrain_adamw_whole(p[a:b].data_ptr(), state[0][a:b].data_ptr(),
+                                                    m[a:b].data_ptr(), v[a:b].data_ptr(), None, n, n - n % fused_adamw.VECTOR,
+                                                    1.0, 1e-3, 0.9, 0.999, 0.01, 1e-8, 1.0, 0, 1, form)
+            results.add((m.view(torch.int32).numpy().tobytes(), v.view(torch.int32).numpy().tobytes()))
+        assert len(results) == len(forms)
 
 
 def test_a_second_process_builds_nothing(tmp_path):
