@@ -1,15 +1,19 @@
 """The results summary: one row per committed point, the one place README.md takes its numbers from.
 
     python -m workflows.scripts.summary            # write results/summary.md, results/summary.csv, README's table
-    python -m workflows.scripts.summary --check    # exit 1, naming the file, where a committed one is not current
+    python -m workflows.scripts.summary --check    # write nothing; exit 1 naming what is not current
 
-A row is one harness result under `results/<machine>/points/` (a smoke grid's machine, the CPU's,
-left out: its numbers measure nothing): the machine, the point, the system, the model, the setting
-(sequences x micro-batches x tokens, GPUs, options), its status, the figures (model and executed
+A row is one harness result under `results/<machine>/points/` of a machine that a grid in
+`workflows/grids/` names (a smoke grid's, the CPU's, left out: its numbers measure nothing): the
+machine, the point, the system, the model, the setting (sequences x micro-batches x tokens, GPUs,
+options), its status, the figures (model and executed
 TFLOP/s, the step, tokens per second, the speed-up over the same point on one GPU, host and device
 peaks, the ratio to the single-layer ceiling), the commit it ran at and its file. A result whose
 grid point has changed since it ran is marked stale (`workflows.scripts.grid.stale`). README.md's
-results table is HEADLINE's rows rendered from the same rows, between the two markers there.
+results table is HEADLINE's rows rendered from the same rows, between the two markers there, and
+every decimal number of README's prose (outside code) must be a figure of the summary: `--check`
+and tests/test_docs.py fail on one typed by hand. `python -m workflows.scripts.runs promote` runs
+this after copying a run's points in.
 """
 from __future__ import annotations
 
@@ -18,13 +22,13 @@ import csv
 import functools
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-GRIDS = ROOT / "workflows" / "grids"
 GiB = 2**30
 
 # README's results table: a handful of points (machine, experiment/id), the rest in results/summary.md.
@@ -53,13 +57,11 @@ FORMATS = {"params_B": "{:.2f}", "model_tflops": "{:.1f}", "executed_tflops": "{
 
 
 def machines(root: Path = ROOT) -> list[str]:
-    """The machines with committed points, a smoke grid's left out."""
-    smoke = set()
-    for grid in sorted((root / "workflows" / "grids").glob("*.yaml")):
-        data = yaml.safe_load(grid.read_text(encoding="utf-8"))
-        if data.get("smoke_test"):
-            smoke.add(data["hardware"])
-    return sorted(p.parent.name for p in (root / "results").glob("*/points") if p.parent.name not in smoke)
+    """The machines with points under results/ whose grids are in workflows/grids, a smoke grid's left
+    out (a folder of another hardware name is no grid's: a test's, or a copy from elsewhere)."""
+    grids = [yaml.safe_load(g.read_text(encoding="utf-8")) for g in (root / "workflows" / "grids").glob("*.yaml")]
+    measured = {g["hardware"] for g in grids if not g.get("smoke_test")} - {g["hardware"] for g in grids if g.get("smoke_test")}
+    return sorted(p.parent.name for p in (root / "results").glob("*/points") if p.parent.name in measured)
 
 
 def point_files(root: Path = ROOT) -> list[Path]:
@@ -237,6 +239,22 @@ def readme_with_headline(readme: str, table: list[dict]) -> str:
     return readme[:start] + headline(table) + readme[end:]
 
 
+DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?:\.\d+)*")
+
+
+def prose(markdown_text: str) -> str:
+    """Markdown without its code (fenced blocks, code spans), link targets and comments."""
+    for pattern in (r"```.*?```", r"`[^`\n]*`", r"\]\([^)]*\)", r"<!--.*?-->"):
+        markdown_text = re.sub(pattern, " ", markdown_text, flags=re.S)
+    return markdown_text
+
+
+def unsourced(readme: str, summary: str) -> list[str]:
+    """The decimal numbers of README's prose that are no figure of the summary: typed by hand."""
+    figures = set(DECIMAL.findall(summary))
+    return sorted({n for n in DECIMAL.findall(prose(readme)) if n not in figures})
+
+
 def outputs(root: Path = ROOT) -> dict[Path, str]:
     """Each generated file and the text it should hold."""
     table = rows(root)
@@ -246,21 +264,30 @@ def outputs(root: Path = ROOT) -> dict[Path, str]:
             readme: readme_with_headline(readme.read_text(encoding="utf-8"), table)}
 
 
+def problems(root: Path = ROOT, write: bool = False) -> list[str]:
+    """What is not as the committed points make it: each generated file that differs (written anew
+    where `write`), and each number of README's prose that the summary does not hold."""
+    found = []
+    made = outputs(root)
+    for path, text in made.items():
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            if write:
+                path.write_text(text, encoding="utf-8")
+            else:
+                found.append(f"{path.relative_to(root).as_posix()} is not current (python -m workflows.scripts.summary)")
+    numbers = unsourced(made[root / "README.md"], made[root / "results" / "summary.md"])
+    if numbers:
+        found.append(f"README.md quotes numbers that results/summary.md does not hold: {', '.join(numbers)}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workflows.scripts.summary", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that is not current")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming what is not current")
     args = ap.parse_args(argv)
-    stale = []
-    for path, text in outputs().items():
-        current = path.read_text(encoding="utf-8") if path.exists() else None
-        if current != text:
-            stale.append(path.relative_to(ROOT).as_posix())
-            if not args.check:
-                path.write_text(text, encoding="utf-8")
-    if args.check and stale:
-        print(f"not current: {', '.join(stale)} (python -m workflows.scripts.summary makes them)", file=sys.stderr)
-        return 1
-    return 0
+    found = problems(write=not args.check)
+    print("\n".join(found), file=sys.stderr)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
