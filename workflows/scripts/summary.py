@@ -6,7 +6,7 @@
 A row is one harness result under `results/<machine>/points/` of a machine that a grid in
 `workflows/grids/` names (a smoke grid's, the CPU's, left out: its numbers measure nothing): the
 machine, the point, the system, the model, the setting (sequences x micro-batches x tokens, GPUs,
-options), its status, the figures (model and executed
+options), its status and, where it did not run, why, the figures (model and executed
 TFLOP/s, the step, tokens per second, the speed-up over the same point on one GPU, host and device
 peaks, the ratio to the single-layer ceiling), the commit it ran at and its file. A result whose
 grid point has changed since it ran is marked stale (`workflows.scripts.grid.stale`). README.md's
@@ -47,7 +47,7 @@ HEADLINE = [
 ]
 BEGIN, END = "<!-- results table: python -m workflows.scripts.summary -->", "<!-- end of the results table -->"
 
-COLUMNS = ["machine", "point", "system", "model", "params_B", "setting", "status", "model_tflops",
+COLUMNS = ["machine", "point", "system", "model", "params_B", "setting", "status", "why", "model_tflops",
            "executed_tflops", "step_s", "tokens_per_s", "vs_1_gpu", "host_GiB", "device_GiB",
            "ceiling_ratio", "stale", "commit", "file"]
 # The Markdown's figures, each as README quotes it.
@@ -101,6 +101,14 @@ def _model(result: dict) -> str:
     return f"{name} ({', '.join(extra)})" if extra else name
 
 
+def _why(result: dict) -> str:
+    """A result that did not run: its reason's first clause (a refusal up front says what does not fit,
+    with the bytes needed and available; an out-of-memory, a timeout or an error says so)."""
+    if result["status"] == "ok" or not result.get("reason"):
+        return ""
+    return " ".join(result["reason"].split()).split(" (")[0][:160]
+
+
 def _ranks_key(result: dict) -> tuple:
     """What a point runs but its GPU count, per GPU: the 1-GPU point a data-parallel one scales."""
     spec, gpus = result["spec"], result["spec"].get("gpus") or 1
@@ -150,6 +158,7 @@ def rows(root: Path = ROOT) -> list[dict]:
             "machine": hw, "point": f"{experiment}/{point_id}", "system": r["system"], "model": _model(r),
             "params_B": r["params"] / 1e9 if r.get("params") else None, "setting": _setting(r),
             "status": r["status"] + (f" (same run as {r['same_as']})" if r.get("same_as") else ""),
+            "why": _why(r),
             "model_tflops": med.get("model_tflops") if ok else None,
             "executed_tflops": executed_tflops(r),
             "step_s": med.get("step_time_s") if ok else None,
