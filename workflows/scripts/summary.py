@@ -182,8 +182,8 @@ def _cell(row: dict, column: str) -> str:
 
 
 def machines_table(root: Path = ROOT) -> list[str]:
-    """Each machine as its results' environments say (GPU, GPUs on the host, cores, host memory)."""
-    lines = ["| machine | GPU | GPUs on the host | cores | host memory (GiB, as read; as admitted against) |",
+    """Each machine as its results' environments say (GPU, GPUs a point saw, cores, host memory)."""
+    lines = ["| machine | GPU | GPUs a point saw | cores | host memory (GiB, as read; as admitted against) |",
              "| --- | --- | ---: | ---: | --- |"]
     for hw in machines(root):
         envs = [json.loads(p.read_text(encoding="utf-8")).get("env") or {} for p in point_files(root)
@@ -205,8 +205,10 @@ def markdown(table: list[dict], root: Path = ROOT) -> str:
             "the paper's numbers.", "",
             "Model TFLOP/s count `6N + 12·L·h·s` FLOPs a token (this project's convention, "
             "`megatrain/metrics.py`: causal attention counted as the whole square); executed TFLOP/s "
-            "are what the kernels ran (recompute included, causal attention as half the square). "
-            "`setting`: sequences x micro-batches x tokens a sequence, then GPUs and options; "
+            "are what the kernels ran (recompute included, causal attention as half the square), where the "
+            "result records its executed FLOPs (MegaTrain's, since they were recorded). "
+            "`setting`: sequences a micro-batch (all GPUs together) x micro-batches a step x tokens a "
+            "sequence, then GPUs and options; `why`: where a point did not run, its reason's first clause; "
             "`vs_1_gpu`: tokens per second over the same point's on one GPU; host and device: peak GiB; "
             "`stale`: the grid point has changed since the result was made; `commit`: `*` where the tree "
             "had uncommitted changes.", "",
