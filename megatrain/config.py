@@ -124,7 +124,7 @@ class EngineConfig:
     # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14 (the eager CPU update about 2x slower, the compiled one about as fast:
+    # instead of 14 (the eager CPU update 2-4x slower, the compiled one about as fast:
     # docs/host-store.md); auto: only when the
     # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
     split_masters: bool | Literal["auto"] = "auto"
