@@ -137,8 +137,9 @@ class EngineConfig:
     grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
-    # many as the memory plan leaves device room for (resolve.py)
-    device_tiles: int | Literal["auto"] = 0
+    # many as the memory plan leaves device room for (resolve.py), none on the CPU; 0: every
+    # update on the host, as the paper's system does
+    device_tiles: int | Literal["auto"] = "auto"
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
     # memory plan fits the device, else the largest chunk that makes it fit (resolve.py)
