@@ -119,9 +119,13 @@ class ModelConfig:
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    master_dtype: Literal["float32", "bfloat16"] = "float32"  # float32: true full precision; bfloat16: the paper's 12 B/param
+    # the masters AdamW updates: float32, full precision, 14 B/param on the host (master 4, moments 8,
+    # bf16 shadow 2; clipping keeps a float32 gradient besides: 18); bfloat16, not full precision,
+    # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14, for a CPU update about 2x slower (docs/host-store.md); auto: only when the
+    # instead of 14 (the eager CPU update 2-4x slower, the compiled one about as fast:
+    # docs/host-store.md); auto: only when the
     # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
     split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
@@ -240,17 +244,18 @@ class EngineSettings:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
+    lr: float = 1e-5  # the peak learning rate, reached at the end of the warm-up
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's decay rates of the two moments
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.0  # decoupled (AdamW)
     # which parameters take weight_decay: matrices (no decay on norms and biases, as the HF Trainer),
     # or all (torch.optim.AdamW over model.parameters())
     decay: Literal["matrices", "all"] = "matrices"
     max_grad_norm: float | None = 1.0  # None disables clipping
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warm-up to lr
+    # after the warm-up: cosine, down to lr x min_lr_ratio at the last step; or constant, lr throughout
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine schedule's last learning rate, as a fraction of lr
 
     def __post_init__(self):
         check_types(self, "optim")
@@ -280,10 +285,10 @@ class DataConfig:
     # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
     # conversations of {from, value} (megatrain/data/formats.py)
     format: Literal["text", "instruction", "alpaca", "chat", "sharegpt"] = "text"
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
+    text_field: str = "text"  # format text: the column of the text
+    prompt_field: str = "prompt"  # format instruction: the column of the prompt
+    response_field: str = "response"  # format instruction: the column of the response
+    messages_field: str = "messages"  # format chat: the column of the list of {role, content}
     # instruction/alpaca: auto uses the tokenizer's chat template if it has one, else plain
     # (BOS prompt separator response EOS)
     template: Literal["auto", "chat", "plain"] = "auto"
@@ -295,7 +300,7 @@ class DataConfig:
     packing: bool = False  # several examples per row, attention and positions kept apart
     batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
-    seed: int = 0
+    seed: int = 0  # the examples' order each epoch, the eval_fraction split, synthetic data's tokens
     num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
     eval_path: str | None = None  # held-out data in the same format
     eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
@@ -346,7 +351,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     steps: int | None = None  # optimizer steps; None: from epochs, or 10
     epochs: float | None = None  # passes over the data instead of steps (data.source file)
-    seed: int = 0
+    seed: int = 0  # the random initialisation of the weights (model.preset or model.config)
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
     save_every: int | None = None  # steps between training-state saves; None: only at the end
     resume: bool = False  # continue from output_dir/state (refused if there is none)
@@ -485,14 +490,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     return _build(TrainConfig, tree, "")
 
 
-def settings_help() -> str:
-    """Every key of a run file with its type, default and meaning, read from these dataclasses
-    (the meaning is the field's comment in this file, so the help cannot drift from the code)."""
+SECTIONS = (("", "TrainConfig"), ("model", "ModelConfig"), ("engine", "EngineConfig"), ("optim", "OptimConfig"),
+            ("data", "DataConfig"))
+
+
+def settings_fields() -> list[tuple[str, str, str, Any, str]]:
+    """(section, key, type, default, meaning) of every key of a run file, read from these dataclasses
+    (the default dataclasses.MISSING where the key is required):
+    the meaning is the field's comment in this file, so neither `--help` nor docs/config.md can
+    drift from the code."""
     import inspect
-    import re
-    lines = []
-    for section, cls in (("", TrainConfig), ("model", ModelConfig), ("engine", EngineConfig),
-                         ("optim", OptimConfig), ("data", DataConfig)):
+    out = []
+    for section, name in SECTIONS:
+        cls = globals()[name]
         comments, above = {}, []
         for line in inspect.getsource(cls).splitlines():
             text = line.strip()
@@ -504,18 +514,23 @@ def settings_help() -> str:
                 comments[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
             above = []
         hints = get_type_hints(cls)
-        lines.append(f"[{section or 'top level'}]")
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = "(required)"
-            name = f"{section}.{f.name}" if section else f.name
-            lines.append(f"  {name}: {_type_name(hints[f.name])}; default {default!r}")
-            if comments.get(f.name):
-                lines.append(f"      {comments[f.name]}")
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            out.append((section, f"{section}.{f.name}" if section else f.name, _type_name(hints[f.name]), default,
+                        comments.get(f.name, "")))
+    return out
+
+
+def settings_help() -> str:
+    """Every key of a run file with its type, default and meaning (settings_fields), as `--help` prints it."""
+    lines, last = [], None
+    for section, key, type_name, default, meaning in settings_fields():
+        if section != last:
+            lines.append(f"[{section or 'top level'}]")
+            last = section
+        lines.append(f"  {key}: {type_name}; " + ("required" if default is dataclasses.MISSING else f"default {default!r}"))
+        if meaning:
+            lines.append(f"      {meaning}")
     return "\n".join(lines)

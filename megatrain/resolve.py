@@ -13,13 +13,14 @@ before it settled:
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
                        the 14-byte plan does not fit the host and the 12-byte one does: the split
                        update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
-                       (decided with 4 gradient slabs where those are auto)
-  grad_slabs           8 where the plan with 8 fits the host, else 4: past 4, the launching thread
+                       (decided with 4 gradient slabs where those are auto, with 2 where neither plan fits with 4)
+  grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
+                       if 2 do not fit, naming the slabs): past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
                        optimizer can leave more of the last layers' pieces for the next forward to
                        overlap (optim.py), for a layer's float32 gradient of pinned host memory
-                       each; fewer than 4 only when asked
+                       each
 The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
 and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.
 """

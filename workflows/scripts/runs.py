@@ -106,7 +106,8 @@ def compare(run: Path) -> int:
 
 
 def promote(run: Path) -> int:
-    """Copy the run's points and tables to results/<hardware>/ and its figures to plots/<hardware>/."""
+    """Copy the run's points and tables to results/<hardware>/ and its figures to plots/<hardware>/, then
+    make the results summary and README's results table from the committed points (summary.py)."""
     points = _points(run / "points")
     if not points:
         print(f"error: {run}: no points to promote (a run folder holds points/, tables/, plots/)", file=sys.stderr)
@@ -121,8 +122,11 @@ def promote(run: Path) -> int:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, target)
                 copied += 1
-    print(f"{run}: {copied} files copied into results/{hw} and plots/{hw} ({len(points)} points); "
-          f"review with git diff, then commit")
+    from workflows.scripts import summary
+    left = summary.problems(write=True)  # the summary and README's table, from the points now committed
+    print(f"{run}: {copied} files copied into results/{hw} and plots/{hw} ({len(points)} points), "
+          f"results/summary.md and README.md's results table made from them; review with git diff, then commit"
+          + "".join(f"\n{line}" for line in left))
     return 0
 
 
