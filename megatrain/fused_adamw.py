@@ -138,10 +138,11 @@ def build() -> Build:
     return _build
 
 
-# host_adamw.cpp's `form`: the vector second moment's three forms and the vector lerp's two (the
-# order: what torch's builds were seen to do first), then the scalar formula's likewise
-VECTOR_FORMS = [moment | lerp << 2 for lerp in (0, 1) for moment in (0, 1, 2)]
-SCALAR_FORMS = [moment << 3 | lerp << 5 for lerp in (0, 1) for moment in (0, 1, 2)]
+# host_adamw.cpp's `form`: the vector second moment's three forms, the vector lerp's two and the
+# vector step's two (the order: what torch's builds were seen to do first), then the scalar
+# formula's likewise
+VECTOR_FORMS = [moment | lerp << 2 | step << 6 for step in (0, 1) for lerp in (0, 1) for moment in (0, 1, 2)]
+SCALAR_FORMS = [moment << 3 | lerp << 5 | step << 7 for step in (0, 1) for lerp in (0, 1) for moment in (0, 1, 2)]
 
 
 def _torch_form(library: ctypes.CDLL) -> int | None:

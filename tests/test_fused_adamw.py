@@ -164,11 +164,10 @@ def test_the_one_pass_update_lets_other_threads_run():
 
 
 def test_the_forms_found_are_torchs_and_the_probe_tells_them_apart():
-    """torch's builds fuse different products and sums (its AVX2 and AVX-512 kernels the second
-    moment's differently): the load finds the forms that are torch's here. The probe that finds
-    them tells the forms apart, so it cannot pass a wrong one: of the vector and the scalar forms,
-    each gives numbers no other gives (an update of random state at torch's and the kernel's
-    default betas and weight decay)."""
+    """torch's builds fuse different products and sums (torch 2.13's AVX2 kernel and 2.11's AVX-512
+    one differ): the load finds the forms that are torch's here. The probe that finds them tells the
+    forms apart, so it cannot pass a wrong one: of the vector and the scalar forms, each gives
+    numbers no other gives (an update of random state with weight decay)."""
     build = fused_adamw.build()
     assert build.why is None and build.form in {v | s for v in fused_adamw.VECTOR_FORMS for s in fused_adamw.SCALAR_FORMS}
     gen = torch.Generator().manual_seed(1)
@@ -177,13 +176,13 @@ def test_the_forms_found_are_torchs_and_the_probe_tells_them_apart():
                  torch.rand(n * 64, generator=gen) * 1e-5]
         results = set()
         for form in forms:
-            p, m, v = torch.zeros(n * 64), state[1].clone(), state[2].clone()
+            p, m, v = state[1] * 1e3, state[1].clone(), state[2].clone()
             for piece in range(64):  # calls of n elements: all vectors, or all scalar tail
                 a, b = piece * n, (piece + 1) * n
                 build.library.megatrain_adamw_whole(p[a:b].data_ptr(), state[0][a:b].data_ptr(),
                                                     m[a:b].data_ptr(), v[a:b].data_ptr(), None, n, n - n % fused_adamw.VECTOR,
                                                     1.0, 1e-3, 0.9, 0.999, 0.01, 1e-8, 1.0, 0, 1, form)
-            results.add((m.view(torch.int32).numpy().tobytes(), v.view(torch.int32).numpy().tobytes()))
+            results.add(tuple(t.view(torch.int32).numpy().tobytes() for t in (p, m, v)))
         assert len(results) == len(forms)
 
 
