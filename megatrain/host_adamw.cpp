@@ -7,7 +7,7 @@
 // Which products and sums are one fused multiply-add is what torch's released build does, and that
 // differs between builds and vector widths (its compiler contracts some of them: the second
 // moment's, the scalar lerp; torch 2.13's AVX2 kernel and 2.11's AVX-512 one contract the second
-// moment differently). So each is written out here in every form a build may take, with nothing
+// moment differently, and the weight decay's product into the step's sum). So each is written out here in every form a build may take, with nothing
 // else contracted (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py
 // finds the forms that give torch's own kernel's numbers to the bit on the machine that runs it,
 // and without one uses torch's.
@@ -34,13 +34,14 @@ struct Step {
   float grad_scale; // 1 where the gradient is not scaled (g * 1 is g)
   // the forms (`form`'s fields, set_forms), each as masks of all ones on the chosen one, so that
   // the choice is a select the loops vectorise: the vector second moment's three, the vector
-  // lerp's two, the scalar second moment's three, the scalar lerp's two
-  uint32_t vv[3], vm[2], sv[3], sm[2];
+  // lerp's two, the vector step's two, and the scalar formula's likewise
+  uint32_t vv[3], vm[2], vp[2], sv[3], sm[2], sp[2];
 };
 
 // `form`: bits 0-1 the vector second moment (0: fma(c g, g, v b2); 1: fma(v, b2, c g g); 2:
 // neither fused), bit 2 the vector lerp (0: fused; 1: not), bits 3-4 the scalar second moment
-// (as bits 0-1), bit 5 the scalar lerp (0: fused; 1: not)
+// (as bits 0-1), bit 5 the scalar lerp (0: fused; 1: not), bit 6 the vector step (0: the decayed
+// master plus the step; 1: fma(p, decay, step)), bit 7 the scalar step (as bit 6)
 void set_forms(Step& s, int form) {
   for (int k = 0; k < 3; ++k) {
     s.vv[k] = (form & 3) == k ? ~0u : 0u;
@@ -49,6 +50,8 @@ void set_forms(Step& s, int form) {
   for (int k = 0; k < 2; ++k) {
     s.vm[k] = ((form >> 2) & 1) == k ? ~0u : 0u;
     s.sm[k] = ((form >> 5) & 1) == k ? ~0u : 0u;
+    s.vp[k] = ((form >> 6) & 1) == k ? ~0u : 0u;
+    s.sp[k] = ((form >> 7) & 1) == k ? ~0u : 0u;
   }
 }
 
@@ -96,23 +99,23 @@ inline float second_moment(float v, float g, const Step& s, const uint32_t* mask
 // torch's vector formula: the lerp is fmadd(coeff, grad - exp_avg, base) (the base picked by a
 // mask: a select on a scalar flag does not vectorise)
 inline void vector_update(float& p, float g, float& m, float& v, const Step& s) {
-  p = p * s.decay;
   float base = from_bits((bits(m) & s.from_m) | (bits(g) & ~s.from_m));
   m = pick(s.vm, std::fma(s.coeff, g - m, base), s.coeff * (g - m) + base);
   v = second_moment(v, g, s, s.vv);
   float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  p = p + (-s.step_size) * m / denom;
+  float step = (-s.step_size) * m / denom;
+  p = pick(s.vp, p * s.decay + step, std::fma(p, s.decay, step));
 }
 
 // torch's scalar formula, for the elements past a call's last full vector
 inline void scalar_update(float& p, float g, float& m, float& v, const Step& s) {
-  p = p * s.decay;
   float d = g - m;
   m = s.small ? pick(s.sm, std::fma(s.weight, d, m), m + s.weight * d)
               : pick(s.sm, std::fma(-d, 1.0f - s.weight, g), g - d * (1.0f - s.weight));
   v = second_moment(v, g, s, s.sv);
   float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  p = p - s.step_size * m / denom;
+  float step = s.step_size * m / denom;
+  p = pick(s.sp, p * s.decay - step, std::fma(p, s.decay, -step));
 }
 
 // float32 bits to bf16, round to nearest even (c10::BFloat16's; a NaN becomes the quiet one)
