@@ -14,6 +14,8 @@ before it settled:
                        the 14-byte plan does not fit the host and the 12-byte one does: the split
                        update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
                        (decided with 4 gradient slabs where those are auto)
+  optimizer_kernel     the host AdamW's one compiled pass where its kernel can be had here
+                       (Machine.host_adamw_why_not), else the eager update
   grad_slabs           8 where the plan with 8 fits the host, else 4: past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
@@ -32,7 +34,7 @@ import os
 import psutil
 import torch
 
-from megatrain import lean_experts, memory
+from megatrain import fused_adamw, lean_experts, memory
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.shapes import ModelShape
@@ -67,16 +69,21 @@ class Machine:
     device_free: int | None
     host_available: int
     gpus: int = 0  # on this host
+    # why the host AdamW's compiled kernel cannot be had here (fused_adamw.probe); None where it
+    # can, or where the run does not ask for it (nor a machine only stated)
+    host_adamw_why_not: str | None = None
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
         """This machine as `device` reports it, or as engine.device_memory_gb and the host memory
-        stated (host_available_bytes) say."""
+        stated (host_available_bytes) say; the host AdamW's kernel loaded from the per-user cache or
+        built there (seconds) where the run may use it."""
         free = device.free_bytes()
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus)
+        why_not = fused_adamw.probe() if engine.optimizer_kernel != "eager" else None
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, why_not)
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
@@ -120,8 +127,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         optimizer_threads=engine.optimizer_threads,
-        # auto: compiled (the trainer falls back to eager where it cannot build)
-        optimizer_kernel="eager" if engine.optimizer_kernel == "eager" else "compiled",
+        optimizer_kernel=_optimizer_kernel(engine.optimizer_kernel, machine.host_adamw_why_not),
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
         loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
         experts_kernel=experts,
@@ -157,6 +163,15 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
     if engine.experts_kernel == "lean" and not shape.experts:
         raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
                          f"no experts (set engine.experts_kernel: auto)")
+
+
+def _optimizer_kernel(asked: str, why_not: str | None) -> str:
+    if asked == "eager" or (asked == "auto" and why_not):
+        return "eager"
+    if why_not:
+        raise ValueError(f"engine.optimizer_kernel: compiled, but the host AdamW's C++ kernel cannot be "
+                         f"built here ({why_not}); install a C++ compiler, or set optimizer_kernel: eager")
+    return "compiled"
 
 
 def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:

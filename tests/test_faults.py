@@ -111,12 +111,12 @@ def test_a_cpu_run_counts_its_activations_against_the_host(capsys):
     by `plan` and by `train`, with the numbers and what to change."""
     args = ["model.preset=tiny-llama", "engine.device=cpu", "data.seq_len=16", "data.grad_accum=1000000000",
             "engine.host_memory_gb=23"]
-    assert main(["plan", *args]) == 0
-    out = capsys.readouterr().out
-    assert "fits this machine" not in out and "does not fit: host memory: needs" in out
-    assert "23.0 GiB available" in out and "data.grad_accum" in out
+    assert main(["plan", *args]) == 2
+    out, err = capsys.readouterr()
+    assert "fits this machine" not in out and "memory plan: host" in out
+    assert "does not fit: host memory: needs" in err and "23.0 GiB available" in err and "data.grad_accum" in err
     assert main(["train", "--no-progress", *args]) == 2
-    assert "does not fit: host memory" in capsys.readouterr().err
+    assert capsys.readouterr().err == err  # the same refusal, word for word
 
 
 @pytest.mark.parametrize("engine, message", [
