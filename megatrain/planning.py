@@ -47,7 +47,7 @@ class RunPlan:
     machine: Machine
     shared: int | None  # the shared-memory file system's free bytes, where the ranks' one store goes
     settings: EngineSettings
-    memory: memory.MemoryPlan
+    memory_plan: memory.MemoryPlan
     data: FileSource | SyntheticSource | None  # None: not read, the run does not fit without it
     held_out: EvalSource | None
     total_steps: int | None  # None: counted in epochs of data not read
@@ -72,7 +72,7 @@ class RunPlan:
 
     def describe(self) -> str:
         """The start-up summary (and the body of `megatrain plan`'s report)."""
-        cfg, shape, s, plan, data = self.cfg, self.shape, self.settings, self.memory, self.data
+        cfg, shape, s, plan, data = self.cfg, self.shape, self.settings, self.memory_plan, self.data
         d, c = cfg.data, shape.config
         model = cfg.model.pretrained or cfg.model.config or f"preset {cfg.model.preset}"
         lines = [f"model: {c.model_type} from {model}: {shape.total_params():,} parameters, "

@@ -157,6 +157,9 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
     if isinstance(engine.no_recompute_layers, int) and engine.no_recompute_layers > L:
         raise ValueError(f"engine.no_recompute_layers must be at most the model's {L} layers, "
                          f"not {engine.no_recompute_layers}")
+    if isinstance(engine.mlp_chunk_tokens, int) and not shape.gated_mlp:  # the templates would refuse it, after allocating
+        raise ValueError(f"engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this {shape.family} model's "
+                         f"is not (set engine.mlp_chunk_tokens: null)")
     if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
         raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
                          f"model's is not (set engine.mlp_kernel: eager)")

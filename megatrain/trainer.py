@@ -78,7 +78,7 @@ class Trainer:
         self.ranks = ranks = plan.ranks
         self.progress = progress and ranks.rank == 0
         self.shape = shape = plan.shape
-        self.device, self.settings, self.memory_plan = plan.device, plan.settings, plan.memory
+        self.device, self.settings, self.memory_plan = plan.device, plan.settings, plan.memory_plan
         self.data, self.held_out, self.total_steps = plan.data, plan.held_out, plan.total_steps
         s = self.settings
         self.comm = Comm.init(ranks, self.device.torch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import megatrain.trainer
-from megatrain import memory, planning, resolve
+from megatrain import memory, planning
 from megatrain.cli import REFUSED, main
 from megatrain.config import load_config
 
@@ -24,6 +24,8 @@ def plan_and_train(capsys, args: list[str]) -> tuple[int, str, str, int, str]:
     ("sequence-too-long", ["data.seq_len=512"], {}, "data.seq_len 512 exceeds the model's max_position_embeddings 256"),
     ("output-dir-occupied", ["output_dir={out}"], {}, "output_dir {out} holds an earlier run's metrics.jsonl: "
                                                       "resume=true continues that run"),
+    ("mlp-chunk-of-experts", ["model.preset=tiny-qwen3-moe", "engine.mlp_chunk_tokens=8"], {},
+     "engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this qwen3_moe model's is not"),
     ("host-stated-in-config", ["engine.host_memory_gb=1"], {}, "the run does not fit: host memory: needs"),
     ("host-stated-in-environment", [], {"MEGATRAIN_HOST_MEMORY_GB": "1"}, "the run does not fit: host memory: needs"),
 ])
@@ -62,13 +64,11 @@ def test_the_trainer_builds_from_the_plan_without_deciding_again(monkeypatch):
     """Once planned, nothing is resolved or admitted again: the trainer takes the plan's settings,
     memory plan and data as they are."""
     plan = planning.plan_run(load_config(None, TINY))
-    for name in ("resolve", "make_sources"):
-        monkeypatch.setattr(planning, name, lambda *a, **k: pytest.fail("decided again"))
-    monkeypatch.setattr(resolve, "resolve", lambda *a, **k: pytest.fail("decided again"))
-    monkeypatch.setattr(megatrain.memory, "admit", lambda *a, **k: pytest.fail("admitted again"))
+    for where, name in ((planning, "resolve"), (planning, "make_sources"), (memory, "plan"), (memory, "admit")):
+        monkeypatch.setattr(where, name, lambda *a, **k: pytest.fail("decided again"))
     trainer = megatrain.trainer.Trainer(plan)
     try:
-        assert trainer.settings is plan.settings and trainer.memory_plan is plan.memory
+        assert trainer.settings is plan.settings and trainer.memory_plan is plan.memory_plan
         assert trainer.data is plan.data and trainer.total_steps == plan.total_steps == 1
         assert trainer.describe() == plan.describe()
     finally:
