@@ -4,6 +4,8 @@
 shape and the machine's free memory and returns frozen EngineSettings; the memory plan, the store
 and the engine read only those. The `auto` choices are made in this order, each with the ones
 before it settled:
+  optimizer_kernel     the host AdamW's one compiled pass where its kernel can be had here
+                       (Machine.host_adamw_why_not), else the eager update
   mlp_chunk_tokens     the whole MLP when the plan fits the device, else the largest chunk of
                        MLP_CHUNKS that makes it fit (chunking recomputes part of the MLP)
   device_tiles         the most tiles, in forward order, whose optimizer state the device holds
@@ -14,8 +16,6 @@ before it settled:
                        the 14-byte plan does not fit the host and the 12-byte one does: the split
                        update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
                        (decided with 4 gradient slabs where those are auto)
-  optimizer_kernel     the host AdamW's one compiled pass where its kernel can be had here
-                       (Machine.host_adamw_why_not), else the eager update
   grad_slabs           8 where the plan with 8 fits the host, else 4: past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
@@ -70,7 +70,7 @@ class Machine:
     host_available: int
     gpus: int = 0  # on this host
     # why the host AdamW's compiled kernel cannot be had here (fused_adamw.probe); None where it
-    # can, or where the run does not ask for it (nor a machine only stated)
+    # can, where the run asks for the eager update, or for a machine only stated
     host_adamw_why_not: str | None = None
 
     @staticmethod
