@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a model from a YAML run file", epilog=keys,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     plan = sub.add_parser("plan", help="print what a run would do and the memory it needs, without training",
-                          description=f"Print what `megatrain train` would do with these settings and the memory "
-                                      f"it needs, without training; exit {REFUSED}, with train's message, where "
-                                      f"train would refuse the run.",
+                          description=f"Print what `megatrain train` would do with these settings and the memory it\n"
+                                      f"needs, without training; exit {REFUSED}, with train's message, where train\n"
+                                      f"would refuse the run.",
                           epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
     for p in (train, plan):
         p.add_argument("--config", help="YAML run file (see configs/)")
