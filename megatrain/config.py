@@ -15,6 +15,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from megatrain import hub
+
 
 def _convert(value: Any, hint: Any) -> Any:
     """`value` as the declared type `hint`, converted where that is unambiguous (a YAML string that
@@ -102,7 +104,9 @@ def check_types(settings: Any, section: str) -> None:
 class ModelConfig:
     preset: str | None = None  # a named shape from megatrain.presets
     config: str | None = None  # a local config.json (or a directory holding one)
-    pretrained: str | None = None  # a local directory with config.json and safetensors
+    # a local directory with config.json and safetensors, or a Hub model id (org/name): its
+    # snapshot in the Hugging Face cache, downloaded where it is missing (megatrain/hub.py)
+    pretrained: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
     # auto: SDPA where transformers has it for the family; else (GPT-OSS: attention sinks, which
     # SDPA lacks) flex attention where a GPU is, eager attention (memory quadratic in the sequence) where not
@@ -113,6 +117,8 @@ class ModelConfig:
         given = [k for k in ("preset", "config", "pretrained") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"model: give exactly one of preset, config, pretrained (got {given or 'none'})")
+        if self.pretrained and hub.is_hub_id(self.pretrained):
+            self.pretrained = hub.model_dir("model.pretrained", self.pretrained)
 
 
 @dataclass
@@ -273,8 +279,11 @@ class DataConfig:
     # file: data.path; synthetic: random tokens; auto: file where data.path is given, else synthetic
     source: Literal["auto", "synthetic", "file"] = "auto"
     # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
-    # type), or a folder written by datasets' save_to_disk
+    # type), a folder written by datasets' save_to_disk, a dataset repository's folder (data files
+    # and a README naming its subsets), or a Hub dataset id (org/name, read by datasets.load_dataset)
     path: str | None = None
+    subset: str | None = None  # the configuration of a Hub dataset (or repository folder) that has several
+    split: str | None = None  # the split trained on; None: train, or the only split a save_to_disk folder has
     # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
     # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
     # conversations of {from, value} (megatrain/data/formats.py)
@@ -283,11 +292,14 @@ class DataConfig:
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    # chat: the tools each conversation may call (a list of JSON schemas, or that list as a JSON
+    # string), rendered into the prompt by the chat template; read where the data has this column
+    tools_field: str = "tools"
     # instruction/alpaca: auto uses the tokenizer's chat template if it has one, else plain
     # (BOS prompt separator response EOS)
     template: Literal["auto", "chat", "plain"] = "auto"
     separator: str = "\n"  # between prompt and response in the plain template
-    tokenizer: str | None = None  # local tokenizer directory; default: the pretrained model's
+    tokenizer: str | None = None  # a local tokenizer directory or a Hub model id; default: the pretrained model's
     seq_len: int = 512  # the longest example (or packed row), in tokens
     overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
     unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
@@ -296,7 +308,8 @@ class DataConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
-    eval_path: str | None = None  # held-out data in the same format
+    eval_path: str | None = None  # held-out data in the same format (its split train, or its only one)
+    eval_split: str | None = None  # or this split of data.path held out (a Hub dataset's test split)
     eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
 
@@ -310,10 +323,12 @@ class DataConfig:
         if self.source == "file":
             if not self.path:
                 raise ValueError("data.path is required when data.source is file")
-            if not Path(self.path).exists():
+            if not Path(self.path).exists() and not hub.is_hub_id(self.path):
                 raise ValueError(f"data.path {self.path!r} does not exist")
-        elif self.eval_path or self.eval_fraction or self.packing:
-            raise ValueError("data.eval_path, data.eval_fraction and data.packing need data.source: file")
+        elif self.eval_path or self.eval_fraction or self.eval_split or self.packing:
+            raise ValueError("data.eval_path, data.eval_fraction, data.eval_split and data.packing need data.source: file")
+        if self.tokenizer and hub.is_hub_id(self.tokenizer):
+            self.tokenizer = hub.model_dir("data.tokenizer", self.tokenizer, hub.TOKENIZER_FILES)
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
         instruction = self.format in ("instruction", "alpaca")
@@ -325,9 +340,10 @@ class DataConfig:
         for name, low in (("seq_len", 2), ("batch_size", 1), ("grad_accum", 1)):  # a token predicts the next
             if getattr(self, name) < low:
                 raise ValueError(f"data.{name} must be at least {low}, not {getattr(self, name)}")
-        if self.eval_path and self.eval_fraction:
-            raise ValueError("data: give data.eval_path or data.eval_fraction, not both")
-        if self.eval_path and not Path(self.eval_path).exists():
+        held = [f"data.{k}" for k in ("eval_path", "eval_fraction", "eval_split") if getattr(self, k)]
+        if len(held) > 1:
+            raise ValueError(f"data: give one of data.eval_path, data.eval_fraction, data.eval_split, not {' and '.join(held)}")
+        if self.eval_path and not Path(self.eval_path).exists() and not hub.is_hub_id(self.eval_path):
             raise ValueError(f"data.eval_path {self.eval_path!r} does not exist")
         if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must be above 0 and below 1 (the share held out; null for none), "
@@ -393,8 +409,8 @@ class TrainConfig:
                              "output_dir, overwrite replaces it")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:  # before anything is written
             raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
-        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):
-            raise ValueError("eval_every needs held-out data: data.eval_path or data.eval_fraction")
+        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction or self.data.eval_split):
+            raise ValueError("eval_every needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
 
 
 def _build(cls, values: Any, where: str):

@@ -347,7 +347,7 @@ class Trainer:
         """Mean loss and perplexity over the held-out data (eval_batches micro-batches at most),
         grad_accum micro-batches at a time, through the engine's streaming forward."""
         if self.held_out is None:
-            raise ValueError("evaluate needs held-out data: data.eval_path or data.eval_fraction")
+            raise ValueError("evaluate needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
         start = time.perf_counter()
         loss = targets = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))

@@ -18,7 +18,7 @@ __all__ = ["EvalSource", "FileSource", "SyntheticSource", "load_tokenizer", "mak
 
 def load_tokenizer(path: str | None):
     if path is None:
-        raise ValueError("data.tokenizer: a local tokenizer directory is needed to read text data")
+        raise ValueError("data.tokenizer: a tokenizer (a local directory or a Hub model id) is needed to read text data")
     from transformers import AutoTokenizer
     if not Path(path).is_dir():
         raise ValueError(f"data.tokenizer: {path} {'is not a directory' if Path(path).exists() else 'does not exist'} "
@@ -41,13 +41,17 @@ def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
     tok = load_tokenizer(cfg.tokenizer or tokenizer_dir)
     pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
 
-    def read(path: str):
-        return pipeline.examples(pipeline.tokenize(pipeline.load_rows(path), cfg, tok, path), cfg, vocab, path)
+    def read(path: str, setting: str, subset: str | None, split: str | None):
+        name = path if split is None else f"{path} (split {split})"
+        rows = pipeline.load_rows(path, setting, subset, split)
+        return pipeline.examples(pipeline.tokenize(rows, cfg, tok, name), cfg, vocab, name)
 
-    examples = read(cfg.path)
+    examples = read(cfg.path, "data.path", cfg.subset, cfg.split)
     held = None
     if cfg.eval_path:
-        held = read(cfg.eval_path)
+        held = read(cfg.eval_path, "data.eval_path", None, None)
+    elif cfg.eval_split:
+        held = read(cfg.path, "data.eval_split", cfg.subset, cfg.eval_split)
     elif cfg.eval_fraction:
         order = np.random.default_rng(cfg.seed).permutation(len(examples))
         cut = max(1, round(cfg.eval_fraction * len(examples)))

@@ -1,7 +1,7 @@
 """From files to tokenised examples held unpadded in compact arrays.
 
-Rows load through `datasets` (a file, a folder of shards of one type, or a `save_to_disk`
-folder) and are tokenised by `datasets.map`: batched, in `data.num_proc` processes, into datasets'
+Rows load through `datasets` (a file, a folder of shards of one type, a `save_to_disk` folder, a
+dataset repository's folder, or a Hub dataset id: megatrain/hub.py) and are tokenised by `datasets.map`: batched, in `data.num_proc` processes, into datasets'
 on-disk cache under a fingerprint of the rows, the format settings, the tokenizer and this code's
 version, so the next run with the same data and tokenizer reads the cache instead of tokenising.
 The examples then become three flat arrays: every token id (uint16 when the vocabulary allows,
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain import hub
 from megatrain.config import DataConfig
 from megatrain.data import formats
 
@@ -50,24 +51,36 @@ class Examples:
         return Examples(self.tokens, self.targets, self.starts[index], self.lengths[index], self.dropped)
 
 
-def load_rows(path: str | Path):
-    """A `datasets.Dataset` of the raw rows."""
+def load_rows(path: str | Path, setting: str = "data.path", subset: str | None = None, split: str | None = None):
+    """A `datasets.Dataset` of the raw rows of `path` (the value of `setting`): its `split` (None:
+    train, or the only split there is) and, for a Hub dataset or a repository folder, its `subset`."""
     import datasets
+    if hub.is_hub_id(str(path)):
+        return hub.load_dataset(setting, str(path), subset, split or "train")
     path = Path(path)
     if path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds and len(ds) != 1:
-                raise ValueError(f"data.path {path} holds the splits {sorted(ds)}; name one folder, or keep a 'train' split")
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            if split is not None and split not in ds:
+                raise ValueError(f"{setting} {path} has no split {split!r}; it holds {sorted(ds)}")
+            if split is None and "train" not in ds and len(ds) != 1:
+                raise ValueError(f"{setting} {path} holds the splits {sorted(ds)}; name one with data.split")
+            ds = ds[split or ("train" if "train" in ds else next(iter(ds)))]
+        elif split is not None:
+            raise ValueError(f"{setting} {path} is one dataset without splits (split {split!r} asked for)")
         return ds
+    if path.is_dir() and ((path / "README.md").is_file() or any(p.is_dir() for p in path.iterdir())):
+        return hub.load_folder(setting, str(path), subset, split or "train")
+    if split is not None or subset is not None:
+        raise ValueError(f"{setting} {path} is data files, without the subsets and splits of a Hub dataset, a "
+                         f"dataset repository's folder or a save_to_disk folder (data.subset, data.split, data.eval_split)")
     files = _files(path)
     kinds = {LOADERS.get(p.suffix) for p in files}
     if not files or None in kinds:
-        raise ValueError(f"data.path {path}: no data files; use {sorted(LOADERS)} files, a folder of them, "
-                         "or a save_to_disk folder")
+        raise ValueError(f"{setting} {path}: no data files; use {sorted(LOADERS)} files, a folder of them, "
+                         "a save_to_disk folder or a Hub dataset id")
     if len(kinds) > 1:
-        raise ValueError(f"data.path {path} mixes file types {sorted(p.suffix for p in files)}; keep one")
+        raise ValueError(f"{setting} {path} mixes file types {sorted(p.suffix for p in files)}; keep one")
     empty = [str(p) for p in files if p.stat().st_size == 0]
     if empty:
         raise ValueError(f"data: {', '.join(empty)} is empty")
