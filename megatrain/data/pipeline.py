@@ -26,7 +26,7 @@ from megatrain.config import DataConfig
 from megatrain.data import formats
 
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-VERSION = "megatrain-data-2"  # part of the cache key: change it when an encoding changes
+VERSION = "megatrain-data-3"  # part of the cache key: change it when an encoding changes
 PARALLEL_ROWS = 20_000  # below this many rows one process tokenises faster than several start
 
 
@@ -122,21 +122,28 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
         raise ValueError(f"data: {path} holds no examples")
     if cfg.format == "text":
         _check_text(rows, cfg.text_field, path)
+    if cfg.format == "chat" and cfg.tools_field in rows.column_names:  # optional: read where the data has it
+        needed = [*needed, cfg.tools_field]
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
-                                             "messages_field", "template", "separator")}
+                                             "messages_field", "tools_field", "template", "separator")}
     key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
                        tok.bos_token, tok.eos_token])
     num_proc = cfg.num_proc or (min(os.cpu_count() or 1, 16) if len(rows) >= PARALLEL_ROWS else None)
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "targets": datasets.List(datasets.Value("bool")),
-                                  "problem": datasets.Value("string")})
+                                  "problem": datasets.Value("string"), "row": datasets.Value("int64")})
     try:
         return rows.select_columns(needed).map(
-            formats.encode, fn_kwargs={"cfg": cfg, "tok": tok}, batched=True, batch_size=1000, num_proc=num_proc,
+            _encode, fn_kwargs={"cfg": cfg, "tok": tok}, with_indices=True, batched=True, batch_size=1000,
+            num_proc=num_proc,
             remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
     except UnicodeDecodeError as e:  # Arrow keeps the bytes as read; they fail once decoded, unnamed
         where = _first_undecodable(_files(path)) or f"{path} ({e})"
         raise ValueError(f"data: {where} is not UTF-8 text: save it as UTF-8 (iconv -t utf-8)") from None
+
+
+def _encode(rows: dict[str, list], indices: list[int], cfg: DataConfig, tok) -> dict[str, list]:
+    return formats.encode(rows, cfg, tok, indices)  # datasets passes the indices second
 
 
 def _files(path: str | Path) -> list[Path]:
@@ -214,7 +221,8 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
     problems = np.asarray(table.column("problem").to_numpy(zero_copy_only=False), dtype=object)
     bad = np.flatnonzero(problems != "")
     if len(bad) and cfg.unmaskable == "error":
-        shown = "; ".join(f"example {k}: {problems[k]}" for k in bad[:5])
+        row = table.column("row").to_numpy()
+        shown = "; ".join(f"example {row[k]}: {problems[k]}" for k in bad[:5])
         raise ValueError(f"data: {len(bad)} example(s) of {path} cannot be labelled exactly ({shown}); "
                          "fix them, or set data.unmaskable: drop to leave them out")
     keep = problems == ""
