@@ -22,12 +22,14 @@ once and each assistant turn is found in the rendered text, in order:
   renders it when generated: the render of the conversation up to it with the generation prompt,
   and what the render with the turn adds to that, through its last special token (its end of
   turn). The thinking and every tool call must be in it, and the row's tools in the prompt, or the
-  example is refused (a template without tools or thinking would drop them silently).
-A turn the whole render does not hold as it was generated (Qwen3 drops the thinking of the turns
-before the last user message, rendered in content or as `reasoning_content`) becomes an example of
-its own: the prompt it answered and its reply, the reply the only target; the whole conversation
-then trains the other turns. Each turn is so trained in exactly the context the template gave it
-when it was generated. Diffing renders of growing prefixes for every turn would not be: templates
+  example is refused (a template without tools or thinking would drop them silently). Where the
+  whole render begins with that prompt and reply, the reply's tokens there are the targets; else
+  (Qwen3 drops the thinking of the turns before the last user message, in content or as
+  `reasoning_content`) the turn becomes an example of its own, the prompt it answered and its
+  reply, the reply the only target, and the whole conversation trains the other turns.
+So a turn with thinking or tool calls is trained in exactly the context the template gives it when
+it is generated. A turn of content alone is labelled in the whole render, which is what the model
+sees: diffing renders of growing prefixes for every turn would split most chats, since templates
 render earlier turns differently once later turns follow (Qwen3 adds an empty think block only to
 the turns after the last user message; Mistral v0.3 puts the system message into the last user
 turn only, so a chat that ends with a reply is rendered without it, as the published template does).
@@ -380,10 +382,10 @@ def _mask(messages: list[dict], tools: list | None, text: str, ids: list[int], o
             # whole render if it is there, else an example of its own (Qwen3 drops an earlier
             # turn's thinking once a later user message follows)
             prompt, reply = _reply(messages, turn, tools, tok, special)
-            at = text.find(reply, cursor)
-            if at < 0:
+            if not text.startswith(prompt + reply):
                 alone.append((turn, prompt, reply))
                 continue
+            at = len(prompt)
             first, last = _cover(text, offsets, starts, ends, at, at + len(reply), turn)
             _check_decodes(ids[first: last + 1], reply, tok, turn)
             mask[first: last + 1] = [1] * (last + 1 - first)
