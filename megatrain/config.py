@@ -300,6 +300,9 @@ class DataConfig:
     template: Literal["auto", "chat", "plain"] = "auto"
     separator: str = "\n"  # between prompt and response in the plain template
     tokenizer: str | None = None  # a local tokenizer directory or a Hub model id; default: the pretrained model's
+    # the chat template to render chats with (and to save with the model): a .jinja file, or a
+    # tokenizer (a local directory or a Hub model id) whose template to take; default: the tokenizer's
+    chat_template: str | None = None
     seq_len: int = 512  # the longest example (or packed row), in tokens
     overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
     unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
@@ -327,13 +330,14 @@ class DataConfig:
                 raise ValueError(f"data.path {self.path!r} does not exist")
         elif self.eval_path or self.eval_fraction or self.eval_split or self.packing:
             raise ValueError("data.eval_path, data.eval_fraction, data.eval_split and data.packing need data.source: file")
-        if self.tokenizer and hub.is_hub_id(self.tokenizer):
-            self.tokenizer = hub.model_dir("data.tokenizer", self.tokenizer, hub.TOKENIZER_FILES)
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
         instruction = self.format in ("instruction", "alpaca")
         if self.template != "auto" and not instruction:  # chat data always takes the chat template
             raise ValueError(f"data.template applies to format instruction or alpaca, not {self.format}")
+        if self.chat_template and (self.format == "text" or (instruction and self.template == "plain")):
+            raise ValueError(f"data.chat_template renders chats: format chat, sharegpt, instruction or alpaca (with "
+                             f"data.template auto or chat), not format {self.format} with template {self.template}")
         if self.separator != "\n" and not (instruction and self.template != "chat"):
             raise ValueError("data.separator joins prompt and response in the plain template: format instruction or "
                              "alpaca, data.template plain (or auto without a chat template)")
@@ -351,6 +355,14 @@ class DataConfig:
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
         check_seed(self.seed, "data.seed")
+        # last, after the checks that cost nothing: a Hub id may download
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value and hub.is_hub_id(value):
+                setattr(self, name, hub.model_dir(f"data.{name}", value, hub.TOKENIZER_FILES))
+        if self.chat_template and not Path(self.chat_template).exists():
+            raise ValueError(f"data.chat_template {self.chat_template!r} does not exist (a .jinja file, or a tokenizer's "
+                             f"directory or Hub id)")
 
 
 @dataclass

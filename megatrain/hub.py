@@ -4,7 +4,7 @@ and `data.eval_path` (a dataset repo, read by `datasets.load_dataset`).
 
 Both libraries keep their own caches and honour HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE. A
 setting is taken for a Hub id only where no such local file or folder exists and it is spelt as
-one (`name` or `org/name`, no data-file suffix); a Hub id that is neither cached nor reachable is
+one (`name` or `org/name`, no data file's or template's suffix); a Hub id that is neither cached nor reachable is
 refused with the setting's name, before anything is allocated.
 """
 from __future__ import annotations
@@ -15,13 +15,14 @@ from pathlib import Path
 # tokenizer and chat template; never the other weight formats a repo may carry (.bin, .pth, GGUF)
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
 TOKENIZER_FILES = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
+# names of files, never repo ids: a data file's, a chat template's
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow", ".jinja")
 
 
 def is_hub_id(value: str) -> bool:
     """Whether `value` names no local file or folder and is spelt as a Hub repo id."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
-    if Path(value).exists() or value.endswith(DATA_SUFFIXES):
+    if Path(value).exists() or value.endswith(FILE_SUFFIXES):
         return False
     try:
         validate_repo_id(value)

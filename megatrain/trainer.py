@@ -375,7 +375,7 @@ class Trainer:
         tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = load_tokenizer(tok_dir)
+            tokenizer = load_tokenizer(tok_dir, self.cfg.data.chat_template)
         with bar(f"saving the model to {path}", self._params(), self.progress) as advance:
             checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
                                        tokenizer, advance)

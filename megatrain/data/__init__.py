@@ -16,7 +16,9 @@ from megatrain.data.synthetic import SyntheticSource
 __all__ = ["EvalSource", "FileSource", "SyntheticSource", "load_tokenizer", "make_source", "make_sources"]
 
 
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None, chat_template: str | None = None):
+    """The fast tokenizer at `path`, with the chat template of `chat_template` (data.chat_template:
+    a .jinja file or a tokenizer's directory) where one is given."""
     if path is None:
         raise ValueError("data.tokenizer: a tokenizer (a local directory or a Hub model id) is needed to read text data")
     from transformers import AutoTokenizer
@@ -29,7 +31,22 @@ def load_tokenizer(path: str | None):
         raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from None
     if not tok.is_fast:
         raise ValueError(f"data.tokenizer: {path} has no fast tokenizer (tokenizer.json), which the data needs")
+    if chat_template:
+        tok.chat_template = _chat_template(chat_template)
     return tok
+
+
+def _chat_template(path: str) -> str:
+    if Path(path).is_file():
+        return Path(path).read_text()
+    from transformers import AutoTokenizer
+    try:
+        template = AutoTokenizer.from_pretrained(path).chat_template
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.chat_template: cannot load a tokenizer from {path}: {e}") from None
+    if not isinstance(template, str):  # None, or several named templates
+        raise ValueError(f"data.chat_template: the tokenizer in {path} has no single chat template")
+    return template
 
 
 def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
@@ -38,7 +55,7 @@ def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
     if cfg.source == "synthetic":
         return SyntheticSource(cfg, vocab), None
     from megatrain.data import pipeline
-    tok = load_tokenizer(cfg.tokenizer or tokenizer_dir)
+    tok = load_tokenizer(cfg.tokenizer or tokenizer_dir, cfg.chat_template)
     pad = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
 
     def read(path: str, setting: str, subset: str | None, split: str | None):

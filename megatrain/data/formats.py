@@ -3,7 +3,8 @@
 Every example becomes `input_ids` and `targets` (1: the loss learns this token, 0: context only),
 or a `problem` saying why it cannot be used, and the `row` it comes from. Formats:
   text         one text field; documents end with EOS (the pipeline joins and cuts them into seq_len)
-  instruction  prompt and response fields; alpaca: instruction (+ input) and output
+  instruction  prompt and response fields; alpaca: instruction (+ input) and output, after the
+               turns of its optional `system` and `history` columns (chat templates only)
   chat         a list of {role, content} messages (an assistant's may carry `tool_calls` and its
                thinking as `reasoning_content`; `tool` messages answer calls), with the row's
                tools (data.tools_field) rendered by the template; sharegpt: `conversations` of {from, value}
@@ -54,6 +55,7 @@ import numpy as np
 from megatrain.config import DataConfig
 
 ALPACA = ("instruction", "input", "output")
+ALPACA_CONTEXT = ("system", "history")  # optional columns: read where the data has them
 SHAREGPT = "conversations"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
@@ -86,10 +88,16 @@ def encode(rows: dict[str, list], cfg: DataConfig, tok, indices: list[int] | Non
         return {"input_ids": ids, "targets": [[1] * len(x) for x in ids], "problem": [""] * n, "row": indices}
     if cfg.format in ("instruction", "alpaca"):
         prompts, responses = _instructions(rows, cfg)
+        context = [_alpaca_context(rows, k) for k in range(n)] if cfg.format == "alpaca" else [[]] * n
         if not uses_chat_template(cfg, tok):
-            return {**_plain(prompts, responses, cfg, tok), "row": indices}
-        convs: list[Any] = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
-                            for p, r in zip(prompts, responses)]
+            out = {**_plain(prompts, responses, cfg, tok), "row": indices}
+            for k in (k for k, c in enumerate(context) if c):  # the plain template has no place for them
+                out["input_ids"][k], out["targets"][k] = [], []
+                out["problem"][k] = context[k] if isinstance(context[k], str) else \
+                    "its system and history need a chat template (data.template: chat, or data.chat_template)"
+            return out
+        convs: list[Any] = [c if isinstance(c, str) else [*c, {"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                            for c, p, r in zip(context, prompts, responses)]
     elif cfg.format == "sharegpt":
         convs = [_sharegpt(c) for c in rows[SHAREGPT]]
     else:
@@ -105,6 +113,21 @@ def _instructions(rows: dict[str, list], cfg: DataConfig) -> tuple[list[str], li
     # Alpaca's layout: the input, where there is one, follows the instruction after a blank line
     prompts = [f"{i}\n\n{x}" if x else str(i) for i, x in zip(instruction, extra)]
     return prompts, [str(o) for o in output]
+
+
+def _alpaca_context(rows: dict[str, list], k: int) -> list[dict] | str:
+    """Row k's turns before its instruction, from Alpaca's optional `system` and `history`
+    ([prompt, response] pairs, LlamaFactory's layout) columns, or why they are unusable."""
+    system = (rows.get("system") or [None] * (k + 1))[k]
+    history = (rows.get("history") or [None] * (k + 1))[k]
+    turns = [{"role": "system", "content": system}] if system else []
+    for pair in history or []:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            return f"its history must be a list of [prompt, response] pairs of strings, not {history!r}"
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    if system is not None and not isinstance(system, str):
+        return f"its system is {system!r}, not a string"
+    return turns
 
 
 def _plain(prompts: list[str], responses: list[str], cfg: DataConfig, tok) -> dict[str, list]:

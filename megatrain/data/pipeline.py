@@ -122,8 +122,8 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
         raise ValueError(f"data: {path} holds no examples")
     if cfg.format == "text":
         _check_text(rows, cfg.text_field, path)
-    if cfg.format == "chat" and cfg.tools_field in rows.column_names:  # optional: read where the data has it
-        needed = [*needed, cfg.tools_field]
+    optional = {"chat": [cfg.tools_field], "alpaca": list(formats.ALPACA_CONTEXT)}.get(cfg.format, [])
+    needed = [*needed, *(c for c in optional if c in rows.column_names)]  # read where the data has them
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
                                              "messages_field", "tools_field", "template", "separator")}
     key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
