@@ -1,4 +1,5 @@
-"""`megatrain train --config run.yaml [key.sub=value ...]` and `megatrain plan`: a thin entry point."""
+"""`megatrain train --config run.yaml [key.sub=value ...]`, `megatrain plan` and `megatrain data`: a
+thin entry point."""
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     plan = sub.add_parser("plan", help="print what a run would do and the memory it needs, without training",
                           epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for p in (train, plan):
+    data = sub.add_parser("data", help="read and tokenise the data and print an example with its targets marked",
+                          epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data.add_argument("--example", type=int, default=0, help="which training example to print (default: 0)")
+    for p in (train, plan, data):
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--gpus starts the ranks itself: run `megatrain train --gpus N` without torchrun")
             from megatrain.launch import launch
             return launch(args.gpus, rank_arguments(args))
+        if args.command == "data":
+            from megatrain.data.show import show
+            print(show(cfg, args.example))
+            return 0
         from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid
         if args.command == "plan":
             print(plan_report(cfg, args.gpus))

@@ -478,6 +478,7 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
         lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "
                      f"{int(data.examples.lengths.sum()):,} tokens, {data.nbytes / GiB:.2f} GiB in host memory"
                      + (f"; left out: {dropped}" if dropped else "")
+                     + (f"; cut to seq_len: {data.examples.truncated:,}" if data.examples.truncated else "")
                      + (f"; held out: {len(held_out.examples):,} examples" if held_out else ""))
         rows = "packed rows" if d.packing else "examples padded to the longest of their batch"
         epochs = total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()

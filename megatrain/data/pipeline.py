@@ -10,7 +10,8 @@ token, where padding every example to seq_len as int64 took 16 bytes a position.
 is what the memory plan counts for the data. `Examples.dropped` counts the examples left out, by
 reason: `unmaskable` (with data.unmaskable: drop), `overlong` (with data.overlong: drop),
 `no_target` (nothing to learn: a chat without an assistant message) and `cut_off` (its targets
-all past seq_len); the start-up summary prints them.
+all past seq_len); `Examples.truncated` counts those kept but cut to seq_len; the start-up summary
+prints them.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Examples:
     starts: np.ndarray  # [N] int64
     lengths: np.ndarray  # [N] int32
     dropped: dict[str, int]  # examples left out, by reason
+    truncated: int = 0  # examples kept but cut to seq_len (data.overlong: truncate)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -48,7 +50,7 @@ class Examples:
 
     def subset(self, index: np.ndarray) -> Examples:
         """Some of the examples, sharing the token arrays."""
-        return Examples(self.tokens, self.targets, self.starts[index], self.lengths[index], self.dropped)
+        return Examples(self.tokens, self.targets, self.starts[index], self.lengths[index], self.dropped, self.truncated)
 
 
 def load_rows(path: str | Path, setting: str = "data.path", subset: str | None = None, split: str | None = None):
@@ -243,6 +245,7 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
     dropped["no_target"] = int((~whole & keep).sum())  # nothing to learn: no assistant message, an empty reply
     dropped["cut_off"] = int((whole & ~cut & keep).sum())  # its targets all past seq_len
     keep &= cut
+    truncated = int((too_long & keep).sum())
     if not keep.any():
         why = {"unmaskable": "cannot be labelled exactly",
                "overlong": "are longer than data.seq_len (data.overlong: drop)",
@@ -250,4 +253,4 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
                "cut_off": f"have their targets only past data.seq_len {n} (raise it)"}
         raise ValueError(f"data: no example of {path} is left to learn from: "
                          + "; ".join(f"{count} {why[k]}" for k, count in dropped.items() if count))
-    return Examples(tokens, targets, starts[keep], lengths[keep], dropped)
+    return Examples(tokens, targets, starts[keep], lengths[keep], dropped, truncated)
