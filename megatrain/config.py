@@ -306,6 +306,11 @@ class DataConfig:
     seq_len: int = 512  # the longest example (or packed row), in tokens
     overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
     unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
+    # what the loss learns of chat and instruction data: every assistant turn (its content, thinking,
+    # tool calls and end of turn); last_turn: the last assistant turn only, the earlier ones context
+    # (LlamaFactory's mask_history); all: every token of the rendered example, the prompt's too
+    # (train_on_prompt)
+    targets: Literal["assistant", "last_turn", "all"] = "assistant"
     packing: bool = False  # several examples per row, attention and positions kept apart
     batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -335,6 +340,8 @@ class DataConfig:
         instruction = self.format in ("instruction", "alpaca")
         if self.template != "auto" and not instruction:  # chat data always takes the chat template
             raise ValueError(f"data.template applies to format instruction or alpaca, not {self.format}")
+        if self.targets != "assistant" and self.format == "text":
+            raise ValueError("data.targets applies to chat, sharegpt, instruction and alpaca data; text learns every token")
         if self.chat_template and (self.format == "text" or (instruction and self.template == "plain")):
             raise ValueError(f"data.chat_template renders chats: format chat, sharegpt, instruction or alpaca (with "
                              f"data.template auto or chat), not format {self.format} with template {self.template}")

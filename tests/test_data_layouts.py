@@ -1,7 +1,8 @@
 """Alpaca's optional `system` and `history` columns rendered as the turns before the instruction
 (checked token by token against Qwen2.5's published template), refused where the plain template has
 no place for them; the chat-template override (data.chat_template) from a .jinja file or another
-tokenizer, used for the data and saved with the model."""
+tokenizer, used for the data and saved with the model; data.targets: every assistant turn, the last
+one, or every token."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from conftest import tiny_checkpoint
 from megatrain.config import DataConfig, load_config
 from megatrain.data import make_sources
 from megatrain.data.formats import encode
-from test_data import CHAT, EXPECTED, expected_tokens, row, write
+from test_data import CHAT, EXPECTED, SYSTEM, expected_tokens, row, write
 from tiny_tokenizer import FIXTURES, byte_tokenizer
 
 pytest.importorskip("datasets")
@@ -85,3 +86,30 @@ def test_the_saved_model_carries_the_template_it_was_trained_with(tmp_path):
         trainer.close()
     from transformers import AutoTokenizer
     assert AutoTokenizer.from_pretrained(tmp_path / "out" / "model").chat_template == template.read_text()
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "chatml-generation"])
+def test_targets_last_turn_or_all(family):
+    """data.targets: last_turn learns the last reply only (the template's own marks too), all every token."""
+    tok = byte_tokenizer(family)
+    conv = (SYSTEM if family == "chatml-generation" else []) + CHAT
+    marked = EXPECTED[family, family == "chatml-generation"]
+    last = encode({"messages": [conv]}, DataConfig(format="chat", targets="last_turn"), tok)
+    assert row(last, 0) == expected_tokens(tok, marked.replace("[[Paris.<|im_end|>]]", "Paris.<|im_end|>"))
+    every = encode({"messages": [conv]}, DataConfig(format="chat", targets="all"), tok)
+    plain = marked.replace("[[", "").replace("]]", "")
+    assert row(every, 0) == expected_tokens(tok, f"[[{plain}]]")
+
+
+def test_targets_last_turn_makes_no_example_of_an_earlier_turn():
+    """Qwen3 drops the first turn's thinking: with last_turn that turn is context, not an example."""
+    tok = byte_tokenizer("qwen3")
+    conv = [CHAT[0], {"role": "assistant", "reasoning_content": "It is Paris.", "content": "Paris."}, *CHAT[2:]]
+    assert len(encode({"messages": [conv]}, DataConfig(format="chat"), tok)["input_ids"]) == 2
+    out = encode({"messages": [conv]}, DataConfig(format="chat", targets="last_turn"), tok)
+    assert row(out, 0) == expected_tokens(tok, EXPECTED["qwen3", False].replace("[[Paris.<|im_end|>]]", "Paris.<|im_end|>"))
+    plain = encode({"prompt": ["Add 2 and 3."], "response": ["5"]}, DataConfig(format="instruction", targets="all"),
+                   byte_tokenizer())
+    assert row(plain, 0) == expected_tokens(byte_tokenizer(), "[[<s>Add 2 and 3.\n5</s>]]")
+    with pytest.raises(ValueError, match="data.targets applies to chat, sharegpt, instruction and alpaca data"):
+        DataConfig(targets="all")

@@ -91,6 +91,8 @@ def encode(rows: dict[str, list], cfg: DataConfig, tok, indices: list[int] | Non
         context = [_alpaca_context(rows, k) for k in range(n)] if cfg.format == "alpaca" else [[]] * n
         if not uses_chat_template(cfg, tok):
             out = {**_plain(prompts, responses, cfg, tok), "row": indices}
+            if cfg.targets == "all":
+                out["targets"] = [[1] * len(x) for x in out["targets"]]
             for k in (k for k, c in enumerate(context) if c):  # the plain template has no place for them
                 out["input_ids"][k], out["targets"][k] = [], []
                 out["problem"][k] = context[k] if isinstance(context[k], str) else \
@@ -103,7 +105,7 @@ def encode(rows: dict[str, list], cfg: DataConfig, tok, indices: list[int] | Non
     else:
         convs = [_messages(c) for c in rows[cfg.messages_field]]
     tools = [_tools(t) for t in rows[cfg.tools_field]] if cfg.format == "chat" and cfg.tools_field in rows else None
-    return encode_chats(convs, tok, tools, indices)
+    return encode_chats(convs, tok, tools, indices, cfg.targets)
 
 
 def _instructions(rows: dict[str, list], cfg: DataConfig) -> tuple[list[str], list[str]]:
@@ -213,10 +215,11 @@ def _sharegpt(conv) -> list[dict] | str:
 
 
 def encode_chats(convs: list[list[dict] | str], tok, tools: list | None = None,
-                 rows: list[int] | None = None) -> dict[str, list]:
+                 rows: list[int] | None = None, learn: str = "assistant") -> dict[str, list]:
     """Conversations (with their tools) as ids and exact assistant targets, one example each or,
     where the template renders a turn differently once later turns follow, one more example per
-    such turn (see the module's docstring); `rows` numbers the conversations."""
+    such turn (see the module's docstring); `rows` numbers the conversations; `learn` is
+    data.targets: every assistant turn, the last one only, or every token of the render."""
     rows = list(range(len(convs))) if rows is None else rows
     tools = tools or [None] * len(convs)
     made: list[list[tuple]] = [[] for _ in convs]  # each conversation's examples, in order
@@ -252,7 +255,13 @@ def encode_chats(convs: list[list[dict] | str], tok, tools: list | None = None,
         for k in good:
             enc = tok.apply_chat_template(convs[k], tools=tools[k], tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
-            add(k, enc["input_ids"], enc["assistant_masks"])
+            mask = np.asarray(enc["assistant_masks"], dtype=bool)
+            if learn == "all":
+                mask[:] = True
+            elif learn == "last_turn" and mask.any():  # the last turn is the last run of marked tokens
+                begins = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+                mask[: begins[-1]] = False
+            add(k, enc["input_ids"], mask)
         return result()
     enc = tok([rendered[k] for k in good], add_special_tokens=False, return_offsets_mapping=True)
     special = _special_strings(tok)
@@ -260,7 +269,10 @@ def encode_chats(convs: list[list[dict] | str], tok, tools: list | None = None,
     for j, k in enumerate(good):
         ids, offsets = enc["input_ids"][j], enc["offset_mapping"][j]
         try:
-            mask, alone = _mask(convs[k], tools[k], rendered[k], ids, offsets, special, special_ids, tok)
+            mask, alone = _mask(convs[k], tools[k], rendered[k], ids, offsets, special, special_ids, tok,
+                                learn == "last_turn")
+            if learn == "all":  # the render as it is: a turn standing alone would learn its prompt twice
+                mask, alone = [1] * len(ids), []
             examples = [_turn_alone(prompt, reply, turn, tok) for turn, prompt, reply in alone]
         except _Unmaskable as e:
             add(k, problem=str(e))
@@ -374,9 +386,11 @@ def _turn_alone(prompt: str, reply: str, turn: int, tok) -> tuple[list[int], lis
 
 
 def _mask(messages: list[dict], tools: list | None, text: str, ids: list[int], offsets: list[tuple[int, int]],
-          special: set[str], special_ids: set[int], tok) -> tuple[list[int], list[tuple[int, str, str]]]:
+          special: set[str], special_ids: set[int], tok, last_only: bool = False
+          ) -> tuple[list[int], list[tuple[int, str, str]]]:
     """The targets in the conversation's render `text`, and the assistant turns it does not
-    render as they are generated (turn, prompt, reply), which become examples of their own."""
+    render as they are generated (turn, prompt, reply), which become examples of their own;
+    `last_only`: the last assistant turn's targets only, the earlier turns context."""
     for tool in tools or []:
         name = (tool.get("function", tool) if isinstance(tool, dict) else {}).get("name")
         if not isinstance(name, str) or name not in text:
@@ -386,14 +400,17 @@ def _mask(messages: list[dict], tools: list | None, text: str, ids: list[int], o
     ends = [e for _, e in offsets]
     alone = []
     cursor = 0
+    learned = [t for t, m in enumerate(messages) if m["role"] == "assistant" and (m["content"].strip() or _structured(m))]
     for turn, m in enumerate(messages):
         assistant = m["role"] == "assistant"
         if not assistant and m["role"] != "user":
             # system and tool messages carry no target; templates move or drop them (Mistral
             # v0.3 renders the system message only in the last user turn)
             continue
-        if not (m["content"].strip() or (assistant and _structured(m))):
-            continue  # an empty reply teaches nothing
+        if assistant and turn not in (learned[-1:] if last_only else learned):
+            continue  # an empty reply teaches nothing; with last_only, an earlier reply is context
+        if not assistant and not m["content"].strip():
+            continue
         span = None if assistant and _structured(m) else _find(text, m["content"], cursor, special)
         if not assistant:
             if span is None:

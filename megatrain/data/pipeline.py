@@ -127,7 +127,7 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
     optional = {"chat": [cfg.tools_field], "alpaca": list(formats.ALPACA_CONTEXT)}.get(cfg.format, [])
     needed = [*needed, *(c for c in optional if c in rows.column_names)]  # read where the data has them
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
-                                             "messages_field", "tools_field", "template", "separator")}
+                                             "messages_field", "tools_field", "template", "separator", "targets")}
     key = Hasher.hash([VERSION, rows._fingerprint, settings, tok.backend_tokenizer.to_str(), tok.chat_template,
                        tok.bos_token, tok.eos_token])
     num_proc = cfg.num_proc or (min(os.cpu_count() or 1, 16) if len(rows) >= PARALLEL_ROWS else None)
