@@ -282,6 +282,12 @@ class DataConfig:
     # type), a folder written by datasets' save_to_disk, a dataset repository's folder (data files
     # and a README naming its subsets), or a Hub dataset id (org/name, read by datasets.load_dataset)
     path: str | None = None
+    # or several datasets mixed by weight, {path or Hub id: weight}: each read and tokenised (and
+    # cached) alone, its examples then drawn in proportion to the weights (pipeline.mix)
+    mix: dict[str, Any] = field(default_factory=dict)
+    # first_exhausted: no example repeated, a dataset with more than its weight's share subsampled;
+    # all_exhausted: every example used, the others repeated to their share (datasets' names)
+    mix_stopping: Literal["first_exhausted", "all_exhausted"] = "first_exhausted"
     subset: str | None = None  # the configuration of a Hub dataset (or repository folder) that has several
     split: str | None = None  # the split trained on; None: train, or the only split a save_to_disk folder has
     # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
@@ -324,15 +330,22 @@ class DataConfig:
     def __post_init__(self):
         check_types(self, "data")
         if self.source == "auto":
-            self.source = "file" if self.path else "synthetic"
-        elif self.source == "synthetic" and self.path:  # random tokens where a file was meant
-            raise ValueError(f"data.path {self.path!r} is given but data.source is synthetic (random tokens): "
-                             f"set data.source: file, or leave data.source out")
+            self.source = "file" if self.path or self.mix else "synthetic"
+        elif self.source == "synthetic" and (self.path or self.mix):  # random tokens where a file was meant
+            raise ValueError(f"data.{'path' if self.path else 'mix'} is given but data.source is synthetic (random "
+                             f"tokens): set data.source: file, or leave data.source out")
         if self.source == "file":
-            if not self.path:
-                raise ValueError("data.path is required when data.source is file")
-            if not Path(self.path).exists() and not hub.is_hub_id(self.path):
-                raise ValueError(f"data.path {self.path!r} does not exist")
+            if bool(self.path) == bool(self.mix):
+                raise ValueError("data.source file reads data.path, or data.mix (several datasets by weight): give one")
+            for path in [self.path] if self.path else self.mix:
+                if not isinstance(path, str) or not Path(path).exists() and not hub.is_hub_id(path):
+                    raise ValueError(f"data.{'path' if self.path else 'mix'} {path!r} does not exist")
+            for path, weight in self.mix.items():
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                    raise ValueError(f"data.mix: the weight of {path} must be a positive number, not {weight!r}")
+            if self.mix and (self.subset or self.split or self.eval_split):
+                raise ValueError("data.subset, data.split and data.eval_split name a part of one dataset, not of "
+                                 "data.mix's; mix save_to_disk folders or files of those parts")
         elif self.eval_path or self.eval_fraction or self.eval_split or self.packing:
             raise ValueError("data.eval_path, data.eval_fraction, data.eval_split and data.packing need data.source: file")
         if self.repeat_batch and self.source != "synthetic":

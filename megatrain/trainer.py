@@ -475,7 +475,7 @@ def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, to
                 if shape.experts else "")]
     if d.source == "file":
         dropped = {k: v for k, v in data.examples.dropped.items() if v}
-        lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "
+        lines.append(f"data: {d.path or d.mix} ({d.format}): {len(data.examples):,} examples, "
                      f"{int(data.examples.lengths.sum()):,} tokens, {data.nbytes / GiB:.2f} GiB in host memory"
                      + (f"; left out: {dropped}" if dropped else "")
                      + (f"; cut to seq_len: {data.examples.truncated:,}" if data.examples.truncated else "")

@@ -40,4 +40,4 @@ def test_the_command_prints_the_summary_and_an_example(tmp_path, capsys):
     assert main(["data", *run, "--example", "2"]) == 2
     assert "--example 2: the training data has examples 0 to 1" in capsys.readouterr().err
     assert main(["data", f"model.pretrained={tmp_path / 'init'}"]) == 2
-    assert "megatrain data shows data from a file or the Hub: set data.path" in capsys.readouterr().err
+    assert "megatrain data shows data from a file or the Hub: set data.path (or data.mix)" in capsys.readouterr().err

@@ -63,18 +63,29 @@ def make_sources(cfg: DataConfig, vocab: int, tokenizer_dir: str | None
         rows = pipeline.load_rows(path, setting, subset, split)
         return pipeline.examples(pipeline.tokenize(rows, cfg, tok, name), cfg, vocab, name)
 
-    examples = read(cfg.path, "data.path", cfg.subset, cfg.split)
+    def hold_out(examples: pipeline.Examples, name: str) -> tuple[pipeline.Examples, pipeline.Examples]:
+        order = np.random.default_rng(cfg.seed).permutation(len(examples))
+        cut = max(1, round(cfg.eval_fraction * len(examples)))
+        if cut >= len(examples):
+            raise ValueError(f"data.eval_fraction {cfg.eval_fraction} leaves no training example of {len(examples)} "
+                             f"in {name}")
+        return examples.subset(np.sort(order[cut:])), examples.subset(np.sort(order[:cut]))
+
     held = None
+    if cfg.mix:  # each dataset's held-out part taken before the mix, which may repeat examples
+        parts = [read(path, f"data.mix {path}", None, None) for path in cfg.mix]
+        if cfg.eval_fraction:
+            parts, held_parts = zip(*(hold_out(p, name) for p, name in zip(parts, cfg.mix)))
+            held = pipeline.concat(list(held_parts))
+        examples = pipeline.mix(list(parts), list(cfg.mix.values()), cfg.mix_stopping, cfg.seed)
+    else:
+        examples = read(cfg.path, "data.path", cfg.subset, cfg.split)
+        if cfg.eval_fraction:
+            examples, held = hold_out(examples, cfg.path)
     if cfg.eval_path:
         held = read(cfg.eval_path, "data.eval_path", None, None)
     elif cfg.eval_split:
         held = read(cfg.path, "data.eval_split", cfg.subset, cfg.eval_split)
-    elif cfg.eval_fraction:
-        order = np.random.default_rng(cfg.seed).permutation(len(examples))
-        cut = max(1, round(cfg.eval_fraction * len(examples)))
-        if cut >= len(examples):
-            raise ValueError(f"data.eval_fraction {cfg.eval_fraction} leaves no training example of {len(examples)}")
-        held, examples = examples.subset(np.sort(order[:cut])), examples.subset(np.sort(order[cut:]))
     return FileSource(cfg, examples, pad), (EvalSource(cfg, held, pad) if held is not None else None)
 
 

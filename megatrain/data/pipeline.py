@@ -254,3 +254,39 @@ def examples(encoded, cfg: DataConfig, vocab: int, path: str) -> Examples:
         raise ValueError(f"data: no example of {path} is left to learn from: "
                          + "; ".join(f"{count} {why[k]}" for k, count in dropped.items() if count))
     return Examples(tokens, targets, starts[keep], lengths[keep], dropped, truncated)
+
+
+def concat(parts: list[Examples]) -> Examples:
+    """The examples of several datasets as one (their tokens copied once into one array)."""
+    tokens = np.concatenate([p.tokens for p in parts])
+    offsets = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
+    dropped: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.dropped.items():
+            dropped[k] = dropped.get(k, 0) + v
+    return Examples(tokens, np.concatenate([p.targets for p in parts]),
+                    np.concatenate([p.starts + o for p, o in zip(parts, offsets)]),
+                    np.concatenate([p.lengths for p in parts]), dropped, sum(p.truncated for p in parts))
+
+
+def mix(parts: list[Examples], weights: list[float], stopping: str, seed: int) -> Examples:
+    """Examples drawn from `parts` in proportion to `weights` (data.mix): dataset i gives p_i N of
+    the N examples, N as large as no dataset runs out (first_exhausted) or as small as every
+    example is used (all_exhausted), as `datasets.interleave_datasets` stops. An example taken
+    more than once is referenced again, never copied.
+
+    Mixed here, after each dataset is tokenised alone, rather than by interleave_datasets on the
+    rows: that needs one schema across the datasets (their message structs differ), and a change
+    of weights would tokenise everything again."""
+    share = np.asarray(weights, dtype=np.float64) / sum(weights)
+    sizes = np.asarray([len(p) for p in parts], dtype=np.float64)
+    total = (sizes / share).min() if stopping == "first_exhausted" else (sizes / share).max()
+    rng = np.random.default_rng(seed)
+    whole = concat(parts)
+    first = np.cumsum([0] + [len(p) for p in parts[:-1]])
+    chosen = []
+    for p, n, begin in zip(parts, np.rint(share * total).astype(np.int64), first):
+        n = min(n, len(p)) if stopping == "first_exhausted" else max(n, len(p))  # rounding aside
+        rest = rng.choice(len(p), n % len(p), replace=False)  # no dataset is empty (examples() refuses one)
+        chosen.append(begin + np.concatenate([np.tile(np.arange(len(p)), n // len(p)), np.sort(rest)]))
+    return whole.subset(np.concatenate(chosen))

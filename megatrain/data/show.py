@@ -29,7 +29,7 @@ def show(cfg: TrainConfig, index: int) -> str:
     from megatrain.data import load_tokenizer, make_sources
     from megatrain.shapes import ModelShape, load_hf_config
     if cfg.data.source != "file":
-        raise ValueError("megatrain data shows data from a file or the Hub: set data.path")
+        raise ValueError("megatrain data shows data from a file or the Hub: set data.path (or data.mix)")
     vocab = ModelShape(load_hf_config(cfg.model)).vocab
     train, held = make_sources(cfg.data, vocab, cfg.model.pretrained)
     examples = train.examples
@@ -40,7 +40,7 @@ def show(cfg: TrainConfig, index: int) -> str:
     start, length = int(examples.starts[index]), int(examples.lengths[index])
     learned = int(examples.targets[start + 1: start + length].sum())  # an example's first token is never predicted
     return "\n".join([
-        f"data: {cfg.data.path} ({cfg.data.format}): {len(examples):,} training examples"
+        f"data: {cfg.data.path or cfg.data.mix} ({cfg.data.format}): {len(examples):,} training examples"
         + (f", {len(held.examples):,} held out" if held else "")
         + (f"; left out: {dropped}" if dropped else "")
         + f"; cut to data.seq_len {cfg.data.seq_len}: {examples.truncated:,}",
