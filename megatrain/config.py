@@ -332,8 +332,9 @@ class DataConfig:
         if self.source == "auto":
             self.source = "file" if self.path or self.mix else "synthetic"
         elif self.source == "synthetic" and (self.path or self.mix):  # random tokens where a file was meant
-            raise ValueError(f"data.{'path' if self.path else 'mix'} is given but data.source is synthetic (random "
-                             f"tokens): set data.source: file, or leave data.source out")
+            given = f"data.path {self.path!r}" if self.path else f"data.mix {self.mix!r}"
+            raise ValueError(f"{given} is given but data.source is synthetic (random tokens): set data.source: file, "
+                             f"or leave data.source out")
         if self.source == "file":
             if bool(self.path) == bool(self.mix):
                 raise ValueError("data.source file reads data.path, or data.mix (several datasets by weight): give one")
