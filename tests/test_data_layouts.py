@@ -113,3 +113,18 @@ def test_targets_last_turn_makes_no_example_of_an_earlier_turn():
     assert row(plain, 0) == expected_tokens(byte_tokenizer(), "[[<s>Add 2 and 3.\n5</s>]]")
     with pytest.raises(ValueError, match="data.targets applies to chat, sharegpt, instruction and alpaca data"):
         DataConfig(targets="all")
+
+
+@pytest.mark.parametrize("name, families", [("demo-chat", ["qwen2.5", "llama3", "mistral-v0.3", "qwen3"]),
+                                            ("demo-tools", ["qwen2.5", "qwen3"]), ("demo-reasoning", ["qwen3"])])
+def test_the_demo_data_is_labelled_whole(tmp_path, name, families):
+    """Every row of the shipped demo files (data/) is labelled by the templates its README names;
+    Qwen3 trains a two-turn reasoning chat's first turn alone."""
+    path = FIXTURES.parents[2] / "data" / f"{name}.jsonl"
+    rows = len(path.read_text().splitlines())
+    two_turns = sum(line.count('"role": "user"') == 2 for line in path.read_text().splitlines())
+    for family in families:
+        byte_tokenizer(family).save_pretrained(tmp_path / family)
+        src, _ = make_sources(DataConfig(path=str(path), format="chat", seq_len=2048), 300, str(tmp_path / family))
+        assert not any(src.examples.dropped.values())
+        assert len(src.examples) == rows + (two_turns if name == "demo-reasoning" else 0)

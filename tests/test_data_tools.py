@@ -73,6 +73,19 @@ def test_qwen3_learns_thinking_and_tool_calls_of_one_query():
     assert row(out, 0) == expected_tokens(tok, expected)
 
 
+def test_qwen3_empty_think_block_is_template_text_around_tool_calls_too():
+    """Without thinking, Qwen3 adds an empty think block to the last turn only: as for a reply of
+    content alone, it is no target, and a tool call before the last turn is learned in place."""
+    tok = byte_tokenizer("qwen3")
+    out = encode_chats([chat(ASK, CALL, RESULT, ANSWER), chat(ASK, CALL)], tok, [[WEATHER], [WEATHER]])
+    assert out["problem"] == ["", ""] and out["row"] == [0, 1]
+    system = f"<|im_start|>system\n{TOOLS_PROMPT}"
+    assert row(out, 0) == expected_tokens(tok, f"{system}{TOOL_TURNS}<think>\n\n</think>\n\n"
+                                               "[[It is 21 degrees in Paris.<|im_end|>]]\n")
+    ask = TOOL_TURNS[: TOOL_TURNS.index("[[")]
+    assert row(out, 1) == expected_tokens(tok, f"{system}{ask}<think>\n\n</think>\n\n[[{TOOL_CALL}<|im_end|>]]\n")
+
+
 @pytest.mark.parametrize("layout", ["field", "inline"])
 def test_reasoning_is_learned_in_both_layouts(layout):
     tok = byte_tokenizer("qwen3")

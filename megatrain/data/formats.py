@@ -22,14 +22,15 @@ once and each assistant turn is found in the rendered text, in order:
 - a turn with tool calls or thinking, or whose content is not rendered verbatim, as the template
   renders it when generated: the render of the conversation up to it with the generation prompt,
   and what the render with the turn adds to that, through its last special token (its end of
-  turn). The thinking and every tool call must be in it, and the row's tools in the prompt, or the
-  example is refused (a template without tools or thinking would drop them silently). Where the
-  whole render begins with that prompt and reply, the reply's tokens there are the targets; else
-  (Qwen3 drops the thinking of the turns before the last user message, in content or as
-  `reasoning_content`) the turn becomes an example of its own, the prompt it answered and its
-  reply, the reply the only target, and the whole conversation trains the other turns.
-So a turn with thinking or tool calls is trained in exactly the context the template gives it when
-it is generated. A turn of content alone is labelled in the whole render, which is what the model
+  turn), less the text the template adds to any reply there (Qwen3's empty think block). The
+  thinking and every tool call must be in it, and the row's tools in the prompt, or the example
+  is refused (a template without tools or thinking would drop them silently). Where the whole
+  render begins with that prompt and reply (with or without that text), the reply's tokens there
+  are the targets; else (Qwen3 drops the thinking of the turns before the last user message, in
+  content or as `reasoning_content`) the turn becomes an example of its own, the prompt it
+  answered and its reply, the reply the only target, and the whole conversation trains the other
+  turns. So a turn with thinking or tool calls is trained in exactly the context the template
+  gives it when it is generated. A turn of content alone is labelled in the whole render, which is what the model
 sees: diffing renders of growing prefixes for every turn would split most chats, since templates
 render earlier turns differently once later turns follow (Qwen3 adds an empty think block only to
 the turns after the last user message; Mistral v0.3 puts the system message into the last user
@@ -329,20 +330,22 @@ def _structured(m: dict) -> bool:
     return bool(m.get("tool_calls")) or any(isinstance(m.get(f), str) and m[f].strip() for f in REASONING)
 
 
-def _reply(messages: list[dict], turn: int, tools: list | None, tok, special: set[str]) -> tuple[str, str]:
+def _reply(messages: list[dict], turn: int, tools: list | None, tok, special: set[str]) -> tuple[str, str, str]:
     """Assistant turn `turn` as the model generates it: the render of the conversation up to it
-    with the generation prompt, and what the render with the turn adds to that, through its
+    with the generation prompt; the text the template puts into any reply there, whatever the
+    message holds (Qwen3's empty think block: template text, never a target, as for a turn of content
+    alone; '' for most templates); and the rest of what the render with the turn adds, through its
     end-of-turn token (the last special token it adds)."""
     prompt = _render(tok, messages[:turn], tools, prompt=True)
-    full = _render(tok, messages[: turn + 1], tools)
-    if not full.startswith(prompt):
-        raise _Unmaskable(f"message {turn}: the chat template renders the conversation before it differently "
-                          f"once it is answered, so the prompt it answers is not defined")
-    added = full[len(prompt):]
-    end = max((added.rfind(s) + len(s) for s in special if s in added), default=0)
+    added, lead = _added(messages, turn, prompt, tools, tok), ""
+    end = _end(added, special)
     if not added[:end].strip():
         raise _Unmaskable(f"message {turn}: no end-of-turn token follows the assistant's reply")
     reply = added[:end]
+    empty = _added([*messages[:turn], {"role": "assistant", "content": ""}], turn, prompt, tools, tok)
+    body = empty[:_start_of_end(empty, special)]
+    if body.strip() and reply.startswith(body):
+        lead, reply = body, reply[len(body):]
     m = messages[turn]
     for name in REASONING:
         if isinstance(m.get(name), str) and _squash(m[name]) not in _squash(reply):
@@ -351,7 +354,27 @@ def _reply(messages: list[dict], turn: int, tools: list | None, tok, special: se
         name = (call.get("function", call) if isinstance(call, dict) else {}).get("name")
         if not isinstance(name, str) or name not in reply:
             raise _Unmaskable(f"message {turn}: the chat template does not render its tool call {call!r}")
-    return prompt, reply
+    return prompt, lead, reply
+
+
+def _added(messages: list[dict], turn: int, prompt: str, tools: list | None, tok) -> str:
+    """What the render of messages[:turn + 1] adds to `prompt` (the render before the turn, with
+    the generation prompt)."""
+    full = _render(tok, messages[: turn + 1], tools)
+    if not full.startswith(prompt):
+        raise _Unmaskable(f"message {turn}: the chat template renders the conversation before it differently "
+                          f"once it is answered, so the prompt it answers is not defined")
+    return full[len(prompt):]
+
+
+def _end(text: str, special: set[str]) -> int:
+    """Where the last special token in `text` ends (0 without one)."""
+    return max((text.rfind(s) + len(s) for s in special if s in text), default=0)
+
+
+def _start_of_end(text: str, special: set[str]) -> int:
+    """Where the last special token in `text` begins (0 without one)."""
+    return max((text.rfind(s) for s in special if s in text), default=0)
 
 
 def _cover(text: str, offsets: list[tuple[int, int]], starts: list[int], ends: list[int], lo: int, hi: int,
@@ -421,11 +444,13 @@ def _mask(messages: list[dict], tools: list | None, text: str, ids: list[int], o
             # not its content alone: the turn as generated (its thinking, its tool calls), in the
             # whole render if it is there, else an example of its own (Qwen3 drops an earlier
             # turn's thinking once a later user message follows)
-            prompt, reply = _reply(messages, turn, tools, tok, special)
-            if not text.startswith(prompt + reply):
-                alone.append((turn, prompt, reply))
+            prompt, lead, reply = _reply(messages, turn, tools, tok, special)
+            # the whole render holds the turn after its prompt, with the template's lead (the
+            # last turn) or without (an earlier one: Qwen3 adds its empty think block to the last only)
+            at = next((len(c) for c in (prompt + lead, prompt) if text.startswith(c + reply)), None)
+            if at is None:
+                alone.append((turn, prompt + lead, reply))
                 continue
-            at = len(prompt)
             first, last = _cover(text, offsets, starts, ends, at, at + len(reply), turn)
             _check_decodes(ids[first: last + 1], reply, tok, turn)
             mask[first: last + 1] = [1] * (last + 1 - first)

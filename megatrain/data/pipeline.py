@@ -27,7 +27,7 @@ from megatrain.config import DataConfig
 from megatrain.data import formats
 
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-VERSION = "megatrain-data-3"  # part of the cache key: change it when an encoding changes
+VERSION = "megatrain-data-4"  # part of the cache key: change it when an encoding changes
 PARALLEL_ROWS = 20_000  # below this many rows one process tokenises faster than several start
 
 
