@@ -322,7 +322,7 @@ class DataConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
-    eval_path: str | None = None  # held-out data in the same format (its split train, or its only one)
+    eval_path: str | None = None  # held-out data in the same format (its train split, or a save_to_disk folder's only one)
     eval_split: str | None = None  # or this split of data.path held out (a Hub dataset's test split)
     eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)

@@ -1,11 +1,12 @@
-"""Hugging Face Hub ids where a setting takes a local path: `model.pretrained` and
-`data.tokenizer` (a model repo, resolved to its snapshot folder by `huggingface_hub`), `data.path`
-and `data.eval_path` (a dataset repo, read by `datasets.load_dataset`).
+"""Hugging Face Hub ids where a setting takes a local path: `model.pretrained`, `data.tokenizer`
+and `data.chat_template` (a model repo, resolved to its snapshot folder by `huggingface_hub`);
+`data.path`, `data.eval_path` and the keys of `data.mix` (a dataset repo, read by
+`datasets.load_dataset`).
 
 Both libraries keep their own caches and honour HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE. A
 setting is taken for a Hub id only where no such local file or folder exists and it is spelt as
-one (`name` or `org/name`, no data file's or template's suffix); a Hub id that is neither cached nor reachable is
-refused with the setting's name, before anything is allocated.
+one (`name` or `org/name`, without a data file's or a template's suffix); a Hub id that is neither
+cached nor reachable is refused with the setting's name, before anything is allocated.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def load_dataset(setting: str, repo: str, subset: str | None, split: str):
         return load_folder(setting, folder, subset, split, named)
     except datasets.exceptions.DatasetNotFoundError as e:
         raise ValueError(f"{setting}: {repo} is no local file or folder, and on the Hub: {e}") from None
-    except ValueError as e:  # an unknown split or subset: datasets lists the ones there are
+    except (ValueError, FileNotFoundError) as e:  # an unknown split or subset: datasets lists the ones there are
         raise ValueError(f"{setting}: {named}, split {split}: {e}") from None
 
 
@@ -88,5 +89,5 @@ def load_folder(setting: str, folder: str, subset: str | None, split: str, named
     import datasets
     try:
         return datasets.load_dataset(folder, name=subset, split=split)
-    except (ValueError, FileNotFoundError, datasets.exceptions.DataFilesNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"{setting}: {named or folder}, split {split}: {e}") from None

@@ -1,8 +1,8 @@
 """From files to tokenised examples held unpadded in compact arrays.
 
 Rows load through `datasets` (a file, a folder of shards of one type, a `save_to_disk` folder, a
-dataset repository's folder, or a Hub dataset id: megatrain/hub.py) and are tokenised by `datasets.map`: batched, in `data.num_proc` processes, into datasets'
-on-disk cache under a fingerprint of the rows, the format settings, the tokenizer and this code's
+dataset repository's folder, or a Hub dataset id: megatrain/hub.py) and are tokenised by
+`datasets.map`: batched, in `data.num_proc` processes, into datasets' on-disk cache under a fingerprint of the rows, the format settings, the tokenizer and this code's
 version, so the next run with the same data and tokenizer reads the cache instead of tokenising.
 The examples then become three flat arrays: every token id (uint16 when the vocabulary allows,
 else int32), a target flag per token (bool), and each example's start and length: about 3-5 bytes a
@@ -71,7 +71,7 @@ def load_rows(path: str | Path, setting: str = "data.path", subset: str | None =
         elif split is not None:
             raise ValueError(f"{setting} {path} is one dataset without splits (split {split!r} asked for)")
         return ds
-    if path.is_dir() and ((path / "README.md").is_file() or any(p.is_dir() for p in path.iterdir())):
+    if _repository(path):
         return hub.load_folder(setting, str(path), subset, split or "train")
     if split is not None or subset is not None:
         raise ValueError(f"{setting} {path} is data files, without the subsets and splits of a Hub dataset, a "
@@ -91,6 +91,14 @@ def load_rows(path: str | Path, setting: str = "data.path", subset: str | None =
         return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train")
     except Exception as e:  # datasets wraps the parser's error: name the file and, for JSON lines, the line
         raise ValueError(f"data: cannot read {_first_bad(files, kind) or path}: {type(e).__name__}: {e}") from None
+
+
+def _repository(path: Path) -> bool:
+    """Whether `path` is laid out as a dataset repository (a clone, or a Hub snapshot): a dataset
+    card (README.md with a YAML header, which may name subsets and splits) or a `data` folder, the
+    layouts datasets reads splits from; else a folder is its data files, all one split."""
+    card = path / "README.md"
+    return path.is_dir() and ((path / "data").is_dir() or card.is_file() and card.read_text(errors="replace").startswith("---"))
 
 
 def _first_bad(files: list[Path], kind: str) -> str | None:
@@ -137,8 +145,7 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
     try:
         return rows.select_columns(needed).map(
             _encode, fn_kwargs={"cfg": cfg, "tok": tok}, with_indices=True, batched=True, batch_size=1000,
-            num_proc=num_proc,
-            remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
+            num_proc=num_proc, remove_columns=needed, features=features, new_fingerprint=key, desc="tokenising")
     except UnicodeDecodeError as e:  # Arrow keeps the bytes as read; they fail once decoded, unnamed
         where = _first_undecodable(_files(path)) or f"{path} ({e})"
         raise ValueError(f"data: {where} is not UTF-8 text: save it as UTF-8 (iconv -t utf-8)") from None
