@@ -121,8 +121,8 @@ def _instructions(rows: dict[str, list], cfg: DataConfig) -> tuple[list[str], li
 def _alpaca_context(rows: dict[str, list], k: int) -> list[dict] | str:
     """Row k's turns before its instruction, from Alpaca's optional `system` and `history`
     ([prompt, response] pairs, LlamaFactory's layout) columns, or why they are unusable."""
-    system = (rows.get("system") or [None] * (k + 1))[k]
-    history = (rows.get("history") or [None] * (k + 1))[k]
+    system = rows["system"][k] if "system" in rows else None
+    history = rows["history"][k] if "history" in rows else None
     turns = [{"role": "system", "content": system}] if system else []
     for pair in history or []:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
@@ -342,7 +342,10 @@ def _reply(messages: list[dict], turn: int, tools: list | None, tok, special: se
     if not added[:end].strip():
         raise _Unmaskable(f"message {turn}: no end-of-turn token follows the assistant's reply")
     reply = added[:end]
-    empty = _added([*messages[:turn], {"role": "assistant", "content": ""}], turn, prompt, tools, tok)
+    try:
+        empty = _added([*messages[:turn], {"role": "assistant", "content": ""}], turn, prompt, tools, tok)
+    except _Unmaskable:  # a template that refuses an empty reply: no text known to precede every reply
+        empty = ""
     body = empty[:_start_of_end(empty, special)]
     if body.strip() and reply.startswith(body):
         lead, reply = body, reply[len(body):]
