@@ -165,3 +165,19 @@ def test_the_pipeline_reads_tools_columns_and_names_the_row(tmp_path):
     path = write(tmp_path, [{"messages": split}, {"messages": [q, {"content": "Hello."}]}], "r.jsonl")
     with pytest.raises(ValueError, match=r"1 example\(s\) of .* cannot be labelled exactly \(example 1: message 1 lacks a role\)"):
         make_sources(DataConfig(source="file", path=path, format="chat", seq_len=2048), 300, str(tmp_path / "tok3"))
+
+
+def test_sharegpt_function_calls_and_observations_are_tool_turns():
+    """LlamaFactory's ShareGPT layout (function_call, observation, and system and tools columns as
+    JSON strings) encodes as the same chat in messages does."""
+    tok = byte_tokenizer("qwen2.5")
+    turns = [{"from": "human", "value": ASK["content"]},
+             {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+             {"from": "observation", "value": RESULT["content"]}, {"from": "gpt", "value": ANSWER["content"]}]
+    out = encode({"conversations": [turns], "system": ["Be brief."], "tools": [json.dumps([WEATHER])]},
+                 DataConfig(format="sharegpt"), tok)
+    system = {"role": "system", "content": "Be brief."}
+    assert row(out, 0) == row(encode_chats([chat(system, ASK, CALL, RESULT, ANSWER)], tok, [[WEATHER]]), 0)
+    bad = encode({"conversations": [[turns[0], {"from": "function_call", "value": "get_weather(Paris)"}]]},
+                 DataConfig(format="sharegpt"), tok)
+    assert bad["problem"][0].startswith("a function_call's value must be a JSON object with a name")

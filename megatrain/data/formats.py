@@ -7,7 +7,9 @@ or a `problem` saying why it cannot be used, and the `row` it comes from. Format
                turns of its optional `system` and `history` columns (chat templates only)
   chat         a list of {role, content} messages (an assistant's may carry `tool_calls` and its
                thinking as `reasoning_content`; `tool` messages answer calls), with the row's
-               tools (data.tools_field) rendered by the template; sharegpt: `conversations` of {from, value}
+               tools (data.tools_field) rendered by the template; sharegpt: `conversations` of
+               {from, value} (LlamaFactory's function_call and observation turns too), with
+               optional `system` and `tools` columns
 
 Chat masks. The targets are what the model generates in each assistant turn: its content, its
 thinking and its tool calls as the template renders them, and its end-of-turn token; never a role
@@ -58,8 +60,10 @@ from megatrain.config import DataConfig
 ALPACA = ("instruction", "input", "output")
 ALPACA_CONTEXT = ("system", "history")  # optional columns: read where the data has them
 SHAREGPT = "conversations"
+# LlamaFactory's tool turns: function_call (the call as JSON) and observation (its result)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
+                  "system": "system", "function_call": "assistant", "observation": "tool"}
+SHAREGPT_CONTEXT = ("system", "tools")  # optional columns: read where the data has them
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -102,10 +106,11 @@ def encode(rows: dict[str, list], cfg: DataConfig, tok, indices: list[int] | Non
         convs: list[Any] = [c if isinstance(c, str) else [*c, {"role": "user", "content": p}, {"role": "assistant", "content": r}]
                             for c, p, r in zip(context, prompts, responses)]
     elif cfg.format == "sharegpt":
-        convs = [_sharegpt(c) for c in rows[SHAREGPT]]
+        convs = [_sharegpt(c, rows["system"][k] if "system" in rows else None) for k, c in enumerate(rows[SHAREGPT])]
     else:
         convs = [_messages(c) for c in rows[cfg.messages_field]]
-    tools = [_tools(t) for t in rows[cfg.tools_field]] if cfg.format == "chat" and cfg.tools_field in rows else None
+    column = {"chat": cfg.tools_field, "sharegpt": "tools"}.get(cfg.format)
+    tools = [_tools(t) for t in rows[column]] if column in rows else None
     return encode_chats(convs, tok, tools, indices, cfg.targets)
 
 
@@ -203,15 +208,25 @@ def _tools(value) -> list[dict] | str | None:
     return _without_nulls(value) or None
 
 
-def _sharegpt(conv) -> list[dict] | str:
+def _sharegpt(conv, system=None) -> list[dict] | str:
+    """ShareGPT's turns (and its optional `system` column) as messages, or why they are unusable."""
     if not isinstance(conv, list) or not conv:
         return "the conversations are not a non-empty list"
-    out = []
+    out = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
     for m in conv:
         role = SHAREGPT_ROLES.get(m.get("from")) if isinstance(m, dict) else None
         if role is None or not isinstance(m.get("value"), str):
             return f"a turn's 'from' must be one of {sorted(SHAREGPT_ROLES)} with a string 'value'; got {m!r}"
-        out.append({"role": role, "content": m["value"]})
+        if m["from"] != "function_call":
+            out.append({"role": role, "content": m["value"]})
+            continue
+        try:
+            call = json.loads(m["value"])
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return f"a function_call's value must be a JSON object with a name and arguments; got {m['value']!r}"
+        out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]})
     return out
 
 

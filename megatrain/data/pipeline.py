@@ -27,7 +27,7 @@ from megatrain.config import DataConfig
 from megatrain.data import formats
 
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-VERSION = "megatrain-data-4"  # part of the cache key: change it when an encoding changes
+VERSION = "megatrain-data-5"  # part of the cache key: change it when an encoding changes
 PARALLEL_ROWS = 20_000  # below this many rows one process tokenises faster than several start
 
 
@@ -132,7 +132,8 @@ def tokenize(rows, cfg: DataConfig, tok, path: str):
         raise ValueError(f"data: {path} holds no examples")
     if cfg.format == "text":
         _check_text(rows, cfg.text_field, path)
-    optional = {"chat": [cfg.tools_field], "alpaca": list(formats.ALPACA_CONTEXT)}.get(cfg.format, [])
+    optional = {"chat": [cfg.tools_field], "alpaca": list(formats.ALPACA_CONTEXT),
+                "sharegpt": list(formats.SHAREGPT_CONTEXT)}.get(cfg.format, [])
     needed = [*needed, *(c for c in optional if c in rows.column_names)]  # read where the data has them
     settings = {k: getattr(cfg, k) for k in ("format", "text_field", "prompt_field", "response_field",
                                              "messages_field", "tools_field", "template", "separator", "targets")}
