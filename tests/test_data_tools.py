@@ -181,3 +181,12 @@ def test_sharegpt_function_calls_and_observations_are_tool_turns():
     bad = encode({"conversations": [[turns[0], {"from": "function_call", "value": "get_weather(Paris)"}]]},
                  DataConfig(format="sharegpt"), tok)
     assert bad["problem"][0].startswith("a function_call's value must be a JSON object with a name")
+
+
+def test_a_template_with_generation_marks_that_drops_thinking_is_refused():
+    """ChatML with {% generation %} marks renders content alone: thinking and tools would be lost."""
+    tok = byte_tokenizer("chatml-generation")
+    thought = {"role": "assistant", "reasoning_content": "2 + 3 = 5", "content": "Five."}
+    out = encode_chats([chat(ASK, thought), chat(ASK, ANSWER), chat(ASK, ANSWER)], tok, [None, [WEATHER], None])
+    assert out["problem"] == ["message 1: the chat template does not render its reasoning_content",
+                              "the chat template does not render its tool 'get_weather' (data.tools_field)", ""]

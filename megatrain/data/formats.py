@@ -15,7 +15,8 @@ Chat masks. The targets are what the model generates in each assistant turn: its
 thinking and its tool calls as the template renders them, and its end-of-turn token; never a role
 header, a system, user or tool message, or text the template adds (Qwen3's empty think block).
 Where the template marks the assistant's tokens itself ({% generation %} blocks), its mask is used
-(`apply_chat_template(return_assistant_tokens_mask=True)`). Otherwise the conversation is rendered
+(`apply_chat_template(return_assistant_tokens_mask=True)`), and a conversation whose tools, thinking
+or tool calls it does not render is refused. Otherwise the conversation is rendered
 once and each assistant turn is found in the rendered text, in order:
 - a turn of content alone, as its content (or the content trimmed, which Llama 3 and Mistral
   templates do) followed by optional whitespace and a special token (the end of its turn; user
@@ -269,6 +270,14 @@ def encode_chats(convs: list[list[dict] | str], tok, tools: list | None = None,
     good = [k for k in good if k in rendered]
     if _GENERATION.search(tok.chat_template):
         for k in good:
+            try:  # the template's marks cover what it renders: what it leaves out is refused, not lost
+                _check_tools(tools[k], rendered[k])
+                for turn, m in enumerate(convs[k]):
+                    if m["role"] == "assistant":
+                        _check_rendered(m, turn, rendered[k])
+            except _Unmaskable as e:
+                add(k, problem=str(e))
+                continue
             enc = tok.apply_chat_template(convs[k], tools=tools[k], tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
             mask = np.asarray(enc["assistant_masks"], dtype=bool)
@@ -364,15 +373,27 @@ def _reply(messages: list[dict], turn: int, tools: list | None, tok, special: se
     body = empty[:_start_of_end(empty, special)]
     if body.strip() and reply.startswith(body):
         lead, reply = body, reply[len(body):]
-    m = messages[turn]
+    _check_rendered(messages[turn], turn, reply)
+    return prompt, lead, reply
+
+
+def _check_rendered(m: dict, turn: int, text: str) -> None:
+    """Assistant message `m`'s thinking and tool calls are in `text`, its render."""
     for name in REASONING:
-        if isinstance(m.get(name), str) and _squash(m[name]) not in _squash(reply):
+        if isinstance(m.get(name), str) and _squash(m[name]) not in _squash(text):
             raise _Unmaskable(f"message {turn}: the chat template does not render its {name}")
     for call in m.get("tool_calls") or []:
         name = (call.get("function", call) if isinstance(call, dict) else {}).get("name")
-        if not isinstance(name, str) or name not in reply:
+        if not isinstance(name, str) or name not in text:
             raise _Unmaskable(f"message {turn}: the chat template does not render its tool call {call!r}")
-    return prompt, lead, reply
+
+
+def _check_tools(tools: list | None, text: str) -> None:
+    """Every tool's name is in `text`, the conversation's render."""
+    for tool in tools or []:
+        name = (tool.get("function", tool) if isinstance(tool, dict) else {}).get("name")
+        if not isinstance(name, str) or name not in text:
+            raise _Unmaskable(f"the chat template does not render its tool {name or tool!r} (data.tools_field)")
 
 
 def _added(messages: list[dict], turn: int, prompt: str, tools: list | None, tok) -> str:
@@ -432,10 +453,7 @@ def _mask(messages: list[dict], tools: list | None, text: str, ids: list[int], o
     """The targets in the conversation's render `text`, and the assistant turns it does not
     render as they are generated (turn, prompt, reply), which become examples of their own;
     `last_only`: the last assistant turn's targets only, the earlier turns context."""
-    for tool in tools or []:
-        name = (tool.get("function", tool) if isinstance(tool, dict) else {}).get("name")
-        if not isinstance(name, str) or name not in text:
-            raise _Unmaskable(f"the chat template does not render its tool {name or tool!r} (data.tools_field)")
+    _check_tools(tools, text)
     mask = [0] * len(ids)
     starts = [s for s, _ in offsets]
     ends = [e for _, e in offsets]
