@@ -116,7 +116,7 @@ def test_targets_last_turn_makes_no_example_of_an_earlier_turn():
 
 
 @pytest.mark.parametrize("name, families", [("demo-chat", ["qwen2.5", "llama3", "mistral-v0.3", "qwen3"]),
-                                            ("demo-tools", ["qwen2.5", "qwen3"]), ("demo-reasoning", ["qwen3"])])
+                                            ("demo-tools", ["qwen2.5", "qwen3", "llama3.1"]), ("demo-reasoning", ["qwen3"])])
 def test_the_demo_data_is_labelled_whole(tmp_path, name, families):
     """Every row of the shipped demo files (data/) is labelled by the templates its README names;
     Qwen3 trains a two-turn reasoning chat's first turn alone."""

@@ -1,5 +1,5 @@
-"""Tool calling and reasoning data, labelled per published chat template (Qwen2.5's and Qwen3's,
-tools included: tests/fixtures/chat_templates) and checked token by token against hand-written
+"""Tool calling and reasoning data, labelled per published chat template (Qwen2.5's, Qwen3's and
+Llama 3.1's, tools included: tests/fixtures/chat_templates) and checked token by token against hand-written
 renders: the tools rendered into the prompt, an assistant's tool call and its thinking (a
 `reasoning_content` field or inline <think> in the content) learned as targets, a turn the template
 renders differently once later turns follow trained alone in the context it was generated in, and
@@ -56,6 +56,24 @@ def test_qwen2_5_renders_the_tools_and_learns_the_tool_call():
     assert out["problem"] == [""]
     expected = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n"
                 + TOOLS_PROMPT + TOOL_TURNS + "[[It is 21 degrees in Paris.<|im_end|>]]\n")
+    assert row(out, 0) == expected_tokens(tok, expected)
+
+
+def test_llama3_1_puts_the_tools_into_the_first_user_message_and_learns_the_call():
+    tok = byte_tokenizer("llama3.1")
+    out = encode_chats([chat(ASK, CALL, RESULT, ANSWER)], tok, [[WEATHER]])
+    assert out["problem"] == [""]
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    # the published template writes a tool's result with tojson: a string comes out quoted
+    expected = ("<|begin_of_text|>" + header.format("system") + "Environment: ipython\nCutting Knowledge Date: "
+                "December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>" + header.format("user")
+                + "Given the following functions, please respond with a JSON for a function call with its proper "
+                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+                "\"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n"
+                + json.dumps(WEATHER, indent=4) + "\n\nWhat is the weather in Paris?<|eot_id|>" + header.format("assistant")
+                + '[[{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>]]' + header.format("ipython")
+                + json.dumps(RESULT["content"]) + "<|eot_id|>" + header.format("assistant")
+                + "[[It is 21 degrees in Paris.<|eot_id|>]]")
     assert row(out, 0) == expected_tokens(tok, expected)
 
 
