@@ -276,7 +276,8 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    # file: data.path; synthetic: random tokens; auto: file where data.path is given, else synthetic
+    # file: data.path (or data.mix); synthetic: random tokens; auto: file where data.path or data.mix
+    # is given, else synthetic
     source: Literal["auto", "synthetic", "file"] = "auto"
     # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
     # type), a folder written by datasets' save_to_disk, a dataset repository's folder (data files
@@ -289,10 +290,13 @@ class DataConfig:
     # all_exhausted: every example used, the others repeated to their share (datasets' names)
     mix_stopping: Literal["first_exhausted", "all_exhausted"] = "first_exhausted"
     subset: str | None = None  # the configuration of a Hub dataset (or repository folder) that has several
-    split: str | None = None  # the split trained on; None: train, or the only split a save_to_disk folder has
+    # the split trained on, of a Hub dataset, a repository folder or a save_to_disk folder; None:
+    # train (or a save_to_disk folder's only split)
+    split: str | None = None
     # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
-    # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
-    # conversations of {from, value} (megatrain/data/formats.py)
+    # alpaca: instruction, input, output (and optional system, history); chat: messages_field of
+    # {role, content} (tool_calls, reasoning_content and tool messages too, tools_field beside);
+    # sharegpt: conversations of {from, value} (and optional system, tools) (megatrain/data/formats.py)
     format: Literal["text", "instruction", "alpaca", "chat", "sharegpt"] = "text"
     text_field: str = "text"
     prompt_field: str = "prompt"
