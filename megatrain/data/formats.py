@@ -129,13 +129,13 @@ def _alpaca_context(rows: dict[str, list], k: int) -> list[dict] | str:
     ([prompt, response] pairs, LlamaFactory's layout) columns, or why they are unusable."""
     system = rows["system"][k] if "system" in rows else None
     history = rows["history"][k] if "history" in rows else None
+    if system is not None and not isinstance(system, str):
+        return f"its system is {system!r}, not a string"
     turns = [{"role": "system", "content": system}] if system else []
     for pair in history or []:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
             return f"its history must be a list of [prompt, response] pairs of strings, not {history!r}"
         turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    if system is not None and not isinstance(system, str):
-        return f"its system is {system!r}, not a string"
     return turns
 
 
@@ -259,8 +259,8 @@ def encode_chats(convs: list[list[dict] | str], tok, tools: list | None = None,
     if not good:
         return result()
     if tok.chat_template is None:
-        raise ValueError("data.tokenizer: this format needs a tokenizer with a chat template "
-                         "(or data.template: plain for instruction data)")
+        raise ValueError("data.tokenizer: this format needs a tokenizer with a chat template, or one from "
+                         "data.chat_template (or data.template: plain for instruction data)")
     rendered: dict[int, str] = {}
     for k in good:  # one by one: a template that raises on one example names that example
         try:
