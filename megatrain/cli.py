@@ -1,6 +1,7 @@
-"""`megatrain train --config run.yaml [key.sub=value ...]` and `megatrain plan`: a thin entry point.
+"""`megatrain train --config run.yaml [key.sub=value ...]`, `megatrain plan` and `megatrain data`: a thin
+entry point.
 
-Both go through the one planner (planning.plan_run), so `plan` refuses what `train` refuses, with
+`train` and `plan` go through the one planner (planning.plan_run), so `plan` refuses what `train` refuses, with
 the same message. Exit status: 0 done (`plan`: the run fits); 2 refused before anything was built
 (a setting, a file, output_dir, or the memory plan: `plan` prints its report first); 3 a step's
 loss was non-finite or diverged; 130 interrupted."""
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                                       f"needs, without training; exit {REFUSED}, with train's message, where train\n"
                                       f"would refuse the run.",
                           epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for p in (train, plan):
+    data = sub.add_parser("data", help="read and tokenise the data and print an example with its targets marked",
+                          epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data.add_argument("--example", type=int, default=0, help="which training example to print (default: 0)")
+    for p in (train, plan, data):
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--gpus starts the ranks itself: run `megatrain train --gpus N` without torchrun")
             from megatrain.launch import launch
             return launch(args.gpus, rank_arguments(args))
+        if args.command == "data":
+            from megatrain.data.show import show
+            print(show(cfg, args.example))
+            return 0
         from megatrain.distributed import Ranks  # heavy imports only once the config is valid
         from megatrain.planning import plan_run
         from megatrain.trainer import Trainer

@@ -81,12 +81,13 @@ class RunPlan:
                     f"parameters per token" + (f", router loss x {shape.router_aux_coef}" if shape.router_aux_coef else "")
                     if shape.experts else "")]
         if d.source == "file" and data is None:
-            lines.append(f"data: {d.path} ({d.format}), not read: the run does not fit without it")
+            lines.append(f"data: {d.path or d.mix} ({d.format}), not read: the run does not fit without it")
         elif d.source == "file":
             dropped = {k: v for k, v in data.examples.dropped.items() if v}
-            lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "
+            lines.append(f"data: {d.path or d.mix} ({d.format}): {len(data.examples):,} examples, "
                          f"{int(data.examples.lengths.sum()):,} tokens, {data.nbytes / GiB:.2f} GiB in host memory"
                          + (f"; left out: {dropped}" if dropped else "")
+                         + (f"; cut to seq_len: {data.examples.truncated:,}" if data.examples.truncated else "")
                          + (f"; held out: {len(self.held_out.examples):,} examples" if self.held_out else ""))
             rows = "packed rows" if d.packing else "examples padded to the longest of their batch"
             epochs = self.total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()

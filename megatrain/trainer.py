@@ -271,7 +271,7 @@ class Trainer:
         """Mean loss and perplexity over the held-out data (eval_batches micro-batches at most),
         grad_accum micro-batches at a time, through the engine's streaming forward."""
         if self.held_out is None:
-            raise ValueError("evaluate needs held-out data: data.eval_path or data.eval_fraction")
+            raise ValueError("evaluate needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
         start = time.perf_counter()
         loss = targets = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
@@ -299,7 +299,7 @@ class Trainer:
         tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = load_tokenizer(tok_dir)
+            tokenizer = load_tokenizer(tok_dir, self.cfg.data.chat_template)
         with bar(f"saving the model to {path}", self._params(), self.progress) as advance:
             checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
                                        tokenizer, advance)
