@@ -310,6 +310,7 @@ def check(roots: list[Path]) -> list[dict]:
         engine = (r.get("info") or {}).get("engine") or {}
         ran = {k: engine.get(k, v) for k, v in EAGER.items()}  # EAGER's before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
+        ran["device_tiles"] = engine.get("device_tiles", 0)  # 0 before auto
         # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
         # compiled loss's head chunk): the projection times that run, not today's choice
         ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens") if k in engine}
