@@ -13,8 +13,9 @@ before it settled:
                        on the host; recompute is not exposed time, so tiles come first)
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
-                       the 14-byte plan does not fit the host and the 12-byte one does: the split
-                       update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
+                       the 14-byte plan does not fit the host and the 12-byte one does: the eager
+                       split update is 2-4x slower on the CPU (docs/host-store.md; the one-pass
+                       kernel's is not), where the GPU's backward may not hide it
                        (decided with 4 gradient slabs where those are auto, with 2 where neither plan fits with 4)
   grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
                        if 2 do not fit, naming the slabs): past 4, the launching thread
