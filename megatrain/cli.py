@@ -1,4 +1,10 @@
-"""`megatrain train --config run.yaml [key.sub=value ...]` and `megatrain plan`: a thin entry point."""
+"""`megatrain train --config run.yaml [key.sub=value ...]`, `megatrain plan` and `megatrain data`: a thin
+entry point.
+
+`train` and `plan` go through the one planner (planning.plan_run), so `plan` refuses what `train` refuses, with
+the same message. Exit status: 0 done (`plan`: the run fits); 2 refused before anything was built
+(a setting, a file, output_dir, or the memory plan: `plan` prints its report first); 3 a step's
+loss was non-finite or diverged; 130 interrupted."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +15,8 @@ from pathlib import Path
 
 from megatrain.config import load_config, settings_help
 from megatrain.launch import refuse
+
+REFUSED = 2  # the exit status of a run refused before anything is built, by `plan` and `train` alike
 
 
 def parse_with_settings(parser: argparse.ArgumentParser, argv: list[str] | None, dest: str) -> argparse.Namespace:
@@ -61,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a model from a YAML run file", epilog=keys,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     plan = sub.add_parser("plan", help="print what a run would do and the memory it needs, without training",
+                          description=f"Print what `megatrain train` would do with these settings and the memory it\n"
+                                      f"needs, without training; exit {REFUSED}, with train's message, where train\n"
+                                      f"would refuse the run.",
                           epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for p in (train, plan):
+    data = sub.add_parser("data", help="read and tokenise the data and print an example with its targets marked",
+                          epilog=keys, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data.add_argument("--example", type=int, default=0, help="which training example to print (default: 0)")
+    for p in (train, plan, data):
         p.add_argument("--config", help="YAML run file (see configs/)")
         p.add_argument("overrides", nargs="*", help="settings as key.sub=value, applied after the file")
         p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -83,17 +97,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--gpus starts the ranks itself: run `megatrain train --gpus N` without torchrun")
             from megatrain.launch import launch
             return launch(args.gpus, rank_arguments(args))
-        from megatrain.trainer import Trainer, plan_report  # heavy imports only once the config is valid
-        if args.command == "plan":
-            print(plan_report(cfg, args.gpus))
+        if args.command == "data":
+            from megatrain.data.show import show
+            print(show(cfg, args.example))
             return 0
-        trainer = Trainer(cfg, progress=not args.no_progress)
+        from megatrain.distributed import Ranks  # heavy imports only once the config is valid
+        from megatrain.planning import plan_run
+        from megatrain.trainer import Trainer
+        if args.command == "plan":  # as one host's rank 0 of --gpus ranks: the store once, the rest per rank
+            run = plan_run(cfg, Ranks(0, args.gpus, 0, args.gpus), elsewhere=True)
+            print(run.describe())
+            if run.optimizer_note:
+                print(run.optimizer_note)
+            run.check()
+            print(f"fits {run.where}")
+            return 0
+        trainer = Trainer(cfg, progress=not args.no_progress)  # planned by plan_run, as `plan` is
     except ValueError as e:  # a setting, a file or the memory plan refused the run: nothing was built
         if args.debug:
             raise
         if not refuse(str(e)):  # under `megatrain train --gpus`, the command says it once for every rank
             print(f"megatrain: error: {e}", file=sys.stderr)
-        return 2
+        return REFUSED
     except KeyboardInterrupt:
         if args.debug:
             raise

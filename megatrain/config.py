@@ -15,6 +15,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from megatrain import hub
+
 
 def _convert(value: Any, hint: Any) -> Any:
     """`value` as the declared type `hint`, converted where that is unambiguous (a YAML string that
@@ -102,7 +104,9 @@ def check_types(settings: Any, section: str) -> None:
 class ModelConfig:
     preset: str | None = None  # a named shape from megatrain.presets
     config: str | None = None  # a local config.json (or a directory holding one)
-    pretrained: str | None = None  # a local directory with config.json and safetensors
+    # a local directory with config.json and safetensors, or a Hub model id (org/name): its
+    # snapshot in the Hugging Face cache, downloaded where it is missing (megatrain/hub.py)
+    pretrained: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
     # auto: SDPA where transformers has it for the family; else (GPT-OSS: attention sinks, which
     # SDPA lacks) flex attention where a GPU is, eager attention (memory quadratic in the sequence) where not
@@ -113,15 +117,21 @@ class ModelConfig:
         given = [k for k in ("preset", "config", "pretrained") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"model: give exactly one of preset, config, pretrained (got {given or 'none'})")
+        if self.pretrained and hub.is_hub_id(self.pretrained):
+            self.pretrained = hub.model_dir("model.pretrained", self.pretrained)
 
 
 @dataclass
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    master_dtype: Literal["float32", "bfloat16"] = "float32"  # float32: true full precision; bfloat16: the paper's 12 B/param
+    # the masters AdamW updates: float32, full precision, 14 B/param on the host (master 4, moments 8,
+    # bf16 shadow 2; clipping keeps a float32 gradient besides: 18); bfloat16, not full precision,
+    # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14, for a CPU update about 2x slower (docs/host-store.md); auto: only when the
+    # instead of 14 (the eager CPU update 2-4x slower, the compiled one about as fast:
+    # docs/host-store.md); auto: only when the
     # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
     split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
@@ -133,8 +143,9 @@ class EngineConfig:
     grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
-    # many as the memory plan leaves device room for (resolve.py)
-    device_tiles: int | Literal["auto"] = 0
+    # many as the memory plan leaves device room for (resolve.py), none on the CPU; 0: every
+    # update on the host, as the paper's system does
+    device_tiles: int | Literal["auto"] = "auto"
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
     # memory plan fits the device, else the largest chunk that makes it fit (resolve.py)
@@ -239,17 +250,18 @@ class EngineSettings:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
+    lr: float = 1e-5  # the peak learning rate, reached at the end of the warm-up
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's decay rates of the two moments
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.0  # decoupled (AdamW)
     # which parameters take weight_decay: matrices (no decay on norms and biases, as the HF Trainer),
     # or all (torch.optim.AdamW over model.parameters())
     decay: Literal["matrices", "all"] = "matrices"
     max_grad_norm: float | None = 1.0  # None disables clipping
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warm-up to lr
+    # after the warm-up: cosine, down to lr x min_lr_ratio at the last step; or constant, lr throughout
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine schedule's last learning rate, as a fraction of lr
 
     def __post_init__(self):
         check_types(self, "optim")
@@ -270,64 +282,103 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    # file: data.path; synthetic: random tokens; auto: file where data.path is given, else synthetic
+    # file: data.path (or data.mix); synthetic: random tokens; auto: file where data.path or data.mix
+    # is given, else synthetic
     source: Literal["auto", "synthetic", "file"] = "auto"
     # for source=file: a json, jsonl, parquet, csv or txt file, a folder of such shards (one
-    # type), or a folder written by datasets' save_to_disk
+    # type), a folder written by datasets' save_to_disk, a dataset repository's folder (data files
+    # and a README naming its subsets), or a Hub dataset id (org/name, read by datasets.load_dataset)
     path: str | None = None
+    # or several datasets mixed by weight, {path or Hub id: weight}: each read and tokenised (and
+    # cached) alone, its examples then drawn in proportion to the weights (pipeline.mix)
+    mix: dict[str, Any] = field(default_factory=dict)
+    # first_exhausted: no example repeated, a dataset with more than its weight's share subsampled;
+    # all_exhausted: every example used, the others repeated to their share (datasets' names)
+    mix_stopping: Literal["first_exhausted", "all_exhausted"] = "first_exhausted"
+    subset: str | None = None  # the configuration of a Hub dataset (or repository folder) that has several
+    # the split trained on, of a Hub dataset, a repository folder or a save_to_disk folder; None:
+    # train (or a save_to_disk folder's only split)
+    split: str | None = None
     # text: documents joined and cut into seq_len; instruction: prompt_field/response_field;
-    # alpaca: instruction, input, output; chat: messages_field of {role, content}; sharegpt:
-    # conversations of {from, value} (megatrain/data/formats.py)
+    # alpaca: instruction, input, output (and optional system, history); chat: messages_field of
+    # {role, content} (tool_calls, reasoning_content and tool messages too, tools_field beside);
+    # sharegpt: conversations of {from, value} (and optional system, tools) (megatrain/data/formats.py)
     format: Literal["text", "instruction", "alpaca", "chat", "sharegpt"] = "text"
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
+    text_field: str = "text"  # format text: the column of the text
+    prompt_field: str = "prompt"  # format instruction: the column of the prompt
+    response_field: str = "response"  # format instruction: the column of the response
+    messages_field: str = "messages"  # format chat: the column of the list of {role, content}
+    # chat: the tools each conversation may call (a list of JSON schemas, or that list as a JSON
+    # string), rendered into the prompt by the chat template; read where the data has this column
+    tools_field: str = "tools"
     # instruction/alpaca: auto uses the tokenizer's chat template if it has one, else plain
     # (BOS prompt separator response EOS)
     template: Literal["auto", "chat", "plain"] = "auto"
     separator: str = "\n"  # between prompt and response in the plain template
-    tokenizer: str | None = None  # local tokenizer directory; default: the pretrained model's
+    tokenizer: str | None = None  # a local tokenizer directory or a Hub model id; default: the pretrained model's
+    # the chat template to render chats with (and to save with the model): a .jinja file, or a
+    # tokenizer (a local directory or a Hub model id) whose template to take; default: the tokenizer's
+    chat_template: str | None = None
     seq_len: int = 512  # the longest example (or packed row), in tokens
     overlong: Literal["truncate", "drop"] = "truncate"  # examples longer than seq_len
     unmaskable: Literal["error", "drop"] = "error"  # chat examples whose labels cannot be exact
+    # what the loss learns of chat and instruction data: every assistant turn (its content, thinking,
+    # tool calls and end of turn); last_turn: the last assistant turn only, the earlier ones context
+    # (LlamaFactory's mask_history); all: every token of the rendered example, the prompt's too
+    # (train_on_prompt)
+    targets: Literal["assistant", "last_turn", "all"] = "assistant"
     packing: bool = False  # several examples per row, attention and positions kept apart
     batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
-    seed: int = 0
+    seed: int = 0  # the examples' order each epoch, the eval_fraction split, synthetic data's tokens
     num_proc: int | None = None  # tokenising processes; None: one per core for large datasets
-    eval_path: str | None = None  # held-out data in the same format
+    eval_path: str | None = None  # held-out data in the same format (its train split, or a save_to_disk folder's only one)
+    eval_split: str | None = None  # or this split of data.path held out (a Hub dataset's test split)
     eval_fraction: float | None = None  # or this fraction of the examples, held out (seeded)
     repeat_batch: bool = False  # synthetic only: the same batch every step (a memorisation check)
 
     def __post_init__(self):
         check_types(self, "data")
         if self.source == "auto":
-            self.source = "file" if self.path else "synthetic"
-        elif self.source == "synthetic" and self.path:  # random tokens where a file was meant
-            raise ValueError(f"data.path {self.path!r} is given but data.source is synthetic (random tokens): "
-                             f"set data.source: file, or leave data.source out")
+            self.source = "file" if self.path or self.mix else "synthetic"
+        elif self.source == "synthetic" and (self.path or self.mix):  # random tokens where a file was meant
+            given = f"data.path {self.path!r}" if self.path else f"data.mix {self.mix!r}"
+            raise ValueError(f"{given} is given but data.source is synthetic (random tokens): set data.source: file, "
+                             f"or leave data.source out")
         if self.source == "file":
-            if not self.path:
-                raise ValueError("data.path is required when data.source is file")
-            if not Path(self.path).exists():
-                raise ValueError(f"data.path {self.path!r} does not exist")
-        elif self.eval_path or self.eval_fraction or self.packing:
-            raise ValueError("data.eval_path, data.eval_fraction and data.packing need data.source: file")
+            if bool(self.path) == bool(self.mix):
+                raise ValueError("data.source file reads data.path, or data.mix (several datasets by weight): give one")
+            for path in [self.path] if self.path else self.mix:
+                if not isinstance(path, str) or not Path(path).exists() and not hub.is_hub_id(path):
+                    raise ValueError(f"data.{'path' if self.path else 'mix'} {path!r} does not exist")
+            for path, weight in self.mix.items():
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                    raise ValueError(f"data.mix: the weight of {path} must be a positive number, not {weight!r}")
+            if self.mix and (self.subset or self.split or self.eval_split):
+                raise ValueError("data.subset, data.split and data.eval_split name a part of one dataset, not of "
+                                 "data.mix's; mix save_to_disk folders or files of those parts")
+        elif self.eval_path or self.eval_fraction or self.eval_split or self.packing:
+            raise ValueError("data.eval_path, data.eval_fraction, data.eval_split and data.packing need data.source: file")
         if self.repeat_batch and self.source != "synthetic":
             raise ValueError("data.repeat_batch applies to data.source synthetic only")
         instruction = self.format in ("instruction", "alpaca")
         if self.template != "auto" and not instruction:  # chat data always takes the chat template
             raise ValueError(f"data.template applies to format instruction or alpaca, not {self.format}")
+        if self.targets != "assistant" and self.format == "text":
+            raise ValueError("data.targets applies to chat, sharegpt, instruction and alpaca data; text learns every token")
+        if self.chat_template and (self.format == "text" or (instruction and self.template == "plain")):
+            raise ValueError(f"data.chat_template renders chats: format chat, sharegpt, instruction or alpaca (with "
+                             f"data.template auto or chat), not format {self.format} with template {self.template}")
         if self.separator != "\n" and not (instruction and self.template != "chat"):
             raise ValueError("data.separator joins prompt and response in the plain template: format instruction or "
                              "alpaca, data.template plain (or auto without a chat template)")
         for name, low in (("seq_len", 2), ("batch_size", 1), ("grad_accum", 1)):  # a token predicts the next
             if getattr(self, name) < low:
                 raise ValueError(f"data.{name} must be at least {low}, not {getattr(self, name)}")
-        if self.eval_path and self.eval_fraction:
-            raise ValueError("data: give data.eval_path or data.eval_fraction, not both")
-        if self.eval_path and not Path(self.eval_path).exists():
+        held = [f"data.{k}" for k in ("eval_path", "eval_fraction", "eval_split") if getattr(self, k)]
+        if len(held) > 1:
+            raise ValueError(f"data: give one of data.eval_path, data.eval_fraction, data.eval_split, not {' and '.join(held)}")
+        if self.eval_path and not Path(self.eval_path).exists() and not hub.is_hub_id(self.eval_path):
             raise ValueError(f"data.eval_path {self.eval_path!r} does not exist")
         if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must be above 0 and below 1 (the share held out; null for none), "
@@ -335,6 +386,14 @@ class DataConfig:
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"data.num_proc must be at least 1, or null, not {self.num_proc}")
         check_seed(self.seed, "data.seed")
+        # last, after the checks that cost nothing: a Hub id may download
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value and hub.is_hub_id(value):
+                setattr(self, name, hub.model_dir(f"data.{name}", value, hub.TOKENIZER_FILES))
+        if self.chat_template and not Path(self.chat_template).exists():
+            raise ValueError(f"data.chat_template {self.chat_template!r} does not exist (a .jinja file, or a tokenizer's "
+                             f"directory or Hub id)")
 
 
 @dataclass
@@ -345,7 +404,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     steps: int | None = None  # optimizer steps; None: from epochs, or 10
     epochs: float | None = None  # passes over the data instead of steps (data.source file)
-    seed: int = 0
+    seed: int = 0  # the random initialisation of the weights (model.preset or model.config)
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
     save_every: int | None = None  # steps between training-state saves; None: only at the end
     resume: bool = False  # continue from output_dir/state (refused if there is none)
@@ -393,8 +452,8 @@ class TrainConfig:
                              "output_dir, overwrite replaces it")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:  # before anything is written
             raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
-        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction):
-            raise ValueError("eval_every needs held-out data: data.eval_path or data.eval_fraction")
+        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction or self.data.eval_split):
+            raise ValueError("eval_every needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
 
 
 def _build(cls, values: Any, where: str):
@@ -484,14 +543,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     return _build(TrainConfig, tree, "")
 
 
-def settings_help() -> str:
-    """Every key of a run file with its type, default and meaning, read from these dataclasses
-    (the meaning is the field's comment in this file, so the help cannot drift from the code)."""
+SECTIONS = (("", "TrainConfig"), ("model", "ModelConfig"), ("engine", "EngineConfig"), ("optim", "OptimConfig"),
+            ("data", "DataConfig"))
+
+
+def settings_fields() -> list[tuple[str, str, str, Any, str]]:
+    """(section, key, type, default, meaning) of every key of a run file, read from these dataclasses
+    (the default dataclasses.MISSING where the key is required):
+    the meaning is the field's comment in this file, so neither `--help` nor docs/config.md can
+    drift from the code."""
     import inspect
-    import re
-    lines = []
-    for section, cls in (("", TrainConfig), ("model", ModelConfig), ("engine", EngineConfig),
-                         ("optim", OptimConfig), ("data", DataConfig)):
+    out = []
+    for section, name in SECTIONS:
+        cls = globals()[name]
         comments, above = {}, []
         for line in inspect.getsource(cls).splitlines():
             text = line.strip()
@@ -503,18 +567,23 @@ def settings_help() -> str:
                 comments[m.group(1)] = " ".join(above + ([m.group(2)] if m.group(2) else []))
             above = []
         hints = get_type_hints(cls)
-        lines.append(f"[{section or 'top level'}]")
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = "(required)"
-            name = f"{section}.{f.name}" if section else f.name
-            lines.append(f"  {name}: {_type_name(hints[f.name])}; default {default!r}")
-            if comments.get(f.name):
-                lines.append(f"      {comments[f.name]}")
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            out.append((section, f"{section}.{f.name}" if section else f.name, _type_name(hints[f.name]), default,
+                        comments.get(f.name, "")))
+    return out
+
+
+def settings_help() -> str:
+    """Every key of a run file with its type, default and meaning (settings_fields), as `--help` prints it."""
+    lines, last = [], None
+    for section, key, type_name, default, meaning in settings_fields():
+        if section != last:
+            lines.append(f"[{section or 'top level'}]")
+            last = section
+        lines.append(f"  {key}: {type_name}; " + ("required" if default is dataclasses.MISSING else f"default {default!r}"))
+        if meaning:
+            lines.append(f"      {meaning}")
     return "\n".join(lines)

@@ -61,7 +61,7 @@ from megatrain.distributed import Comm, Flags, part, slab_numel
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
-from megatrain.optim import OptimizerWorker, adamw, lr_at
+from megatrain.optim import OptimizerWorker, adamw, clip_scale, lr_at
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
                                 PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
                                 evaluation_ops)
@@ -529,7 +529,7 @@ class Engine:
     def _clip_and_update_device_tiles(self) -> None:
         """The global norm on the device, as torch's clip_grad_norm_; no host sync."""
         norm = self.sq.sum().sqrt()
-        scale = (self.worker.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        scale = clip_scale(self.worker.cfg.max_grad_norm, norm).float()
         found_inf = (~torch.isfinite(norm)).float()
         for tile, grad in self._clip_later:
             grad.mul_(scale)

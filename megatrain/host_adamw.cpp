@@ -4,10 +4,13 @@
 // ADAMW mode, float32), operation for operation, so the numbers are the same to the bit: the
 // constants are made in double and rounded to float as there; a call's elements up to its last
 // multiple of torch's vector width (`body`) take its vector formula and the rest its scalar one.
-// Which products and sums are one fused multiply-add is what torch's released build does (its
-// compiler contracts some of them: the second moment's, the scalar lerp), each written out with
-// std::fma here and nothing else contracted (-ffp-contract=off); tests/test_fused_adamw.py holds
-// the result to torch's own kernel, bit for bit, on the machine that runs it.
+// Which products and sums are one fused multiply-add is what torch's released build does, and that
+// differs between builds and vector widths (its compiler contracts some of them: the second
+// moment's, the scalar lerp; torch 2.13's AVX2 kernel and 2.11's AVX-512 one contract the second
+// moment differently, and the weight decay's product into the step's sum). So each is written out here in every form a build may take, with nothing
+// else contracted (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py
+// finds the forms that give torch's own kernel's numbers to the bit on the machine that runs it,
+// and without one uses torch's.
 //
 // Called through ctypes, which releases the GIL for the call: the optimizer worker runs this while
 // the main thread launches the GPU's work. OpenMP threads: `threads`, the caller's torch count.
@@ -29,11 +32,33 @@ struct Step {
   float coeff;      // the vector lerp's factor: weight, or weight - 1
   float beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size;
   float grad_scale; // 1 where the gradient is not scaled (g * 1 is g)
+  // the forms (`form`'s fields, set_forms), each as masks of all ones on the chosen one, so that
+  // the choice is a select the loops vectorise: the vector second moment's three, the vector
+  // lerp's two, the vector step's two, and the scalar formula's likewise
+  uint32_t vv[3], vm[2], vp[2], sv[3], sm[2], sp[2];
 };
 
+// `form`: bits 0-1 the vector second moment (0: fma(c g, g, v b2); 1: fma(v, b2, c g g); 2:
+// neither fused), bit 2 the vector lerp (0: fused; 1: not), bits 3-4 the scalar second moment
+// (as bits 0-1), bit 5 the scalar lerp (0: fused; 1: not), bit 6 the vector step (0: the decayed
+// master plus the step; 1: fma(p, decay, step)), bit 7 the scalar step (as bit 6)
+void set_forms(Step& s, int form) {
+  for (int k = 0; k < 3; ++k) {
+    s.vv[k] = (form & 3) == k ? ~0u : 0u;
+    s.sv[k] = ((form >> 3) & 3) == k ? ~0u : 0u;
+  }
+  for (int k = 0; k < 2; ++k) {
+    s.vm[k] = ((form >> 2) & 1) == k ? ~0u : 0u;
+    s.sm[k] = ((form >> 5) & 1) == k ? ~0u : 0u;
+    s.vp[k] = ((form >> 6) & 1) == k ? ~0u : 0u;
+    s.sp[k] = ((form >> 7) & 1) == k ? ~0u : 0u;
+  }
+}
+
 Step make_step(double step, double lr, double beta1, double beta2, double weight_decay, double eps,
-               double grad_scale) {
+               double grad_scale, int form) {
   Step s;
+  set_forms(s, form);
   double bias_correction1 = 1 - std::pow(beta1, step);
   double bias_correction2 = 1 - std::pow(beta2, step);
   s.decay = weight_decay != 0.f ? float(1 - lr * weight_decay) : 1.0f;
@@ -58,24 +83,39 @@ inline float grad_at(const uint16_t* g, int64_t i) {  // bf16: its float is exac
   return __builtin_bit_cast(float, uint32_t(g[i]) << 16);
 }
 
+inline float pick(const uint32_t* masks, float a, float b) {
+  return from_bits((bits(a) & masks[0]) | (bits(b) & masks[1]));
+}
+inline float pick(const uint32_t* masks, float a, float b, float c) {
+  return from_bits((bits(a) & masks[0]) | (bits(b) & masks[1]) | (bits(c) & masks[2]));
+}
+
+// the second moment, v * beta2 + (1 - beta2) * g * g, in the form `masks` picks
+inline float second_moment(float v, float g, const Step& s, const uint32_t* masks) {
+  float cg = s.one_minus_beta2 * g;
+  return pick(masks, std::fma(cg, g, v * s.beta2), std::fma(v, s.beta2, cg * g), v * s.beta2 + cg * g);
+}
+
 // torch's vector formula: the lerp is fmadd(coeff, grad - exp_avg, base) (the base picked by a
 // mask: a select on a scalar flag does not vectorise)
 inline void vector_update(float& p, float g, float& m, float& v, const Step& s) {
-  p = p * s.decay;
   float base = from_bits((bits(m) & s.from_m) | (bits(g) & ~s.from_m));
-  m = std::fma(s.coeff, g - m, base);
-  v = std::fma(s.one_minus_beta2 * g, g, v * s.beta2);
+  m = pick(s.vm, std::fma(s.coeff, g - m, base), s.coeff * (g - m) + base);
+  v = second_moment(v, g, s, s.vv);
   float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  p = p + (-s.step_size) * m / denom;
+  float step = (-s.step_size) * m / denom;
+  p = pick(s.vp, p * s.decay + step, std::fma(p, s.decay, step));
 }
 
 // torch's scalar formula, for the elements past a call's last full vector
 inline void scalar_update(float& p, float g, float& m, float& v, const Step& s) {
-  p = p * s.decay;
-  m = s.small ? std::fma(s.weight, g - m, m) : std::fma(-(g - m), 1.0f - s.weight, g);
-  v = std::fma(v, s.beta2, s.one_minus_beta2 * g * g);
+  float d = g - m;
+  m = s.small ? pick(s.sm, std::fma(s.weight, d, m), m + s.weight * d)
+              : pick(s.sm, std::fma(-d, 1.0f - s.weight, g), g - d * (1.0f - s.weight));
+  v = second_moment(v, g, s, s.sv);
   float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-  p = p - s.step_size * m / denom;
+  float step = s.step_size * m / denom;
+  p = pick(s.sp, p * s.decay - step, std::fma(p, s.decay, -step));
 }
 
 // float32 bits to bf16, round to nearest even (c10::BFloat16's; a NaN becomes the quiet one)
@@ -167,8 +207,8 @@ extern "C" {
 // nearest even after; `grad` float32, or bf16 where `grad_bf16`.
 void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, uint16_t* shadow, int64_t n, int64_t body,
                            double step, double lr, double beta1, double beta2, double weight_decay, double eps,
-                           double grad_scale, int grad_bf16, int threads) {
-  const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale);
+                           double grad_scale, int grad_bf16, int threads, int form) {
+  const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale, form);
   in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
     auto run = [&](auto* g) {
       if (shadow) whole_range<std::remove_cv_t<std::remove_pointer_t<decltype(g)>>, true>(
@@ -184,8 +224,8 @@ void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, uint1
 // sign of `v` (store.py).
 void megatrain_adamw_split(uint16_t* shadow, int16_t* low, const void* grad, float* m, float* v, int64_t n,
                            int64_t body, double step, double lr, double beta1, double beta2, double weight_decay,
-                           double eps, double grad_scale, int grad_bf16, int threads) {
-  const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale);
+                           double eps, double grad_scale, int grad_bf16, int threads, int form) {
+  const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale, form);
   in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
     if (grad_bf16) split_range(shadow + lo, low + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo,
                                hi - lo, b - lo, s);

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from megatrain import schedule
 from megatrain.config import EngineSettings
 from megatrain.distributed import slab_numel
 from megatrain.shapes import ModelShape
@@ -68,7 +69,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     tokenised examples held in host memory (data/pipeline.py)."""
     c = 2 if s.compute_dtype == "bfloat16" else 4
     M, tokens, pinned = s.microbatches, s.tokens, s.pinned
-    h, v, L, K = shape.hidden, shape.vocab, shape.num_layers, s.checkpoint_every
+    h, v, L = shape.hidden, shape.vocab, shape.num_layers
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (v * h if shape.tied else 0)
     unit = max(layer, head)
@@ -77,8 +78,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     mlp = shape.mlp_kept - (shape.ffn if s.mlp_kernel == "compiled" else 0)
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
-    blocks = -(-(L - N) // K)  # the recomputed blocks, each with a checkpoint
-    B = min(K, L - N)  # the largest recomputed block's layers (fewer than K in a shallow model)
+    recomputed = [b for b in schedule.blocks(L, s.checkpoint_every, N) if b.recomputed]
+    blocks = len(recomputed)  # each with a checkpoint
+    B = max((b.end - b.start for b in recomputed), default=0)  # the largest one's layers (the graphs held at once)
     store_host, store_device = HostStore.nbytes(shape, s)
     R = s.local_ranks  # the host store is shared by the host's ranks; the rest is per rank
     split_saves = 0

@@ -1,14 +1,16 @@
 """Throughput and memory measurements shared by the engine and every baseline.
 
-The one FLOPs formula (the MegaTrain paper's, arXiv 2604.05091; docs/harness.md), per token of a
-sequence of s tokens: 6*N + 12 * sum over layers of (a_l * k_l), with
+The one FLOPs formula (this project's choice, the common 6N + 12*L*h*s form; the paper states none;
+docs/harness.md), per token of a sequence of s tokens: 6*N + 12 * sum over layers of (a_l * k_l), with
   N    the matmul weights a token multiplies by: the decoder layers' (attention, MLP; for a mixture
        of experts the router and the top-k experts' matrices, not all of them) plus the LM head; the
        embedding lookup, norms, biases and attention sinks excluded;
   a_l  layer l's attention width (heads x head_dim: the hidden size in the paper's models);
   k_l  the keys a query of layer l is counted against: s, or min(s, window) for a sliding-window
-       layer (the paper's 12*L*h*s when every layer is full and heads x head_dim = h).
-Causal masking is not halved (the paper's convention). Padding tokens are never counted.
+       layer (12*L*h*s when every layer is full and heads x head_dim = h).
+Causal masking is not halved: causal attention counts as the whole square, twice what its kernels
+compute (at long sequences results/summary.md sets beside it the executed rate, causal attention
+halved: suite/projection.py). Padding tokens are never counted.
 """
 from __future__ import annotations
 

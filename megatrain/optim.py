@@ -51,6 +51,13 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def clip_scale(max_norm: float, norm: float | torch.Tensor) -> float | torch.Tensor:
+    """The factor global-norm clipping puts on every gradient, as torch's clip_grad_norm_: a float
+    from the host tiles' norm, a tensor from the device tiles' (read on the device, no sync)."""
+    scale = max_norm / (norm + 1e-6)
+    return scale.clamp(max=1.0) if isinstance(scale, torch.Tensor) else min(1.0, scale)
+
+
 class Scratch:
     """What a split tile's chunk is joined into for its update: a float32 master and an int32 widening
     of its low halves, CHUNK elements each (SCRATCH_BYTES, allocated at first use)."""
@@ -273,7 +280,7 @@ class OptimizerWorker:
     def _do_finish(self, task: _Finish) -> None:
         norm = self.grad_norms[self.updates_done] = math.sqrt(float(task.sq_norms.sum()))
         if self.cfg.max_grad_norm is not None:
-            scale = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+            scale = clip_scale(self.cfg.max_grad_norm, norm)
             for tile in self.tiles:
                 lo, hi = self.parts[tile]
                 if math.isfinite(norm):  # else no tile is updated from a gradient holding a NaN or inf

@@ -4,6 +4,8 @@
 shape and the machine's free memory and returns frozen EngineSettings; the memory plan, the store
 and the engine read only those. The `auto` choices are made in this order, each with the ones
 before it settled:
+  optimizer_kernel     the host AdamW's one compiled pass where its kernel can be had here
+                       (Machine.host_adamw_why_not), else the eager update
   mlp_chunk_tokens     the whole MLP when the plan fits the device, else the largest chunk of
                        MLP_CHUNKS that makes it fit (chunking recomputes part of the MLP)
   device_tiles         the most tiles, in forward order, whose optimizer state the device holds
@@ -11,15 +13,17 @@ before it settled:
                        on the host; recompute is not exposed time, so tiles come first)
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
-                       the 14-byte plan does not fit the host and the 12-byte one does: the split
-                       update is 2-4x slower on the CPU (docs/host-store.md), where the GPU's backward may not hide it
-                       (decided with 4 gradient slabs where those are auto)
-  grad_slabs           8 where the plan with 8 fits the host, else 4: past 4, the launching thread
+                       the 14-byte plan does not fit the host and the 12-byte one does: the eager
+                       split update is 2-4x slower on the CPU (docs/host-store.md; the one-pass
+                       kernel's is not), where the GPU's backward may not hide it
+                       (decided with 4 gradient slabs where those are auto, with 2 where neither plan fits with 4)
+  grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
+                       if 2 do not fit, naming the slabs): past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
                        optimizer can leave more of the last layers' pieces for the next forward to
                        overlap (optim.py), for a layer's float32 gradient of pinned host memory
-                       each; fewer than 4 only when asked
+                       each
 The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
 and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.
 """
@@ -32,7 +36,7 @@ import os
 import psutil
 import torch
 
-from megatrain import lean_experts, memory
+from megatrain import fused_adamw, lean_experts, memory
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.shapes import ModelShape
@@ -67,16 +71,21 @@ class Machine:
     device_free: int | None
     host_available: int
     gpus: int = 0  # on this host
+    # why the host AdamW's compiled kernel cannot be had here (fused_adamw.probe); None where it
+    # can, where the run asks for the eager update, or for a machine only stated
+    host_adamw_why_not: str | None = None
 
     @staticmethod
     def of(device, engine: EngineConfig) -> "Machine":
         """This machine as `device` reports it, or as engine.device_memory_gb and the host memory
-        stated (host_available_bytes) say."""
+        stated (host_available_bytes) say; the host AdamW's kernel loaded from the per-user cache or
+        built there (seconds) where the run may use it."""
         free = device.free_bytes()
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus)
+        why_not = fused_adamw.probe() if engine.optimizer_kernel != "eager" else None
+        return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, why_not)
 
 
 def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: ModelShape,
@@ -120,8 +129,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         optimizer_threads=engine.optimizer_threads,
-        # auto: compiled (the trainer falls back to eager where it cannot build)
-        optimizer_kernel="eager" if engine.optimizer_kernel == "eager" else "compiled",
+        optimizer_kernel=_optimizer_kernel(engine.optimizer_kernel, machine.host_adamw_why_not),
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
         loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
         experts_kernel=experts,
@@ -151,12 +159,24 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
     if isinstance(engine.no_recompute_layers, int) and engine.no_recompute_layers > L:
         raise ValueError(f"engine.no_recompute_layers must be at most the model's {L} layers, "
                          f"not {engine.no_recompute_layers}")
+    if isinstance(engine.mlp_chunk_tokens, int) and not shape.gated_mlp:  # the templates would refuse it, after allocating
+        raise ValueError(f"engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this {shape.family} model's "
+                         f"is not (set engine.mlp_chunk_tokens: null)")
     if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
         raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
                          f"model's is not (set engine.mlp_kernel: eager)")
     if engine.experts_kernel == "lean" and not shape.experts:
         raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
                          f"no experts (set engine.experts_kernel: auto)")
+
+
+def _optimizer_kernel(asked: str, why_not: str | None) -> str:
+    if asked == "eager" or (asked == "auto" and why_not):
+        return "eager"
+    if why_not:
+        raise ValueError(f"engine.optimizer_kernel: compiled, but the host AdamW's C++ kernel cannot be "
+                         f"built here ({why_not}); install a C++ compiler, or set optimizer_kernel: eager")
+    return "compiled"
 
 
 def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:

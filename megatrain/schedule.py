@@ -125,13 +125,20 @@ class Block:
     recomputed: bool
 
 
+def blocks(num_layers: int, checkpoint_every: int, no_recompute_layers: int) -> list[Block]:
+    """The step's blocks in forward order: the recomputed layers in blocks of checkpoint_every (the
+    last may be shorter), then each layer kept from recompute a block of its own. The schedule's ops
+    and the memory plan's checkpoints and activations (memory.plan) both follow these."""
+    L, K, R = num_layers, checkpoint_every, num_layers - no_recompute_layers
+    return [Block(s, min(s + K, R), True) for s in range(0, R, K)] + [Block(i, i + 1, False) for i in range(R, L)]
+
+
 class Schedule:
     def __init__(self, num_layers: int, checkpoint_every: int, no_recompute_layers: int, microbatches: int):
-        L, K, M = num_layers, checkpoint_every, microbatches
+        L, M = num_layers, microbatches
         self.recomputed_layers = L - no_recompute_layers  # layers 0..this-1 run their forward twice
         R = self.recomputed_layers
-        self.blocks = ([Block(s, min(s + K, R), True) for s in range(0, R, K)]
-                       + [Block(i, i + 1, False) for i in range(R, L)])
+        self.blocks = blocks(L, checkpoint_every, no_recompute_layers)
         ops: list[Op] = [Embed()]
         starts = {b.start for b in self.blocks if b.recomputed}
         for i in range(L):

@@ -7,7 +7,8 @@
     trainer.close()
 
 `fit` writes output_dir/metrics.jsonl (runlog.py), evaluates every eval_every steps, and saves the
-state and the model (with its tokenizer) at the end; `plan_report` is `megatrain plan`.
+state and the model (with its tokenizer) at the end. What a run is (its shape, settings, memory plan,
+data) is decided by planning.plan_run, which `megatrain plan` prints.
 """
 from __future__ import annotations
 
@@ -22,36 +23,21 @@ from pathlib import Path
 
 import torch
 
-from megatrain import checkpoint, fused_adamw, memory
+from megatrain import checkpoint, fused_adamw
 from megatrain.batch import Batch
 from megatrain.config import TrainConfig
-from megatrain.data import load_tokenizer, make_sources
-from megatrain.device import Device
-from megatrain.distributed import (Comm, Flags, Ranks, SharedArena, check as check_ranks, shard_batch,
-                                   shared_memory_free)
+from megatrain.data import load_tokenizer
+from megatrain.distributed import Comm, Flags, Ranks, SharedArena, shard_batch
 from megatrain.engine import Engine
-from megatrain.io import check_writable, drop_previous, remove_stale, roll_back, write_json
+from megatrain.io import drop_previous, remove_stale, roll_back, write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at
+from megatrain.planning import RunPlan, earlier_outputs, plan_run
 from megatrain.progress import bar, say
-from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.runlog import RunLog, perplexity
-from megatrain.shapes import ModelShape, load_hf_config
-from megatrain.store import HostStore, check_pretrained
+from megatrain.store import HostStore
 from megatrain.templates import Architecture
 from megatrain.units import GiB
-
-
-# What a run writes in output_dir (runlog.py, save_state, save_pretrained): a new run there is
-# refused while any is left from an earlier one, unless it resumes that run or overwrites it.
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "state", "model")
-
-
-def earlier_outputs(out: Path) -> list[Path]:
-    """The run outputs in `out`, with the copies a save cut short between its renames left, and the
-    one a save keeps until the next step's loss is judged (io.atomic_dir)."""
-    return [p for name in RUN_OUTPUTS for p in (out / name, out / f".{name}.old", out / f".{name}.previous")
-            if p.exists()]
 
 
 # the divergence guard's window: the median of the last steps' losses a step's loss is judged by
@@ -74,83 +60,44 @@ def divergence(loss: float, recent: list[float], factor: float | None) -> str | 
             f"{min(len(recent), DIVERGENCE_WINDOW)} steps' losses: the run diverged")
 
 
-# Settings whose change alters what a resumed run means: the schedule's length and shape, the
-# optimizer, the data and its order, the batch. Engine settings change how, not what.
-MEANING = ("steps", "epochs", "seed", "optim", "data")
-
-
-def meaning_changes(saved: dict, cfg: TrainConfig) -> list[str]:
-    """`key: saved -> now` for each setting of MEANING that differs from the saved run's config."""
-    now = dataclasses.asdict(cfg)
-    out = []
-    for key in MEANING:
-        a, b = saved.get(key), now[key]
-        pairs = [(f"{key}.{k}", a.get(k), v) for k, v in b.items()] if isinstance(b, dict) and isinstance(a, dict) \
-            else [(key, a, b)]
-        out += [f"{name}: {x!r} -> {y!r}" for name, x, y in pairs if _normal(x) != _normal(y)]
-    return out
-
-
-def _normal(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig, progress: bool = True):
-        """Under torchrun, one of the run's data-parallel ranks (distributed.py): each rank takes its
-        rows of every micro-batch, the ranks of a host share one host store, one rank writes.
-        `progress`: bars on stderr for the long work outside the steps (filling the store, saving
-        and loading), from the first rank."""
-        self.cfg = cfg
-        self.ranks = ranks = Ranks.from_env()
+    def __init__(self, run: TrainConfig | RunPlan, progress: bool = True):
+        """`run`: the run's config, planned here for this process's rank (planning.plan_run), or its
+        plan; a plan that does not fit is refused (DoesNotFit) before anything is allocated. Under
+        torchrun, one of the run's data-parallel ranks (distributed.py): each rank takes its rows of
+        every micro-batch, the ranks of a host share one host store, one rank writes. `progress`:
+        bars on stderr for the long work outside the steps (filling the store, saving and loading),
+        from the first rank."""
+        plan = run if isinstance(run, RunPlan) else plan_run(run, Ranks.from_env())
+        if plan.device is None:
+            raise ValueError(f"engine.device is {plan.cfg.engine.device!r} but this machine has no GPU: a plan for "
+                             f"the stated machine trains there")
+        plan.check()
+        self.plan = plan
+        self.cfg = cfg = plan.cfg
+        self.ranks = ranks = plan.ranks
         self.progress = progress and ranks.rank == 0
-        hf = model_config(cfg)
-        self.shape = shape = ModelShape(hf)
-        limit = getattr(hf, "max_position_embeddings", None)
-        if limit is not None and cfg.data.seq_len > limit:
-            raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
-        self._check_output_dir()
-        if cfg.model.pretrained:
-            check_pretrained(shape, Path(cfg.model.pretrained))
-        self.device = Device(_rank_device(cfg.engine.device, ranks))
-        machine = Machine.of(self.device, cfg.engine)
-        self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks)
-        shared = shared_memory_free() if ranks.distributed else None
-        # the model is admitted before the data is read, the data before the store is allocated:
-        # a run that cannot fit, or a bad dataset, costs nothing
-        memory.admit(memory.plan(shape, s), machine.host_available, machine.device_free, shared, not machine.is_cuda)
-        self.data, self.held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
-        data_bytes = self.data.nbytes + (self.held_out.nbytes if self.held_out else 0)
-        if data_bytes:  # the data's bytes may be what makes split masters needed (engine.split_masters: auto)
-            self.settings = s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
-        self.memory_plan = memory.plan(shape, s, data_bytes)
-        memory.admit(self.memory_plan, machine.host_available, machine.device_free, shared, not machine.is_cuda)
+        self.shape = shape = plan.shape
+        self.device, self.settings, self.memory_plan = plan.device, plan.settings, plan.memory_plan
+        self.data, self.held_out, self.total_steps = plan.data, plan.held_out, plan.total_steps
+        s = self.settings
         self.comm = Comm.init(ranks, self.device.torch)
-        self.total_steps = cfg.steps if cfg.steps is not None else self.data.steps_for(cfg.epochs)
         self._threads_before = torch.get_num_threads()  # the process's again at close
         if s.optimizer_threads:
             torch.set_num_threads(s.optimizer_threads)
         elif ranks.local_world > 1:  # the host's cores shared by its ranks' optimizers
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks.local_world))
-        # the host AdamW's kernel, before the store: loaded from the per-user cache, or built there
-        # (seconds), or, under auto, the eager update and the reason said
-        self.setup_s = {}
-        self.optimizer_kernel_note = None
-        clock = time.perf_counter()
+        # seconds spent having the host AdamW's kernel (the planner loaded it from the per-user cache
+        # or built it there: fused_adamw.build, once a process), allocating the store, filling it and
+        # building the engine (its buffers)
+        self.setup_s = {"optimizer_kernel": 0.0}
+        self.optimizer_kernel_note = plan.optimizer_note
+        if self.optimizer_kernel_note:
+            say(self.optimizer_kernel_note, ranks.rank == 0)
         if s.optimizer_kernel == "compiled":
-            if why := fused_adamw.probe():
-                if cfg.engine.optimizer_kernel == "compiled":
-                    raise ValueError(f"engine.optimizer_kernel: compiled, but the host AdamW's C++ kernel cannot be "
-                                     f"built here ({why}); install a C++ compiler, or set optimizer_kernel: eager")
-                self.settings = s = dataclasses.replace(s, optimizer_kernel="eager")
-                self.optimizer_kernel_note = f"the host AdamW runs eager (several passes over memory): {why}"
-                say(self.optimizer_kernel_note, ranks.rank == 0)
-            else:
-                built = fused_adamw.build()
-                self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
-        # seconds spent having the host AdamW's kernel (a build, or a load from the cache), allocating
-        # the store, filling it and building the engine (its buffers)
-        self.setup_s["optimizer_kernel"] = time.perf_counter() - clock
+            built = fused_adamw.build()
+            self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
+            self.setup_s["optimizer_kernel"] = built.seconds
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
                                  lean_moe=s.experts_kernel == "lean")
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
@@ -189,29 +136,6 @@ class Trainer:
             with bar("initialising the weights", self._params(tiles), self.progress) as advance:
                 self.store.init_random(cfg.seed, tiles, advance)
         self.comm.barrier()
-
-    def _check_output_dir(self) -> None:
-        """Before anything is built: output_dir can be written, and resume has a state to resume."""
-        if not self.cfg.output_dir:
-            return
-        out = Path(self.cfg.output_dir)
-        check_writable(out, "output_dir")
-        earlier = earlier_outputs(out) if not (self.cfg.resume or self.cfg.overwrite) else []
-        if earlier:
-            raise ValueError(f"output_dir {out} holds an earlier run's {', '.join(p.name for p in earlier)}: "
-                             f"resume=true continues that run, overwrite=true replaces it, or name another output_dir")
-        if self.cfg.resume:
-            saved = checkpoint.saved_state(out / "state")
-            if saved is None:
-                earlier = earlier_outputs(out)  # a run killed before its first save was whole
-                raise ValueError(f"resume=true: no saved training state in {out} (nothing to resume; " + (
-                    f"it holds an earlier run's {', '.join(p.name for p in earlier)} but no complete save: "
-                    f"overwrite=true instead of resume=true starts the run afresh, replacing them)" if earlier else
-                    "leave resume unset to start the run)"))
-            changes = meaning_changes(checkpoint.check_state(self.shape, saved)["config"], self.cfg)
-            if changes and not self.cfg.resume_changes:
-                raise ValueError(f"resume=true: this run's settings differ from the saved run's in {'; '.join(changes)}; "
-                                 f"set resume_changes=true to resume with them anyway")
 
     # ---- training ----
     def train_step(self, microbatches: list[Batch]) -> dict:
@@ -347,7 +271,7 @@ class Trainer:
         """Mean loss and perplexity over the held-out data (eval_batches micro-batches at most),
         grad_accum micro-batches at a time, through the engine's streaming forward."""
         if self.held_out is None:
-            raise ValueError("evaluate needs held-out data: data.eval_path or data.eval_fraction")
+            raise ValueError("evaluate needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
         start = time.perf_counter()
         loss = targets = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
@@ -364,7 +288,7 @@ class Trainer:
 
     def describe(self) -> str:
         """The start-up summary: the model, the data, the memory plan and where things go."""
-        return describe(self.cfg, self.shape, self.settings, self.memory_plan, self.total_steps, self.data, self.held_out)
+        return self.plan.describe()
 
     # ---- saving ----
     def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
@@ -375,7 +299,7 @@ class Trainer:
         tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
         tokenizer = None
         if tok_dir and any((Path(tok_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = load_tokenizer(tok_dir)
+            tokenizer = load_tokenizer(tok_dir, self.cfg.data.chat_template)
         with bar(f"saving the model to {path}", self._params(), self.progress) as advance:
             checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
                                        tokenizer, advance)
@@ -430,100 +354,3 @@ class Trainer:
         self.store.close()
         self.comm.close()
         torch.set_num_threads(self._threads_before)
-
-
-def model_config(cfg: TrainConfig):
-    """The run's `transformers` config, its `auto` attention the one of the device the run trains
-    on (engine.device), not of whether this machine has a GPU: a CPU run on a GPU machine takes
-    eager attention as on any CPU, and a plan made on a CPU machine for a GPU one that GPU's (for
-    GPT-OSS flex attention, whose memory is linear in the sequence, not eager attention's square)."""
-    name = cfg.engine.device
-    return load_hf_config(cfg.model, cuda=name.startswith("cuda") or (name == "auto" and torch.cuda.is_available()))
-
-
-def _stated_gpu_machine(engine, gpus: int) -> Machine:
-    """A GPU machine this one is not, as engine.device_memory_gb and the stated host size say."""
-    missing = [k for k, v in (("engine.device_memory_gb", engine.device_memory_gb),
-                              ("engine.host_memory_gb", engine.host_memory_gb or os.environ.get(HOST_MEMORY_ENV)))
-               if v is None]
-    if missing:
-        raise ValueError(f"engine.device is {engine.device!r} but this machine has no GPU: to plan for a GPU "
-                         f"machine, state {' and '.join(missing)}")
-    return Machine(True, int(engine.device_memory_gb * GiB), host_available_bytes(engine.host_memory_gb), gpus)
-
-
-def _rank_device(name: str, ranks: Ranks) -> str:
-    """One GPU per rank: the host's local rank picks it (engine.device auto or cuda)."""
-    if not ranks.distributed or name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return name
-    check_ranks(ranks, 0, "cuda", torch.cuda.device_count())  # more ranks than GPUs: refused by name
-    if name not in ("auto", "cuda", f"cuda:{ranks.local_rank}"):
-        raise ValueError(f"engine.device {name!r} names one GPU; under torchrun each rank takes the GPU of its "
-                         f"LOCAL_RANK: set engine.device to auto or cuda")
-    return f"cuda:{ranks.local_rank}"
-
-
-def describe(cfg: TrainConfig, shape: ModelShape, s, plan: memory.MemoryPlan, total_steps: int, data,
-             held_out) -> str:
-    """The start-up summary (and `megatrain plan`'s report)."""
-    d, c = cfg.data, shape.config
-    model = cfg.model.pretrained or cfg.model.config or f"preset {cfg.model.preset}"
-    lines = [f"model: {c.model_type} from {model}: {shape.total_params():,} parameters, "
-             f"{shape.num_layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}"
-             + (f"; {shape.experts} experts, {shape.top_k} per token: {shape.matmul_params():,} matmul "
-                f"parameters per token" + (f", router loss x {shape.router_aux_coef}" if shape.router_aux_coef else "")
-                if shape.experts else "")]
-    if d.source == "file":
-        dropped = {k: v for k, v in data.examples.dropped.items() if v}
-        lines.append(f"data: {d.path} ({d.format}): {len(data.examples):,} examples, "
-                     f"{int(data.examples.lengths.sum()):,} tokens, {data.nbytes / GiB:.2f} GiB in host memory"
-                     + (f"; left out: {dropped}" if dropped else "")
-                     + (f"; held out: {len(held_out.examples):,} examples" if held_out else ""))
-        rows = "packed rows" if d.packing else "examples padded to the longest of their batch"
-        epochs = total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()
-        lines.append(f"step: {d.grad_accum} x {d.batch_size} {rows} of at most {d.seq_len} tokens: up to "
-                     f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens per step; {total_steps} steps "
-                     f"({epochs:.2f} epochs)")
-    else:
-        lines.append(f"data: synthetic; step: {d.grad_accum} x {d.batch_size} x {d.seq_len} = "
-                     f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {total_steps} steps")
-    lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters"
-                 f"{' (split: shadow + low halves)' if s.split_masters else ''}, checkpoint every "
-                 f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
-                 f"{s.no_recompute_layers} layers kept from recompute"
-                 + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
-                    f"{d.batch_size // s.ranks} rows of each micro-batch per rank" if s.ranks > 1 else ""))
-    host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}
-    lines.append(f"memory plan: host {plan.host_bytes / GiB:.2f} GiB ("
-                 + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items())
-                 + f"), device {plan.device_bytes / GiB:.2f} GiB")
-    out = cfg.output_dir
-    lines.append(f"outputs: {out}/metrics.jsonl, {out}/state, {out}/model" if out else "outputs: none (no output_dir)")
-    return "\n".join(lines)
-
-
-def plan_report(cfg: TrainConfig, gpus: int = 1) -> str:
-    """What a run would do and need, without allocating the model: `megatrain plan`; `gpus`: as
-    one host's rank 0 of that many data-parallel ranks would (the store once, the rest per rank).
-    engine.device cuda where this machine has no GPU: the plan of the GPU machine the settings
-    state (engine.device_memory_gb, engine.host_memory_gb), to size one before renting it."""
-    shape = ModelShape(model_config(cfg))
-    if cfg.model.pretrained:  # a checkpoint the run would refuse is refused here too
-        check_pretrained(shape, Path(cfg.model.pretrained))
-    ranks = Ranks(0, gpus, 0, gpus)
-    if cfg.engine.device.startswith("cuda") and not torch.cuda.is_available():
-        machine, where, shm = _stated_gpu_machine(cfg.engine, gpus), "the stated machine", None
-    else:
-        machine = Machine.of(Device(_rank_device(cfg.engine.device, ranks)), cfg.engine)
-        where, shm = "this machine", shared_memory_free() if gpus > 1 else None
-    data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
-    data_bytes = data.nbytes + (held_out.nbytes if held_out else 0)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, ranks, data_bytes)
-    p = memory.plan(shape, s, data_bytes)
-    try:
-        memory.admit(p, machine.host_available, machine.device_free, shm, not machine.is_cuda)
-        verdict = f"fits {where}"
-    except memory.DoesNotFit as e:
-        verdict = str(e)
-    total = cfg.steps if cfg.steps is not None else data.steps_for(cfg.epochs)
-    return describe(cfg, shape, s, p, total, data, held_out) + "\n" + verdict

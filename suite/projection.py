@@ -310,6 +310,7 @@ def check(roots: list[Path]) -> list[dict]:
         engine = (r.get("info") or {}).get("engine") or {}
         ran = {k: engine.get(k, v) for k, v in EAGER.items()}  # EAGER's before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
+        ran["device_tiles"] = engine.get("device_tiles", 0)  # 0 before auto
         # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
         # compiled loss's head chunk): the projection times that run, not today's choice
         ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens") if k in engine}
@@ -319,7 +320,10 @@ def check(roots: list[Path]) -> list[dict]:
         # `pinned_shadows`) torch's power-of-two pinned blocks
         exact = (r.get("info") or {}).get("pinned_shadows") == "exact"
         host = pr.host_bytes + (0 if exact else pr.rounded_shadows) + POOLED.get(f"{f.parent.name}/{f.name}", 0) * COMPILE_WORKER
-        row = {"machine": m.name, "point": str(f), "bound": pr.bound}
+        # the run it is, whatever the repeat: near-duplicate points (A/B pairs of one setting) count once in the bands
+        run = {k: v for k, v in spec.items() if k not in RUN_FREE}
+        run["options"] = {k: v for k, v in (spec.get("options") or {}).items() if k != "trace"}
+        row = {"machine": m.name, "point": str(f), "bound": pr.bound, "run": json.dumps([m.name, run, ran], sort_keys=True)}
         for key, predicted, measured in (
                 ("host_GiB", host / GiB, (peak.get("host_rss_bytes") or 0) / GiB),
                 ("device_GiB", pr.device_bytes / GiB, (med.get("peak_device_allocated_bytes") or 0) / GiB),
@@ -332,6 +336,46 @@ def check(roots: list[Path]) -> list[dict]:
     return rows
 
 
+# a result's spec fields that say how long or where it was measured, not what ran
+RUN_FREE = ("steps", "warmup", "max_steps", "steady_spread", "timeout_s", "seed", "smoke")
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile, linear between order statistics."""
+    x = q * (len(sorted_values) - 1)
+    lo = int(x)
+    return sorted_values[lo] + (x - lo) * (sorted_values[min(lo + 1, len(sorted_values) - 1)] - sorted_values[lo])
+
+
+def step_errors(rows: list[dict]) -> dict[str, list[float]]:
+    """The step time's relative errors of the distinct runs among `check`'s rows (a run measured
+    several times counts once, by its median error), sorted, by what bounds the step, by machine
+    (`machine:NAME`) and over all (`all`)."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["step_s"]["error"] is not None:
+            runs.setdefault(r["run"], []).append(r)
+    out: dict[str, list[float]] = {}
+    for same in runs.values():
+        errors = sorted(r["step_s"]["error"] for r in same)
+        error = _quantile(errors, 0.5)
+        for key in ("all", same[0]["bound"], f"machine:{same[0]['machine']}"):
+            out.setdefault(key, []).append(error)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+BAND = (0.1, 0.9)  # the central 80% of the errors
+
+
+def band(errors: dict[str, list[float]], bound: str) -> tuple[float, float, str]:
+    """The step time's error band of a projection bound by `bound`: the central 80% of the errors of
+    the distinct runs with that bound, or of all runs where fewer than five are (said in the third
+    item)."""
+    key = bound if len(errors.get(bound, [])) >= 5 else "all"
+    values = errors[key]
+    return _quantile(values, BAND[0]), _quantile(values, BAND[1]), f"{key}, {len(values)} runs"
+
+
 # The paper's scale rows (Figure 1: 4096 x 8 x 4 micro-batches), projected on its machines; its
 # printed figure beside each where it prints one (GH200: 284, 264, "above 250").
 PAPER_ROWS = (("gh200-paper", "qwen2.5-7b", "284"), ("gh200-paper", "qwen2.5-14b", "264"),
@@ -339,7 +383,9 @@ PAPER_ROWS = (("gh200-paper", "qwen2.5-7b", "284"), ("gh200-paper", "qwen2.5-14b
               ("h200-paper", "qwen2.5-72b", None), ("h200-paper", "gpt-oss-120b", None))
 
 
-def predictions() -> list[dict]:
+def predictions(errors: dict[str, list[float]] | None = None) -> list[dict]:
+    """The paper's rows on its machines, each with the band the measured runs' errors give it
+    (`errors`: step_errors of the check; measured = projected / (1 + error))."""
     rows = []
     for machine, preset, paper in PAPER_ROWS:
         spec = RunSpec(system="megatrain", model={"preset": preset}, seq_len=4096, batch_size=8, grad_accum=4)
@@ -347,9 +393,14 @@ def predictions() -> list[dict]:
         pr = project(spec, m, ran={})  # the engine's defaults on a GPU: the compiled kernels, the lean experts
         short = [f"{what} {need / GiB:.0f} > {have:.0f} GiB" for what, need, have in
                  (("host", pr.host_bytes, m.host_gib), ("device", pr.device_bytes, m.device_gib)) if need > have * GiB]
-        rows.append({"machine": machine, "preset": preset, "fits": "; ".join(short) or "yes", "host_GiB": pr.host_bytes / GiB,
-                     "device_GiB": pr.device_bytes / GiB, "step_s": pr.step_s, "model_tflops": pr.model_tflops,
-                     "bound": pr.bound, "paper_tflops": paper})
+        row = {"machine": machine, "preset": preset, "fits": "; ".join(short) or "yes", "host_GiB": pr.host_bytes / GiB,
+               "device_GiB": pr.device_bytes / GiB, "step_s": pr.step_s, "model_tflops": pr.model_tflops,
+               "bound": pr.bound, "paper_tflops": paper}
+        if errors:
+            lo, hi, basis = band(errors, pr.bound)
+            row |= {"step_s_band": (pr.step_s / (1 + hi), pr.step_s / (1 + lo)),
+                    "model_tflops_band": (pr.model_tflops * (1 + lo), pr.model_tflops * (1 + hi)), "band_basis": basis}
+        rows.append(row)
     return rows
 
 
@@ -360,7 +411,9 @@ def _pct(x: float | None) -> str:
 def write_report(roots: list[Path], out: Path) -> str:
     """The check against every measured point and the paper rows' predictions, as JSON and Markdown."""
     from megatrain.io import write_json, write_text
-    rows, preds = check(roots), predictions()
+    rows = check(roots)
+    errors = step_errors(rows)
+    preds = predictions(errors)
     keys = ("host_GiB", "device_GiB", "step_s", "h2d_GB", "d2h_GB")
     lines = ["# The step model against every measured MegaTrain point", "",
              "Projected / measured, and the projection's error. Machines: " + "; ".join(
@@ -374,13 +427,26 @@ def write_report(roots: list[Path], out: Path) -> str:
         errs = sorted(r[k]["error"] for r in rows if r[k]["error"] is not None)
         if errs:
             lines.append(f"- {k}: {_pct(errs[len(errs) // 2])}, {_pct(errs[0])}, {_pct(errs[-1])} ({len(errs)} points)")
+    lines += ["", "The step time's error over distinct runs (a setting measured several times counts once, by its "
+              "median error): nothing in the model is fitted to a step, so every run is one it was not fitted on; "
+              "by what bounds the projected step, and by machine (each machine's constants are its own probes'):", "",
+              "| runs of | count | median | 10% | 90% | smallest | largest |", "|---" * 7 + "|"]
+    for key, values in sorted(errors.items(), key=lambda kv: (kv[0] != "all", kv[0].startswith("machine:"), kv[0])):
+        lines.append(f"| {key} | {len(values)} | {_pct(_quantile(values, 0.5))} | {_pct(_quantile(values, BAND[0]))} "
+                     f"| {_pct(_quantile(values, BAND[1]))} | {_pct(values[0])} | {_pct(values[-1])} |")
     lines += ["", "# Predictions (not measurements): the paper's scale rows on its machines", "",
-              "| machine | model | fits | host GiB | device GiB | step s | model TFLOP/s | bound | paper |", "|---" * 9 + "|"]
+              "Each with the band that the central 80% of the measured runs' step errors gives it (the runs bound by "
+              "the same resource where five or more are, else all): the measured machines' error, carried to "
+              "machines whose constants are assumed.", "",
+              "| machine | model | fits | host GiB | device GiB | step s (band) | model TFLOP/s (band) | bound | band of | paper |",
+              "|---" * 10 + "|"]
     for p in preds:
-        lines.append(f"| {p['machine']} | {p['preset']} | {p['fits']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} | {p['step_s']:.1f} "
-                     f"| {p['model_tflops']:.0f} | {p['bound']} | {p['paper_tflops'] or 'not printed'} |")
+        lines.append(f"| {p['machine']} | {p['preset']} | {p['fits']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} "
+                     f"| {p['step_s']:.1f} ({p['step_s_band'][0]:.1f}-{p['step_s_band'][1]:.1f}) "
+                     f"| {p['model_tflops']:.0f} ({p['model_tflops_band'][0]:.0f}-{p['model_tflops_band'][1]:.0f}) "
+                     f"| {p['bound']} | {p['band_basis']} | {p['paper_tflops'] or 'not printed'} |")
     text = "\n".join(lines) + "\n"
     write_json(out / "projection.json", {"machines": {m.name: m.__dict__ for m in MACHINES.values()},
-                                         "check": rows, "predictions": preds})
+                                         "check": rows, "step_errors": errors, "predictions": preds})
     write_text(out / "projection.md", text)
     return text

@@ -386,8 +386,10 @@ def test_megatrain_plan_for_a_gpu_machine_from_one_without(capsys):
     assert main([*args, "engine.device_memory_gb=79"]) == 0
     out = capsys.readouterr().out
     assert "bfloat16 compute" in out and out.rstrip().endswith("fits the stated machine")
-    assert main([*args, "engine.device_memory_gb=8"]) == 0
-    assert "the run does not fit: device memory" in capsys.readouterr().out
+    assert main([*args, "engine.device_memory_gb=8"]) == 2  # train's refusal, after the report
+    out, err = capsys.readouterr()
+    assert "memory plan: host" in out and "fits" not in out
+    assert "megatrain: error: the run does not fit: device memory" in err and "Traceback" not in err
     assert main(args[:-1] + ["engine.device_memory_gb=79"]) == 2
     err = capsys.readouterr().err
     assert "state engine.host_memory_gb" in err and "engine.device_memory_gb" not in err and "Traceback" not in err

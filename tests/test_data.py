@@ -60,7 +60,7 @@ def row(out: dict, k: int) -> tuple[list[int], list[int]]:
 def expected_tokens(tok, marked: str) -> tuple[list[int], list[int]]:
     """Token ids of the render and, token by token, whether it lies inside [[ ]]."""
     text, spans = "", []
-    for piece in re.split(r"(\[\[.*?\]\])", marked):
+    for piece in re.split(r"(\[\[.*?\]\])", marked, flags=re.S):
         if piece.startswith("[["):
             spans.append((len(text), len(text) + len(piece) - 4))
             piece = piece[2:-2]
@@ -107,11 +107,6 @@ def test_a_template_that_changes_the_reply_is_refused_with_the_index():
     assert out["problem"][0] == ""
     assert "message 1 (assistant) is not rendered verbatim" in out["problem"][1] or \
            "message 0 (user) is not rendered verbatim" in out["problem"][1]
-    # Qwen3 splits a think block out of the reply: refused, not mislabelled
-    tok3 = byte_tokenizer("qwen3")
-    thought = [CHAT[0], {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nParis."}]
-    assert encode_chats([thought], tok3)["problem"] == [""]  # the last turn keeps its think block
-    assert "not rendered verbatim" in encode_chats([thought + CHAT[2:]], tok3)["problem"][0]
 
 
 def write(tmp_path, rows, name="d.jsonl"):

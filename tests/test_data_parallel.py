@@ -274,12 +274,12 @@ def test_a_global_batch_that_does_not_split_is_refused_before_anything_is_built(
 
 def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch):
     """The plan counts the store once per host and the rest per rank; /dev/shm too small is refused."""
-    import megatrain.trainer
+    import megatrain.planning
     tiny_checkpoint(tmp_path / "init", "tiny-llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(megatrain.trainer, "shared_memory_free", lambda: 4096)
+    monkeypatch.setattr(megatrain.planning, "shared_memory_free", lambda: 4096)
     with pytest.raises(ValueError, match=r"host memory: .*/dev/shm"):
         Trainer(load_config(base=settings(tmp_path)))
 

@@ -5,6 +5,7 @@ kernel once (a few seconds), or loads it from the per-user cache."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,13 +92,17 @@ def test_one_pass_update_is_torchs_adamw(split, beta1):
     assert not torch.equal(got["master"], start["master"]), "the update moved nothing"
 
 
+@pytest.mark.parametrize("tail", ["kernel", "torch"])
 @pytest.mark.parametrize("split", [False, True])
-def test_one_pass_update_is_the_eager_one_in_pieces(monkeypatch, split):
+def test_one_pass_update_is_the_eager_one_in_pieces(monkeypatch, split, tail):
     """The tile's update in the pieces the worker gives it (slab ranges that start and end off the
     vector width, across the decayed and undecayed parts) and in chunks of optim.CHUNK: the one
     pass leaves every bit of the eager update, the split's flags and low halves included; a bf16
-    gradient is its float32 widening."""
+    gradient is its float32 widening. `torch`: as where no scalar form of the kernel is torch's,
+    the elements past each call's last full vector updated by torch's own fused AdamW."""
     monkeypatch.setattr(optim, "CHUNK", 4096)
+    if tail == "torch":
+        monkeypatch.setattr(fused_adamw, "_build", dataclasses.replace(fused_adamw.build(), scalar_tail=False))
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1)
     eager, one_pass = tile_with_state(2, split, specs), tile_with_state(2, split, specs)
@@ -159,8 +164,31 @@ def test_the_one_pass_update_lets_other_threads_run():
     held = ctypes.PyDLL(str(fused_adamw.build().path)).megatrain_adamw_whole
     held.restype, held.argtypes = None, fused_adamw.build().library.megatrain_adamw_whole.argtypes
     args = (master.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), shadow.data_ptr(), n, n, 1.0, 1e-3, 0.9,
-            0.95, 0.0, 1e-8, 1.0, 0, 1)
+            0.95, 0.0, 1e-8, 1.0, 0, 1, fused_adamw.build().form)
     assert all(k < 5 for k in calls_with_ticks_inside(lambda: held(*args))), "the criterion does not tell a held GIL"
+
+
+def test_the_forms_found_are_torchs_and_the_probe_tells_them_apart():
+    """torch's builds fuse different products and sums (torch 2.13's AVX2 kernel and 2.11's AVX-512
+    one differ): the load finds the forms that are torch's here. The probe that finds them tells the
+    forms apart, so it cannot pass a wrong one: of the vector and the scalar forms, each gives
+    numbers no other gives (an update of random state with weight decay)."""
+    build = fused_adamw.build()
+    assert build.why is None and build.form in {v | s for v in fused_adamw.VECTOR_FORMS for s in fused_adamw.SCALAR_FORMS}
+    gen = torch.Generator().manual_seed(1)
+    for forms, n in ((fused_adamw.VECTOR_FORMS, 64 * fused_adamw.VECTOR), (fused_adamw.SCALAR_FORMS, fused_adamw.VECTOR - 1)):
+        state = [torch.randn(n * 64, generator=gen) * 1e-2, torch.randn(n * 64, generator=gen) * 1e-3,
+                 torch.rand(n * 64, generator=gen) * 1e-5]
+        results = set()
+        for form in forms:
+            p, m, v = state[1] * 1e3, state[1].clone(), state[2].clone()
+            for piece in range(64):  # calls of n elements: all vectors, or all scalar tail
+                a, b = piece * n, (piece + 1) * n
+                build.library.megatrain_adamw_whole(p[a:b].data_ptr(), state[0][a:b].data_ptr(),
+                                                    m[a:b].data_ptr(), v[a:b].data_ptr(), None, n, n - n % fused_adamw.VECTOR,
+                                                    1.0, 1e-3, 0.9, 0.999, 0.01, 1e-8, 1.0, 0, 1, form)
+            results.add(tuple(t.view(torch.int32).numpy().tobytes() for t in (p, m, v)))
+        assert len(results) == len(forms)
 
 
 def test_a_second_process_builds_nothing(tmp_path):

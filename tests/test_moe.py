@@ -137,7 +137,7 @@ def test_auto_attention_is_the_training_devices(monkeypatch):
     plan made here for a GPU machine takes flex attention, a CPU run on a GPU machine eager
     attention, as on any CPU."""
     from megatrain.config import load_config
-    from megatrain.trainer import model_config
+    from megatrain.planning import model_config
 
     def attention(device: str) -> str:
         cfg = load_config(None, [], base={"model": {"preset": "tiny-gpt-oss"}, "engine": {"device": device}})

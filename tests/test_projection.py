@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.schedule import HEAD, Schedule
-from suite.projection import MACHINES, _transfers, check, predictions
+from suite.projection import MACHINES, _transfers, check, predictions, step_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +118,25 @@ def test_the_compiled_kernels_take_their_probed_saving_off_a_dense_step():
         if r["bound"] == "gpu" and dense and (engine.get("norm_kernel"), engine.get("mlp_kernel")) == ("compiled", "compiled"):
             errors.append(r["step_s"]["error"])
     assert len(errors) >= 40 and -0.08 < statistics.median(errors) < 0.0
+
+
+def test_a_run_measured_again_counts_once_in_the_error_bands():
+    """A setting measured several times (an A/B pair's repeats) is one run in the bands, by its
+    median error; the bands are by bound, by machine and over all."""
+    def row(run, bound, machine, error):
+        return {"run": run, "bound": bound, "machine": machine, "step_s": {"error": error}}
+    rows = [row("a", "gpu", "h100", 0.1), row("a", "gpu", "h100", 0.3), row("a", "gpu", "h100", 0.2),
+            row("b", "cpu_optimizer", "h200", -0.2), row("c", "gpu", "h200", None)]
+    assert step_errors(rows) == {"all": [-0.2, 0.2], "gpu": [0.2], "cpu_optimizer": [-0.2],
+                                 "machine:h100": [0.2], "machine:h200": [-0.2]}
+
+
+def test_predictions_carry_the_band_of_the_measured_errors():
+    """measured = projected / (1 + error): errors of -10%..+20% put the measured step between
+    projected / 1.2 and projected / 0.9; a bound with fewer than five runs takes all runs' band."""
+    errors = {"all": [-0.1] * 5 + [0.2] * 5, "gpu": [0.0] * 4}
+    for p in predictions(errors):
+        lo, hi = p["step_s_band"]
+        assert lo < p["step_s"] < hi and p["band_basis"] == "all, 10 runs"
+        assert lo == pytest.approx(p["step_s"] / 1.2) and hi == pytest.approx(p["step_s"] / 0.9)
+        assert p["model_tflops_band"][0] == pytest.approx(p["model_tflops"] * 0.9)

@@ -22,7 +22,11 @@ def save_tokenizer(path) -> PreTrainedTokenizerFast:
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
-# per family: the published chat template (tests/fixtures) and the special tokens it uses
+# per family: the published chat template (tests/fixtures), the special tokens it uses, and the
+# tokens the real vocabulary adds whole but not as special ones (Qwen's tool and think tags)
+QWEN_TOOLS = ["<tool_call>", "</tool_call>"]
+QWEN3_TAGS = [*QWEN_TOOLS, "<tool_response>", "</tool_response>", "<think>", "</think>"]
+ADDED = {"qwen2.5": QWEN_TOOLS, "qwen3": QWEN3_TAGS}
 FAMILIES = {
     "llama3": ("llama3.jinja", dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
                ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"]),
@@ -51,5 +55,6 @@ def byte_tokenizer(family: str | None = None, merges: list[tuple[str, str]] = ((
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     template, named, extra = FAMILIES[family]
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, additional_special_tokens=extra, **named)
+    fast.add_tokens(ADDED.get(family, []))
     fast.chat_template = (FIXTURES / template).read_text()
     return fast

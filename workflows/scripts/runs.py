@@ -108,7 +108,8 @@ def compare(run: Path) -> int:
 
 
 def promote(run: Path) -> int:
-    """Copy the run's points and tables to results/<hardware>/ and its figures to plots/<hardware>/."""
+    """Copy the run's points and tables to results/<hardware>/ and its figures to plots/<hardware>/, then
+    make the results summary and README's results table from the committed points (summary.py)."""
     points = _points(run / "points")
     if not points:
         print(f"error: {run}: no points to promote (a run folder holds points/, tables/, plots/)", file=sys.stderr)
@@ -125,8 +126,11 @@ def promote(run: Path) -> int:
                 if f.name.endswith(outputs.SUFFIX):  # a figure's record names its inputs where they now are
                     outputs.moved(target, os.path.relpath(run), f"results/{hw}")
                 copied += 1
-    print(f"{run}: {copied} files copied into results/{hw} and plots/{hw} ({len(points)} points); "
-          f"review with git diff, then commit")
+    from workflows.scripts import summary
+    left = summary.problems(write=True)  # the summary and README's table, from the points now committed
+    print(f"{run}: {copied} files copied into results/{hw} and plots/{hw} ({len(points)} points), "
+          f"results/summary.md and README.md's results table made from them; review with git diff, then commit"
+          + "".join(f"\n{line}" for line in left))
     return 0
 
 
