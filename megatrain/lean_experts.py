@@ -134,9 +134,11 @@ class _Gate(torch.autograd.Function):
 
 
 def gate_kind(family: str, hidden_act: str | None) -> str | None:
-    """The compiled gate for a family's experts: GPT-OSS's clamped one, Qwen3-MoE's SiLU one; None
-    where there is none (another activation)."""
-    return {"gpt_oss": "clamped"}.get(family) or ("silu" if family == "qwen3_moe" and hidden_act == "silu" else None)
+    """The compiled gate for a family's experts: GPT-OSS's clamped one, Qwen3-MoE's and Mixtral's
+    SiLU one; None where there is none (another activation)."""
+    if family == "gpt_oss":
+        return "clamped"
+    return "silu" if family in ("qwen3_moe", "mixtral") and hidden_act == "silu" else None
 
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

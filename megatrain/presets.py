@@ -1,5 +1,5 @@
-"""Named model shapes: the paper's Qwen2.5 models, GPT-OSS and Qwen3-MoE, and tiny configs of
-every supported family.
+"""Named model shapes: the paper's Qwen2.5 models, GPT-OSS, Qwen3-MoE and Mixtral, and tiny configs
+of every supported family.
 
 Each entry is a `transformers` config dict (random init: only the shape matters for speed); the
 mixtures of experts carry their published config.json's values.
@@ -35,6 +35,12 @@ _QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=204
                       max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
                       router_aux_loss_coef=0.001, output_router_logits=False, use_sliding_window=False,
                       sliding_window=None, max_window_layers=48, bos_token_id=151643, eos_token_id=151645)
+# mistralai/Mixtral-8x7B-v0.1 config.json
+_MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1_000_000.0, max_position_embeddings=32768,
+                     sliding_window=None, tie_word_embeddings=False, hidden_act="silu", router_aux_loss_coef=0.02,
+                     output_router_logits=False, router_jitter_noise=0.0, bos_token_id=1, eos_token_id=2)
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu")
@@ -50,10 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
     "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "mixtral-8x7b": _MIXTRAL_8X7B,
     "tiny-llama": {**_TINY, "model_type": "llama", "tie_word_embeddings": False},
     "tiny-qwen2": {**_TINY, "model_type": "qwen2", "tie_word_embeddings": True},
     "tiny-qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
     "tiny-mistral": {**_TINY, "model_type": "mistral", "sliding_window": 8, "tie_word_embeddings": False},
+    # fused qkv and gate-up projections; rotary over three quarters of each head (Phi-4-mini's
+    # partial_rotary_factor, a phi3 model); Phi-3's pad token (32000) lies outside the tiny vocabulary
+    "tiny-phi3": {**_TINY, "model_type": "phi3", "partial_rotary_factor": 0.75, "pad_token_id": None,
+                  "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True},
     # four experts, two per token; the router's auxiliary loss on (weighted 0.1 so that it shows)
     "tiny-gpt-oss": {**_TINY, "model_type": "gpt_oss", "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 32,
                      "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
@@ -63,6 +74,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3-moe": {**_TINY, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32,
                        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                        "output_router_logits": True, "router_aux_loss_coef": 0.1, "tie_word_embeddings": True},
+    "tiny-mixtral": {**_TINY, "model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
+                     "tie_word_embeddings": False},
 }
 
 

@@ -22,11 +22,20 @@ from megatrain.presets import preset
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
 # layer's MLP output feeds only its residual sum (unread_mlp.output_unused relies on it). The
-# mixtures of experts (moe.py) replace the MLP by a router and stacked experts.
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe"}
+# mixtures of experts (moe.py) replace the MLP by a router and stacked experts. Phi-3 fuses q, k
+# and v into one projection and gate and up into another: its modules stored as they are.
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 # families whose every layer attends over the config's sliding_window when it is set (no layer_types)
-_SLIDING_ALL = ("mistral", "qwen3_moe")
+_SLIDING_ALL = ("mistral", "qwen3_moe", "mixtral", "phi3")
+
+
+# per-expert checkpoint names of the families whose checkpoints store each expert's projections apart
+# (ModelShape.checkpoint_tensors): the MLP module's name there and each projection's
+_EXPERT_NAMES = {
+    "qwen3_moe": {"mlp": ".mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": {"mlp": ".block_sparse_moe.", "gate": "w1", "up": "w3", "down": "w2"},
+}
 
 
 @dataclass(frozen=True)
@@ -166,8 +175,11 @@ class ModelShape:
         self.modeling: ModuleType = importlib.import_module(
             f"transformers.models.{c.model_type}.modeling_{c.model_type}")
         self.prefix = FAMILIES[c.model_type]
-        if getattr(c, "attention_dropout", 0.0):
-            raise ValueError("model: attention_dropout > 0 is not supported (set overrides.attention_dropout: 0)")
+        # dropout, and Mixtral's router jitter, draw random numbers in every forward: the recompute
+        # would draw others than the forward did
+        for key in ("attention_dropout", "resid_pdrop", "router_jitter_noise"):
+            if getattr(c, key, None):
+                raise ValueError(f"model: {key} > 0 is not supported (set overrides.{key}: 0)")
         self.num_layers = c.num_hidden_layers
         self.hidden = c.hidden_size
         self.vocab = c.vocab_size
@@ -224,21 +236,29 @@ class ModelShape:
 
     def checkpoint_tensors(self, tile: str, views: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The tensors a published checkpoint stores for a tile, each a view of the tile's parameter
-        `views`. Qwen3-MoE stores one tensor per expert and projection (the library fuses them on
-        loading and splits them again on saving): `experts.E.gate_proj.weight` is the first half
-        of the fused `experts.gate_up_proj[E]`, `up_proj` its second, `down_proj` `experts.down_proj[E]`."""
+        `views`. Qwen3-MoE and Mixtral store one tensor per expert and projection (the library fuses
+        them on loading and splits them again on saving, transformers' conversion_mapping.py): the
+        gate projection of expert E is the first half of the fused `experts.gate_up_proj[E]`, the up
+        projection its second, the down projection `experts.down_proj[E]`; Qwen3-MoE names them
+        `experts.E.gate_proj`, `up_proj`, `down_proj`, Mixtral `experts.E.w1`, `w3`, `w2`, under
+        `block_sparse_moe` where the module is `mlp` (its router too: `block_sparse_moe.gate`)."""
+        names = _EXPERT_NAMES.get(self.family)
         out = []
         for name, view in zip(self.hf_names(tile), views, strict=True):
+            if names is None or ".mlp." not in name:
+                out.append((name, view))
+                continue
+            name = name.replace(".mlp.", names["mlp"], 1)
             stem, _, leaf = name.rpartition(".experts.")
-            if self.family != "qwen3_moe" or not stem:
+            if not stem:  # the router
                 out.append((name, view))
             elif leaf == "gate_up_proj":
                 half = view.shape[1] // 2
                 for e in range(view.shape[0]):
-                    out += [(f"{stem}.experts.{e}.gate_proj.weight", view[e, :half]),
-                            (f"{stem}.experts.{e}.up_proj.weight", view[e, half:])]
+                    out += [(f"{stem}.experts.{e}.{names['gate']}.weight", view[e, :half]),
+                            (f"{stem}.experts.{e}.{names['up']}.weight", view[e, half:])]
             else:
-                out += [(f"{stem}.experts.{e}.{leaf}.weight", view[e]) for e in range(view.shape[0])]
+                out += [(f"{stem}.experts.{e}.{names['down']}.weight", view[e]) for e in range(view.shape[0])]
         return out
 
     def layer_type(self, index: int) -> str:

@@ -38,8 +38,10 @@ def test_save_pretrained_round_trip(tmp_path, engine):
 
 @pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {}), ("tiny-qwen2", {"device_tiles": 2}),
                                             ("tiny-qwen2", {"compute_dtype": "bfloat16", "split_masters": True}),
-                                            ("tiny-gpt-oss", {}), ("tiny-qwen3-moe", {"device_tiles": 2})],
-                         ids=["host", "device-tiles", "split-masters", "gpt-oss", "qwen3-moe-device-tiles"])
+                                            ("tiny-gpt-oss", {}), ("tiny-qwen3-moe", {"device_tiles": 2}),
+                                            ("tiny-mixtral", {}), ("tiny-phi3", {})],
+                         ids=["host", "device-tiles", "split-masters", "gpt-oss", "qwen3-moe-device-tiles", "mixtral",
+                              "phi3"])
 def test_resume_equals_uninterrupted(tmp_path, preset, engine):
     """Device tiles' master and moments go through the saved state like the host tiles'; split
     masters (engine.split_masters) are saved joined, with plain moments, and split again on resume;

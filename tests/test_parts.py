@@ -486,7 +486,7 @@ def test_a_block_holds_no_more_layers_than_the_model_recomputes():
     assert device(8, 4)["device.block_activations"] == 2 * device(8, 2)["device.block_activations"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
@@ -770,6 +770,23 @@ def test_hardware_flops_count_the_recompute_the_schedule_runs():
     assert s.hardware_flops(shape, None, lengths) == model + 3 * layer - 2 * mlp // 3
     assert s.hardware_flops(shape, 8, lengths) == model + 3 * layer - 2 * mlp + 4 * 2 * mlp // 3
     assert Schedule(4, 1, 4, 1).hardware_flops(shape, None, lengths) == model
+
+
+def test_flops_count_fused_projections_as_the_ones_they_fuse():
+    """Phi-3's qkv_proj and gate_up_proj are the q, k, v and gate, up matrices side by side: N counts
+    them whole, 6 N + 12 L h s per token; an MLP that is not the separate gated one keeps its down
+    projection in the recompute, so the hardware FLOPs add every recomputed layer whole."""
+    from megatrain.metrics import model_flops
+    from megatrain.schedule import Schedule
+    s = shape_of("tiny-phi3")  # hidden 64, 4 heads of 16 (2 kv), FFN 128, vocab 256, 3 layers, tied
+    h, kv, f, v = 64, 32, 128, 256
+    layer = (h + 2 * kv) * h + h * h + 2 * f * h + f * h  # qkv, o, gate-up, down
+    assert s.layer_matmul_params() == layer and s.matmul_params() == 3 * layer + v * h
+    lengths = [16, 9]
+    model = model_flops(s.matmul_params(), s.attention(), lengths)
+    assert model == sum(n * (6 * s.matmul_params() + 12 * 3 * h * n) for n in lengths)
+    again = sum(n * (2 * layer + 4 * h * n) for n in lengths)
+    assert Schedule(3, 1, 0, 1).hardware_flops(s, None, lengths) == model + 3 * again
 
 
 def test_host_memory_is_taken_as_stated(monkeypatch):

@@ -124,10 +124,10 @@ def test_evaluation_equals_a_plain_forward(tmp_path, preset):
     assert result["eval_loss"] == pytest.approx(total / n, rel=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen3-moe", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-phi3", "tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_packing_equals_unpacked_training(tmp_path, preset):
     """The same examples, packed into rows with restarting positions, or one padded row each:
-    the same losses and weights (Mistral's sliding window included; and a mixture of experts'
+    the same losses and weights (Mistral's sliding window and Phi-3's partial rotary included; and a mixture of experts'
     router loss, which leaves the packed rows' padding out as the padded rows' mask does: with
     the padding counted, GPT-OSS's weights came out up to 1.5 lr apart after two steps)."""
     data = setup(tmp_path, preset)
