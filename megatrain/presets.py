@@ -44,6 +44,8 @@ _MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, i
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu")
+# Gemma's configs name the activation hidden_activation (gelu_pytorch_tanh by default)
+_TINY_GEMMA = {k: v for k, v in _TINY.items() if k != "hidden_act"}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, vocab_size=151936, tie_word_embeddings=True),
@@ -74,6 +76,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3-moe": {**_TINY, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32,
                        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                        "output_router_logits": True, "router_aux_loss_coef": 0.1, "tie_word_embeddings": True},
+    # Gemma: four norms a layer, (1 + weight) norms, the embedding scaled by sqrt(hidden), GeGLU,
+    # sliding and full layers alternating (Gemma 2's layer_types, sliding first; Gemma 3's set here, its
+    # default pattern being five sliding to one full); Gemma 2's soft-capping of attention scores and
+    # final logits, its caps small enough to bend the tiny model's (published: 50 and 30); Gemma 3's
+    # q and k norms and its local and global rotary bases
+    "tiny-gemma2": {**_TINY_GEMMA, "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                    "attn_logit_softcapping": 1.0, "final_logit_softcapping": 0.5, "tie_word_embeddings": True},
+    "tiny-gemma3": {**_TINY_GEMMA, "model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16,
+                    "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "tie_word_embeddings": True},
     "tiny-mixtral": {**_TINY, "model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
                      "tie_word_embeddings": False},

@@ -110,7 +110,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     experts = engine.experts_kernel if engine.experts_kernel != "auto" else (
         "lean" if machine.is_cuda and shape.experts else "library")
     # a mixture of experts' gate compiles within the lean experts, for the gates lean_experts has
-    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.config.hidden_act) is not None
+    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.hidden_act) is not None
     mlp = engine.mlp_kernel if engine.mlp_kernel != "auto" else (
         "compiled" if machine.is_cuda and (shape.gated_mlp or gate) else "eager")
     if mlp == "compiled" and shape.experts and not gate:

@@ -72,6 +72,17 @@ CASES = {
     "phi3-sliding-untied-K1-offloaded-kept-accum": ("tiny-phi3", {"sliding_window": 6, "tie_word_embeddings": False},
                                                     1, 2, None, True,
                                                     {"offload_checkpoints": True, "no_recompute_layers": 1}),
+    # Gemma 2: soft-capped attention (eager on the CPU) and logits, (1 + weight) norms, the scaled
+    # embedding (tied), GeGLU, sliding and full layers; Gemma 3: q and k norms, a rotary per layer type
+    "gemma2-K2-of-3-accum-clip-pad": ("tiny-gemma2", {}, 2, 2, 0.5, True, {}),
+    "gemma2-K1-kept-device-tiles-offloaded-noclip": ("tiny-gemma2", {}, 1, 2, None, True,
+                                                     {"no_recompute_layers": 1, "device_tiles": 2,
+                                                      "offload_checkpoints": True}),
+    # a SiLU-gated Gemma still recomputes its MLP's output: its post-feedforward norm's backward reads it
+    "gemma2-silu-K1-clip": ("tiny-gemma2", {"hidden_activation": "silu"}, 1, 1, 0.5, True, {}),
+    "gemma3-K2-of-3-accum-clip-pad": ("tiny-gemma3", {}, 2, 2, 0.5, True, {}),
+    "gemma3-K3-divides-kept-device-tiles-noclip": ("tiny-gemma3", {}, 3, 1, None, True,
+                                                   {"no_recompute_layers": 1, "device_tiles": 2}),
     # both chosen by the plan against a stated device: every tile on the device, every layer kept
     "llama-auto-tiles-auto-kept-clip-accum": ("tiny-llama", {}, 1, 2, 0.5, True,
                                               {"device_tiles": "auto", "no_recompute_layers": "auto",
@@ -130,7 +141,9 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-qwen3-moe", {"experts_kernel": "lean"}),
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
-                                            ("tiny-mixtral", {"mlp_kernel": "compiled", "experts_kernel": "lean"})])
+                                            ("tiny-mixtral", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-gemma2", {"norm_kernel": "compiled"}),  # (1 + weight) norms
+                                            ("tiny-gemma2", {"loss_kernel": "compiled"})])  # soft-capped logits
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (float32 on the CPU:
     the fused kernels' arithmetic in another order), and engine.experts_kernel: lean, its gate

@@ -486,7 +486,7 @@ def test_a_block_holds_no_more_layers_than_the_model_recomputes():
     assert device(8, 4)["device.block_activations"] == 2 * device(8, 2)["device.block_activations"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
@@ -495,13 +495,13 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     tokens in chunks of 7) rows are independent, so the output and the input gradient stay exact;
     the weight gradient sums the chunks' (each rounded to the weight's dtype) in float32: a few bf16
     roundings apart, where a chunk lost would be whole units off."""
-    import importlib
     import megatrain.lean_norm as lean_norm
-    from megatrain.shapes import FAMILIES
+    from megatrain.shapes import FAMILIES, modeling
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
-    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
-    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype)
+    cls = getattr(modeling(family), f"{FAMILIES[family]}RMSNorm")
+    scale = "one_plus" if family.startswith("gemma") else "input"  # Gemma's (1 + weight) in float32
+    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype, scale=scale)
     assert torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
     tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
@@ -527,20 +527,21 @@ def library_and_lean(cls, dtype, **lean):
     return out
 
 
-@pytest.mark.parametrize("float32_scale", [False, True], ids=["qwen2", "gpt-oss-scale"])
+@pytest.mark.parametrize("scale", ["input", "float32", "one_plus"], ids=["qwen2", "gpt-oss-scale", "gemma2-one-plus"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scale, dtype, chunk):
+def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype, chunk):
     """engine.norm_kernel: compiled, the forward and the written-out backward built by
     torch.compile: the library's output and gradients to float32 rounding, and in bf16 to about one
     bf16 rounding (its products stay in float32 where the library's round to bf16)."""
     import megatrain.lean_norm as lean_norm
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
-    cls = GptOssRMSNorm if float32_scale else Qwen2RMSNorm
-    library, fused = library_and_lean(cls, dtype, float32_scale=float32_scale, compiled=True)
+    cls = {"input": Qwen2RMSNorm, "float32": GptOssRMSNorm, "one_plus": Gemma2RMSNorm}[scale]
+    library, fused = library_and_lean(cls, dtype, scale=scale, compiled=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(fused, library):
         assert got.dtype == want.dtype
