@@ -12,8 +12,8 @@ torch.compile: a row reduction and one pass that writes the gradient in the logi
 linear layer's backward then starts from that gradient. The same arithmetic in another order:
 equal to rounding.
 
-Gemma soft-caps its logits (final_logit_softcapping c): cap * tanh(logits / cap) before the loss,
-the library's ops on each chunk's logits; the compiled kernel then starts from the capped logits.
+Gemma 2 soft-caps its logits (final_logit_softcapping c): c * tanh(logits / c) before the loss,
+the library's ops on each chunk's logits; the compiled kernel then starts from the capped ones.
 """
 from __future__ import annotations
 

@@ -69,6 +69,13 @@ CASES = {
                                                     1, 1, None, True, {"no_recompute_layers": 1, "device_tiles": 2}),
     # Phi-3: fused qkv and gate-up projections, partial rotary (tiny-phi3: 12 of 16 dimensions)
     "phi3-tied-K2-of-3-accum-clip-pad": ("tiny-phi3", {}, 2, 2, 0.5, True, {}),
+    # Phi-3-128K's longrope: past original_max_position_embeddings (8 here) the long factors, scaled
+    "phi3-longrope-K2-accum-clip": ("tiny-phi3", {"original_max_position_embeddings": 8,
+                                                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                      "partial_rotary_factor": 0.75,
+                                                                      "short_factor": [1.0] * 6,
+                                                                      "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}},
+                                    2, 2, 0.5, True, {}),
     "phi3-sliding-untied-K1-offloaded-kept-accum": ("tiny-phi3", {"sliding_window": 6, "tie_word_embeddings": False},
                                                     1, 2, None, True,
                                                     {"offload_checkpoints": True, "no_recompute_layers": 1}),

@@ -790,6 +790,38 @@ def test_flops_count_fused_projections_as_the_ones_they_fuse():
     assert Schedule(3, 1, 0, 1).hardware_flops(s, None, lengths) == model + 3 * again
 
 
+def test_flops_of_gemma_count_each_layers_window_and_the_tied_head_once():
+    """Gemma 3: q, k, v, o and the GeGLU's three matrices a layer (its q and k norms, soft-capping and
+    embedding scale are no matmul), the tied head once; sliding layers' attention counted against
+    their window (6), the full layer's against the sequence."""
+    from megatrain.metrics import model_flops
+    s = shape_of("tiny-gemma3")  # hidden 64, 4 heads of 16 (2 kv), FFN 128, vocab 256, layers sliding-full-sliding
+    h, kv, f, v = 64, 32, 128, 256
+    layer = 2 * h * h + 2 * kv * h + 3 * h * f
+    assert s.layer_matmul_params() == layer and s.matmul_params() == 3 * layer + v * h
+    assert s.attention() == [(64, 6), (64, None), (64, 6)]
+    n = 16
+    assert model_flops(s.matmul_params(), s.attention(), [n]) == n * (6 * s.matmul_params() + 12 * 64 * (6 + n + 6))
+
+
+def test_random_init_of_gemma_zeroes_its_norms():
+    """Gemma's norms scale by (1 + weight): a preset's seeded init sets them zero, as the library's
+    init does (one would double every norm's output), the final norm's too; matrices N(0, 0.02)."""
+    from megatrain.config import load_config
+    from megatrain.trainer import Trainer
+    trainer = Trainer(load_config(base={"model": {"preset": "tiny-gemma3"}, "engine": {"device": "cpu"},
+                                        "data": {"seq_len": 16, "batch_size": 1}, "steps": 1}))
+    try:
+        layer, head = (dict(zip((s.name for s in t.layout.specs), t.master_views()))
+                       for t in (trainer.store.layers[1], trainer.store.head))
+    finally:
+        trainer.close()
+    for name in ("input_layernorm.weight", "post_feedforward_layernorm.weight", "self_attn.q_norm.weight"):
+        assert not layer[name].any(), name
+    assert not head["norm.weight"].any()
+    assert 0.01 < float(layer["mlp.up_proj.weight"].std()) < 0.03
+
+
 def test_host_memory_is_taken_as_stated(monkeypatch):
     """A host whose MemTotal grows as memory is used reads far too little at start: the memory a run
     may use comes from engine.host_memory_gb, else MEGATRAIN_HOST_MEMORY_GB, else the OS."""
