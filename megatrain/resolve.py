@@ -160,10 +160,12 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
                          f"not {engine.no_recompute_layers}")
     if isinstance(engine.mlp_chunk_tokens, int) and not shape.gated_mlp:  # the templates would refuse it, after allocating
         raise ValueError(f"engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this {shape.family} model's "
-                         f"is not (set engine.mlp_chunk_tokens: null)")
+                         f"is not, or its output is read by more than the residual sum (Gemma's post-feedforward "
+                         f"norm): set engine.mlp_chunk_tokens: null")
     if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
         raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
-                         f"model's is not (set engine.mlp_kernel: eager)")
+                         f"model's is not, or its output is read by more than the residual sum (Gemma's "
+                         f"post-feedforward norm): set engine.mlp_kernel: eager")
     if engine.experts_kernel == "lean" and not shape.experts:
         raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
                          f"no experts (set engine.experts_kernel: auto)")

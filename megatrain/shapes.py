@@ -22,9 +22,9 @@ from megatrain.presets import preset
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (<type> as _MODULES
 # names it where it differs); in each but Gemma's, a decoder layer's MLP output feeds only its
-# residual sum (unread_mlp.output_unused relies on it: ModelShape.gated_mlp). The mixtures of experts (moe.py) replace the MLP by a
-# router and stacked experts. Phi-3 fuses q, k and v into one projection and gate and up into
-# another: its modules stored as they are.
+# residual sum (unread_mlp.output_unused relies on it: ModelShape.gated_mlp). The mixtures of
+# experts (moe.py) replace the MLP by a router and stacked experts. Phi-3 fuses q, k and v into one
+# projection and gate and up into another: its modules stored as they are.
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
             "gemma2": "Gemma2", "gemma3_text": "Gemma3",
             "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
