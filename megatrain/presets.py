@@ -1,5 +1,5 @@
-"""Named model shapes: the paper's Qwen2.5 models, GPT-OSS, Qwen3-MoE and Mixtral, and tiny configs
-of every supported family.
+"""Named model shapes: the paper's Qwen2.5 models, Phi-3-mini, Gemma 2 9B, GPT-OSS, Qwen3-MoE and
+Mixtral, and tiny configs of every supported family.
 
 Each entry is a `transformers` config dict (random init: only the shape matters for speed); the
 mixtures of experts carry their published config.json's values.
@@ -41,6 +41,18 @@ _MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, i
                      num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1_000_000.0, max_position_embeddings=32768,
                      sliding_window=None, tie_word_embeddings=False, hidden_act="silu", router_aux_loss_coef=0.02,
                      output_router_logits=False, router_jitter_noise=0.0, bos_token_id=1, eos_token_id=2)
+# microsoft/Phi-3-mini-4k-instruct config.json
+_PHI3_MINI = dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  max_position_embeddings=4096, original_max_position_embeddings=4096, sliding_window=2047,
+                  tie_word_embeddings=False, hidden_act="silu", pad_token_id=32000, bos_token_id=1, eos_token_id=32000)
+# google/gemma-2-9b config.json: soft-capping of attention scores (50) and logits (30), 4096-token windows
+_GEMMA2_9B = dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                  num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                  query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                  final_logit_softcapping=30.0, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+                  hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                  eos_token_id=1)
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu")
@@ -55,6 +67,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8),
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8),
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8),
+    "phi-3-mini": _PHI3_MINI,
+    "gemma-2-9b": _GEMMA2_9B,
     "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
     "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
     "qwen3-30b-a3b": _QWEN3_30B_A3B,

@@ -804,6 +804,20 @@ def test_flops_of_gemma_count_each_layers_window_and_the_tied_head_once():
     assert model_flops(s.matmul_params(), s.attention(), [n]) == n * (6 * s.matmul_params() + 12 * 64 * (6 + n + 6))
 
 
+@pytest.mark.parametrize("preset, total, layers", [("phi-3-mini", 3.82e9, 32), ("gemma-2-9b", 9.24e9, 42)])
+def test_dense_presets_have_the_published_shapes(preset, total, layers):
+    """Parameters as the model cards state them: Phi-3-mini 3.8B, Gemma 2 9B 9.24B (tied); N, the
+    FLOPs formula's matmul weights, is everything but the norms and, untied, the embedding."""
+    s = shape_of(preset)
+    assert s.num_layers == layers and s.total_params() == pytest.approx(total, rel=1e-3)
+    norms = sum(p.numel for p in s.layer_specs if not p.matmul) * layers + s.hidden
+    assert s.matmul_params() == s.total_params() - norms - (0 if s.tied else s.vocab * s.hidden)
+    if s.family == "gemma2":  # 16 heads of 256 (not the hidden size 3584), sliding first
+        assert s.attention()[:2] == [(4096, 4096), (4096, None)] and s.config._attn_implementation != "sdpa"
+    else:
+        assert s.attention()[0] == (3072, 2047)
+
+
 def test_random_init_of_gemma_zeroes_its_norms():
     """Gemma's norms scale by (1 + weight): a preset's seeded init sets them zero, as the library's
     init does (one would double every norm's output), the final norm's too; matrices N(0, 0.02)."""
