@@ -445,6 +445,19 @@ def test_device_tiles_auto_takes_the_room_the_plan_leaves():
         EngineConfig(device_tiles="many")
 
 
+@pytest.mark.parametrize("preset, kept", [("phi-3-mini", 10), ("gemma-2-9b", 10)])
+def test_a_family_that_keeps_more_is_planned_with_its_measure(preset, kept):
+    """Phi-3's fused qkv and Gemma's extra norms keep more of a layer's activations than the Llama
+    layout (memory.FAMILY_ATTN_KEPT): a layer kept from recompute is planned with that measure."""
+    from megatrain.memory import ATTN_KEPT, FAMILY_ATTN_KEPT
+    arch = shape_of(preset, attn_logit_softcapping=None) if preset.startswith("gemma") else shape_of(preset)
+    assert arch.config._attn_implementation == "sdpa" and FAMILY_ATTN_KEPT[arch.family] == kept > ATTN_KEPT
+    base = EngineConfig(checkpoint_every=1, grad_slabs=12)
+    def device(n):
+        return plan(arch, settings(arch, replace(base, no_recompute_layers=n), tokens=4096)).device_bytes
+    assert device(1) - device(0) == 4096 * (kept * arch.hidden + 4 * arch.ffn) * 2 - 4096 * arch.hidden * 2
+
+
 def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
     """Each layer kept from recompute holds its graph for every micro-batch of the step; auto keeps as
     many of the last layers as the device holds with a workspace to spare, none without a bound."""
