@@ -439,8 +439,9 @@ class Engine:
 
     def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """Gemma's embedding scale as the library's module applies it: sqrt(hidden) made a float32
-        tensor, then cast to the rows' dtype (in bf16 the rounded scale: 59.866 -> 60.0 at 3584)."""
-        return torch.tensor(self.shape.embed_scale).to(device=self.dev.torch, dtype=dtype)
+        tensor, then cast to the rows' dtype (in bf16 the rounded scale: 59.866 -> 60.0 at 3584); a
+        fill on the device, not a copy the host would wait for."""
+        return torch.full((), self.shape.embed_scale, dtype=torch.float32, device=self.dev.torch).to(dtype)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The batch's rows of the embedding, times the family's embedding scale where it has one."""
