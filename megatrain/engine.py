@@ -92,7 +92,7 @@ class StepResult:
 class _Context:
     masks: dict[str, torch.Tensor | None]
     position_ids: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) by layer type
 
 
 @dataclass
@@ -294,7 +294,7 @@ class Engine:
                 part, dh = head_loss_and_grads(
                     h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
                     self.arch.norm_template(), w[0], w[-1], chunk, st.scale, grads[0], grads[-1],
-                    compiled=self.s.loss_kernel == "compiled")
+                    compiled=self.s.loss_kernel == "compiled", softcap=self.shape.logit_softcap)
                 st.loss += part
                 st.dhs.append(dh.view(h.shape))
         st.hs = []
@@ -309,7 +309,8 @@ class Engine:
     def _head_loss(self, st: _Step, op: HeadLoss, w: list[torch.Tensor]) -> None:
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.HEAD):
             st.loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
-                                    self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens)
+                                    self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens,
+                                    self.shape.logit_softcap)
                           for h, t in zip(st.hs, st.targets))
 
     def _take_checkpoint(self, st: _Step, op: TakeCheckpoint, _) -> None:
@@ -414,9 +415,10 @@ class Engine:
                ctx: _Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer's output, and its router's logits (None without a router)."""
         module = self.arch.template(index).bind(weights)
+        kind = self.shape.layer_type(index)
         with captured() as logits:
-            out = module(h, attention_mask=ctx.masks[self.shape.layer_type(index)],
-                         position_ids=ctx.position_ids, position_embeddings=ctx.position_embeddings)
+            out = module(h, attention_mask=ctx.masks[kind], position_ids=ctx.position_ids,
+                         position_embeddings=ctx.position_embeddings[kind])
         return out, (logits[0] if logits else None)
 
     def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
@@ -432,10 +434,21 @@ class Engine:
             mask = mb.attention_mask.to(self.dev.torch, non_blocking=True)
         masks = self.arch.masks(h, mask, position_ids)
         with torch.no_grad():
-            cos, sin = self.rotary(h, position_ids)
-        return _Context(masks, position_ids, (cos, sin))
+            position_embeddings = self.arch.position_embeddings(self.rotary, h, position_ids)
+        return _Context(masks, position_ids, position_embeddings)
+
+    def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """Gemma's embedding scale as the library's module applies it: sqrt(hidden) made a float32
+        tensor, then cast to the rows' dtype (in bf16 the rounded scale: 59.866 -> 60.0 at 3584); a
+        fill on the device, not a copy the host would wait for."""
+        return torch.full((), self.shape.embed_scale, dtype=torch.float32, device=self.dev.torch).to(dtype)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of the embedding, times the family's embedding scale where it has one."""
+        h = self._embed_rows(ids)
+        return h * self._embed_scale(h.dtype) if self.shape.embed_scale else h
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The batch's rows of the embedding: gathered on the host and sent alone, or, for a device
         tile, gathered on the device."""
         tile = self.store.embed
@@ -462,6 +475,7 @@ class Engine:
         """Add a micro-batch's input gradient, row by token id, into the embedding's gradient."""
         table = self.embed_unit.views(acc)[-1]  # the embedding (after the final norm when tied)
         ids = ids.reshape(-1).to(self.dev.torch, non_blocking=True)
+        dh = dh * self._embed_scale(dh.dtype) if self.shape.embed_scale else dh  # the scale's backward
         rows = dh.reshape(-1, dh.shape[-1]).float()
         if self.shape.padding_idx is not None:  # nn.Embedding(padding_idx=...) gives that row no gradient
             rows.mul_((ids != self.shape.padding_idx).unsqueeze(1))

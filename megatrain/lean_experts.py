@@ -23,8 +23,8 @@ tensor (rows x 2 x the expert's width): GPT-OSS's clamps, sigmoid and products a
 forward and more backward, and they run again in the recompute. With engine.mlp_kernel: compiled
 (the GPU's default) it is one kernel each way (torch.compile), keeping only the projection's output
 for the backward, as swiglu.py does for the dense MLP: GPT-OSS's clamped gate, (clamp(up) + 1) *
-g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE,
-silu(gate) * up over concatenated ones. Inside a kernel the arithmetic stays in float32 where the
+g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE
+and Mixtral, silu(gate) * up over concatenated ones. Inside a kernel the arithmetic stays in float32 where the
 library rounds each step to the compute dtype: equal to rounding, not bit for bit.
 """
 from __future__ import annotations
@@ -134,9 +134,11 @@ class _Gate(torch.autograd.Function):
 
 
 def gate_kind(family: str, hidden_act: str | None) -> str | None:
-    """The compiled gate for a family's experts: GPT-OSS's clamped one, Qwen3-MoE's SiLU one; None
-    where there is none (another activation)."""
-    return {"gpt_oss": "clamped"}.get(family) or ("silu" if family == "qwen3_moe" and hidden_act == "silu" else None)
+    """The compiled gate for a family's experts: GPT-OSS's clamped one, Qwen3-MoE's and Mixtral's
+    SiLU one; None where there is none (another activation)."""
+    if family == "gpt_oss":
+        return "clamped"
+    return "silu" if family in ("qwen3_moe", "mixtral") and hidden_act == "silu" else None
 
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -167,7 +169,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
 
 
 def is_experts(module: nn.Module) -> bool:
-    """The library's stacked experts of a mixture-of-experts layer (GptOssExperts, Qwen3MoeExperts)."""
+    """The library's stacked experts of a mixture-of-experts layer (GptOssExperts, Qwen3MoeExperts,
+    MixtralExperts)."""
     return type(module).__name__.endswith("Experts") and hasattr(module, "down_proj")
 
 

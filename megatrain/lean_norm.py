@@ -1,7 +1,8 @@
 """The decoder layers' RMSNorms, keeping only their input for the backward, over token chunks.
 
-The library's RMSNorm (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE; GPT-OSS scales by the weight before
-casting back, `float32_scale`) upcasts its input to float32 and autograd
+The library's RMSNorm (Llama, Qwen2, Qwen3, Mistral, Phi-3, Qwen3-MoE, Mixtral; GPT-OSS scales by the
+weight before casting back, `scale` "float32"; Gemma by (1 + weight), in float32 too, "one_plus")
+upcasts its input to float32 and autograd
 keeps that copy, and the normalised input in the compute dtype, for the backward: three
 hidden-size tensors of the compute dtype per norm and token, beside the input itself, which the
 graph holds anyway (the layer's input, or the residual sum). Here the forward is the library's
@@ -44,36 +45,40 @@ def _width_of_the_kernel(x: torch.Tensor) -> None:
         torch._dynamo.mark_static(x, -1)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool = False) -> torch.Tensor:
-    """The library's RMSNorm forward: float32 statistics, scaled in the input's dtype (or, GPT-OSS's,
-    scaled in float32 and then cast)."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "input") -> torch.Tensor:
+    """The library's RMSNorm forward: float32 statistics, scaled by the weight in the input's dtype
+    (`scale` "input"), or scaled in float32 and then cast: by the weight (GPT-OSS's, "float32") or by
+    1 + weight (Gemma's, "one_plus")."""
     _width_of_the_kernel(x)
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)
-    if float32_scale:
+    if scale == "one_plus":
+        return (xf * torch.rsqrt(variance + eps) * (1.0 + weight.float())).to(x.dtype)
+    if scale == "float32":
         return (weight * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool, dy: torch.Tensor):
+def _grads(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str, dy: torch.Tensor):
     """(dx, dw) by autograd through the forward's own ops."""
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
     with torch.enable_grad():
-        y = _rms_norm(x, weight, eps, float32_scale)
+        y = _rms_norm(x, weight, eps, scale)
     return torch.autograd.grad(y, (x, weight), dy)
 
 
-def _backward(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool, dy: torch.Tensor):
+def _backward(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str, dy: torch.Tensor):
     """(dx, dw) of `_rms_norm` written out for the compiled kernel: n = x r in float32 with
     r = rsqrt(mean(x^2) + eps), dx = r (dn - n mean(dn n)); dn and dw from the products the forward
-    made (in the input's dtype, or, float32_scale, in float32); dw in float32."""
+    made (in the input's dtype, or, scaled in float32, in float32); dw in float32."""
     _width_of_the_kernel(x)
     xf = x.to(torch.float32)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     n = xf * r
-    if float32_scale:
+    if scale != "input":
         dyf = dy.to(torch.float32)
-        dn, dw = dyf * weight, (dyf * n).reshape(-1, n.shape[-1]).sum(0)
+        dn = dyf * (1.0 + weight.float() if scale == "one_plus" else weight)
+        dw = (dyf * n).reshape(-1, n.shape[-1]).sum(0)
     else:
         dn = (dy * weight).to(torch.float32)
         dw = (dy * n.to(x.dtype)).to(torch.float32).reshape(-1, n.shape[-1]).sum(0)
@@ -87,16 +92,16 @@ _compiled_backward = kernel_build.compiled(_backward)
 
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float, float32_scale: bool, compiled: bool):
+    def forward(ctx, x, weight, eps: float, scale: str, compiled: bool):
         ctx.save_for_backward(x, weight)  # the engine's hooks turn the weight into a reference
-        ctx.eps, ctx.float32_scale, ctx.compiled = eps, float32_scale, compiled
+        ctx.eps, ctx.scale, ctx.compiled = eps, scale, compiled
         norm = _compiled_forward if compiled else _rms_norm
         rows = x.reshape(-1, x.shape[-1])  # one rank whatever the caller's (a kernel is built per rank)
         if rows.shape[0] <= CHUNK:
-            return norm(rows, weight, eps, float32_scale).view(x.shape)
+            return norm(rows, weight, eps, scale).view(x.shape)
         out = torch.empty_like(rows)
         for lo in range(0, rows.shape[0], CHUNK):
-            out[lo: lo + CHUNK] = norm(rows[lo: lo + CHUNK], weight, eps, float32_scale)
+            out[lo: lo + CHUNK] = norm(rows[lo: lo + CHUNK], weight, eps, scale)
         return out.view(x.shape)
 
     @staticmethod
@@ -105,19 +110,20 @@ class _LeanRMSNorm(torch.autograd.Function):
         grads = _compiled_backward if ctx.compiled else _grads
         rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         if rows.shape[0] <= CHUNK:
-            dx, dw = grads(rows, weight, ctx.eps, ctx.float32_scale, drows)
+            dx, dw = grads(rows, weight, ctx.eps, ctx.scale, drows)
             return dx.view(x.shape), dw.to(weight.dtype), None, None, None
         dx = torch.empty_like(rows)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, rows.shape[0], CHUNK):
-            dx[lo: lo + CHUNK], dw_chunk = grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.float32_scale,
+            dx[lo: lo + CHUNK], dw_chunk = grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.scale,
                                                  drows[lo: lo + CHUNK])
             dw += dw_chunk
         return dx.view(x.shape), dw.to(weight.dtype), None, None, None
 
 
-def make_lean(norm: nn.Module, float32_scale: bool = False, compiled: bool = False) -> None:
+def make_lean(norm: nn.Module, scale: str = "input", compiled: bool = False) -> None:
     """Make a decoder layer's RMSNorm keep only its input (its parameters and output unchanged);
-    `float32_scale`: the family's norm multiplies by its weight before casting back (GPT-OSS);
-    `compiled`: the fused kernels (engine.norm_kernel)."""
-    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon, float32_scale, compiled)
+    `scale`: how the family's norm applies its weight (_rms_norm: "input", "float32" for GPT-OSS,
+    "one_plus" for Gemma); `compiled`: the fused kernels (engine.norm_kernel)."""
+    eps = norm.eps if scale == "one_plus" else norm.variance_epsilon  # Gemma's module names it eps
+    norm.forward = lambda x: _LeanRMSNorm.apply(x, norm.weight, eps, scale, compiled)

@@ -11,6 +11,9 @@ computes the loss and its gradient from the logits as they are, in float32 insid
 torch.compile: a row reduction and one pass that writes the gradient in the logits' dtype; the
 linear layer's backward then starts from that gradient. The same arithmetic in another order:
 equal to rounding.
+
+Gemma 2 soft-caps its logits (final_logit_softcapping c): c * tanh(logits / c) before the loss,
+the library's ops on each chunk's logits; the compiled kernel then starts from the capped ones.
 """
 from __future__ import annotations
 
@@ -39,6 +42,13 @@ def _cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: 
 _compiled_cross_entropy = _compile(_cross_entropy_and_grad)
 
 
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The library's soft-capping of the final logits (Gemma), or the logits as they are."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Position t predicts token t+1 (the `transformers` causal-LM convention): [B, S] -> [B*S]."""
     pad = torch.full_like(labels[:, :1], IGNORE)
@@ -47,13 +57,15 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[bool], norm: Template,
                         w_norm: torch.Tensor, w_head: torch.Tensor, chunk: int, scale: float,
-                        d_norm: torch.Tensor, d_head: torch.Tensor, compiled: bool = False):
+                        d_norm: torch.Tensor, d_head: torch.Tensor, compiled: bool = False,
+                        softcap: float | None = None):
     """Summed loss over `targets`, and gradients of (loss * scale).
 
     x: [T, H] last hidden states; targets: [T] shifted labels on x's device; active[c]: whether
     chunk c holds any target (known on the host, so empty chunks cost nothing). The weight
     gradients are added into the float32 tensors `d_norm` and `d_head` (so micro-batches sum there).
-    `compiled`: the cross-entropy and its gradient by the compiled kernel (engine.loss_kernel).
+    `compiled`: the cross-entropy and its gradient by the compiled kernel (engine.loss_kernel);
+    `softcap`: the final logits' soft-capping (Gemma), None for none.
     Returns (loss_sum, dx [T, H]).
     """
     dx = torch.zeros_like(x)
@@ -68,7 +80,7 @@ def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[boo
         hi = min(x.shape[0], lo + chunk)
         xc = x[lo:hi].detach().requires_grad_()
         with torch.enable_grad():
-            logits = F.linear(module(xc), wh)
+            logits = _capped(F.linear(module(xc), wh), softcap)
             if compiled:
                 part, dlogits = _compiled_cross_entropy(logits.detach(), targets[lo:hi], scale_t)
                 gx, gn, gh = torch.autograd.grad(logits, [xc, wn, wh], dlogits)
@@ -84,13 +96,13 @@ def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[boo
 
 @torch.no_grad()
 def head_loss(x: torch.Tensor, targets: torch.Tensor, norm: Template, w_norm: torch.Tensor,
-              w_head: torch.Tensor, chunk: int) -> torch.Tensor:
+              w_head: torch.Tensor, chunk: int, softcap: float | None = None) -> torch.Tensor:
     """Summed loss over `targets`, forward only (an evaluation): the same chunks as the step's."""
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     module = norm.bind([w_norm])
     for lo in range(0, x.shape[0], chunk):
         hi = min(x.shape[0], lo + chunk)
         if bool((targets[lo:hi] != IGNORE).any()):
-            logits = F.linear(module(x[lo:hi]), w_head).float()
+            logits = _capped(F.linear(module(x[lo:hi]), w_head), softcap).float()
             loss += F.cross_entropy(logits, targets[lo:hi], ignore_index=IGNORE, reduction="sum")
     return loss

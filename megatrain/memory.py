@@ -24,6 +24,11 @@ DEVICE_WORKSPACE = 2 * GiB  # cuBLAS/SDPA workspaces and allocator slack
 # a decoder layer's saved activations outside the MLP, in hidden-size tensors of the compute dtype per
 # token: 6.4 measured for the 7B shape on the CPU, with its input and the lean norms (lean_norm.py)
 ATTN_KEPT = 7
+# the same, measured likewise (saved-tensor hooks on one layer of the published shape, SDPA
+# attention), where a family keeps more: Phi-3-mini 9.1 (its fused qkv output, full-width k and v),
+# Gemma 2 9B 9.6 (its post-attention and post-feedforward norms keep their inputs), a Gemma 3 12B
+# layer 13.1 (its q and k norms too)
+FAMILY_ATTN_KEPT = {"phi3": 10, "gemma2": 10, "gemma3_text": 14}
 
 
 @dataclass
@@ -77,6 +82,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     # SwiGLU keeps gate and up, not the activation too (swiglu.py)
     mlp = shape.mlp_kept - (shape.ffn if s.mlp_kernel == "compiled" else 0)
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
+    attn_kept = FAMILY_ATTN_KEPT.get(shape.family, ATTN_KEPT)
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens
     recomputed = [b for b in schedule.blocks(L, s.checkpoint_every, N) if b.recomputed]
     blocks = len(recomputed)  # each with a checkpoint
@@ -108,13 +114,13 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # block inputs of every micro-batch (two blocks when offloaded), plus the hidden states
         # and their gradients in flight
         "checkpoints": ((min(2, blocks) if s.offload_checkpoints else blocks) + 2) * M * tokens * h * c,
-        # what one layer's graph keeps, per token: ATTN_KEPT h (its input, the norms' outputs, q before
+        # what one layer's graph keeps, per token: attn_kept h (its input, the norms' outputs, q before
         # and after rotary, attention out and its copy, the residual sum) and the MLP's (chunked: only
         # for one chunk, in its backward); eager attention's softmax over every head's scores
-        "block_activations": B * (tokens * ATTN_KEPT * h + min(tokens, chunk_mlp or tokens) * mlp + scores) * c,
+        "block_activations": B * (tokens * attn_kept * h + min(tokens, chunk_mlp or tokens) * mlp + scores) * c,
         # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
-        # backward (a chunked MLP keeps only its input, counted within ATTN_KEPT h)
-        "kept_graphs": N * M * (tokens * (ATTN_KEPT * h + (0 if chunk_mlp else mlp)) + scores) * c,
+        # backward (a chunked MLP keeps only its input, counted within attn_kept h)
+        "kept_graphs": N * M * (tokens * (attn_kept * h + (0 if chunk_mlp else mlp)) + scores) * c,
         # a layer's backward beyond its graph: gradients through the rotary embedding and attention,
         # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py);
         # eager attention's scores, masked, with the sinks, their softmax and its gradient

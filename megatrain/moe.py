@@ -1,4 +1,4 @@
-"""Mixtures of experts (GPT-OSS, Qwen3-MoE): the router's logits and its auxiliary loss.
+"""Mixtures of experts (GPT-OSS, Qwen3-MoE, Mixtral): the router's logits and its auxiliary loss.
 
 The router and the stacked experts are the library's own modules, bound like every other weight of
 a layer (templates.py): a layer's tile holds its attention, router and experts and streams whole
@@ -37,7 +37,8 @@ _CAPTURE: ContextVar[list | None] = ContextVar("router_logits", default=None)
 
 
 def is_router(module: nn.Module) -> bool:
-    """The library's top-k router of a mixture-of-experts layer (GptOssTopKRouter, Qwen3MoeTopKRouter)."""
+    """The library's top-k router of a mixture-of-experts layer (GptOssTopKRouter, Qwen3MoeTopKRouter,
+    MixtralTopKRouter)."""
     return type(module).__name__.endswith("TopKRouter")
 
 

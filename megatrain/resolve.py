@@ -111,7 +111,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     experts = engine.experts_kernel if engine.experts_kernel != "auto" else (
         "lean" if machine.is_cuda and shape.experts else "library")
     # a mixture of experts' gate compiles within the lean experts, for the gates lean_experts has
-    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.config.hidden_act) is not None
+    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.hidden_act) is not None
     mlp = engine.mlp_kernel if engine.mlp_kernel != "auto" else (
         "compiled" if machine.is_cuda and (shape.gated_mlp or gate) else "eager")
     if mlp == "compiled" and shape.experts and not gate:
@@ -161,10 +161,12 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
                          f"not {engine.no_recompute_layers}")
     if isinstance(engine.mlp_chunk_tokens, int) and not shape.gated_mlp:  # the templates would refuse it, after allocating
         raise ValueError(f"engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this {shape.family} model's "
-                         f"is not (set engine.mlp_chunk_tokens: null)")
+                         f"is not, or its output is read by more than the residual sum (Gemma's post-feedforward "
+                         f"norm): set engine.mlp_chunk_tokens: null")
     if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
         raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
-                         f"model's is not (set engine.mlp_kernel: eager)")
+                         f"model's is not, or its output is read by more than the residual sum (Gemma's "
+                         f"post-feedforward norm): set engine.mlp_kernel: eager")
     if engine.experts_kernel == "lean" and not shape.experts:
         raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
                          f"no experts (set engine.experts_kernel: auto)")

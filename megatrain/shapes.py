@@ -20,19 +20,41 @@ from megatrain.chunked_mlp import chunkable
 from megatrain.config import ModelConfig
 from megatrain.presets import preset
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>; in each, a decoder
-# layer's MLP output feeds only its residual sum (unread_mlp.output_unused relies on it). The
-# mixtures of experts (moe.py) replace the MLP by a router and stacked experts.
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe"}
+# model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (<type> as _MODULES
+# names it where it differs); in each but Gemma's, a decoder layer's MLP output feeds only its
+# residual sum (unread_mlp.output_unused relies on it: ModelShape.gated_mlp). The mixtures of
+# experts (moe.py) replace the MLP by a router and stacked experts. Phi-3 fuses q, k and v into one
+# projection and gate and up into another: its modules stored as they are.
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+            "gemma2": "Gemma2", "gemma3_text": "Gemma3",
+            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+_MODULES = {"gemma3_text": "gemma3"}  # Gemma 3's text model lives beside its multimodal one
 # families whose every layer attends over the config's sliding_window when it is set (no layer_types)
-_SLIDING_ALL = ("mistral", "qwen3_moe")
+_SLIDING_ALL = ("mistral", "qwen3_moe", "mixtral", "phi3")
+# Gemma: the embedding's rows scaled by sqrt(hidden_size) (its TextScaledWordEmbedding, built with
+# that scale by the model, not the config), norms that scale by (1 + weight) in float32
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def modeling(model_type: str) -> ModuleType:
+    """The library's modeling module of a family."""
+    name = _MODULES.get(model_type, model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+# per-expert checkpoint names of the families whose checkpoints store each expert's projections apart
+# (ModelShape.checkpoint_tensors): the MLP module's name there and each projection's
+_EXPERT_NAMES = {
+    "qwen3_moe": {"mlp": ".mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": {"mlp": ".block_sparse_moe.", "gate": "w1", "up": "w3", "down": "w2"},
+}
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str  # the parameter's name inside its module (layer-relative for decoder layers)
     shape: tuple[int, ...]
+    one_plus: bool = False  # a norm weight the library applies as (1 + weight): Gemma's, initialised zero
 
     @property
     def numel(self) -> int:
@@ -63,7 +85,7 @@ class ParamSpec:
         """How `transformers` initialises it: 'normal' (N(0, initializer_range)), 'ones' or 'zeros'."""
         if self.matmul or self.name.endswith(("sinks", "router.bias")):  # GPT-OSS's sinks and router bias
             return "normal"
-        return "zeros" if self.name.endswith("bias") else "ones"
+        return "zeros" if self.one_plus or self.name.endswith("bias") else "ones"
 
 
 # fields a model reads where its config has them, though the config's defaults lack them (Qwen2's head_dim)
@@ -115,18 +137,23 @@ def load_hf_config(cfg: ModelConfig, cuda: bool | None = None) -> PretrainedConf
         cause = e.__cause__ or e
         raise ValueError(f"model: transformers refuses this {model_type} config: {cause}") from None
     check_sizes(hf)
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    pretrained = getattr(modeling, f"{FAMILIES[model_type]}PreTrainedModel")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(f"model: {model_type} with use_bidirectional_attention (an embedding model's attention) "
+                         f"is not a causal language model; set overrides.use_bidirectional_attention: false")
+    pretrained = getattr(modeling(model_type), f"{FAMILIES[model_type]}PreTrainedModel")
+    # the library's SDPA path drops Gemma's attention soft-capping without a word (a softcap that
+    # only eager and flex attention apply): such a model has no SDPA attention here
+    sdpa = pretrained._supports_sdpa and not getattr(hf, "attn_logit_softcapping", None)
     attn = cfg.attn_implementation
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if attn == "auto":  # GPT-OSS's sinks have no SDPA kernel; flex attention has them on a GPU only
-        attn = "sdpa" if pretrained._supports_sdpa else "flex_attention" if cuda else "eager"
+    if attn == "auto":  # GPT-OSS's sinks and Gemma's soft-capping: eager or flex attention, flex on a GPU only
+        attn = "sdpa" if sdpa else "flex_attention" if cuda else "eager"
     elif attn == "flex_attention" and not cuda:
         raise ValueError("model.attn_implementation: flex_attention trains on a GPU only (torch's FlexAttention has "
                          "no backward on the CPU); set it to eager or auto")
-    elif attn == "sdpa" and not pretrained._supports_sdpa:
+    elif attn == "sdpa" and not sdpa:
         raise ValueError(f"model.attn_implementation: {model_type} has no SDPA attention in transformers "
-                         f"(GPT-OSS's attention sinks); set it to eager or auto")
+                         f"(GPT-OSS's attention sinks, Gemma's attn_logit_softcapping); set it to eager or auto")
     hf._attn_implementation = attn
     if getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
         # the experts' kernel transformers picks by default (torch's grouped GEMM, on the CPU too):
@@ -163,16 +190,26 @@ class ModelShape:
     def __init__(self, hf_config: PretrainedConfig):
         self.config = c = hf_config
         self.family = c.model_type
-        self.modeling: ModuleType = importlib.import_module(
-            f"transformers.models.{c.model_type}.modeling_{c.model_type}")
+        self.modeling: ModuleType = modeling(c.model_type)
         self.prefix = FAMILIES[c.model_type]
-        if getattr(c, "attention_dropout", 0.0):
-            raise ValueError("model: attention_dropout > 0 is not supported (set overrides.attention_dropout: 0)")
+        # dropout, and Mixtral's router jitter, draw random numbers in every forward: the recompute
+        # would draw others than the forward did
+        for key in ("attention_dropout", "resid_pdrop", "router_jitter_noise"):
+            if getattr(c, key, None):
+                raise ValueError(f"model: {key} > 0 is not supported (set overrides.{key}: 0)")
         self.num_layers = c.num_hidden_layers
         self.hidden = c.hidden_size
         self.vocab = c.vocab_size
         self.tied = bool(c.tie_word_embeddings)
         self.padding_idx = c.pad_token_id
+        # the MLP's activation: Gemma's modules read hidden_activation (a stray hidden_act changes nothing)
+        self.hidden_act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
+        gemma = self.family in _GEMMA
+        # how the norms apply their weight (lean_norm._rms_norm); the embedding's scale, None for 1;
+        # the tanh soft-capping of the final logits (Gemma's final_logit_softcapping), None for none
+        self.norm_scale = "one_plus" if gemma else "float32" if self.family == "gpt_oss" else "input"
+        self.embed_scale = c.hidden_size ** 0.5 if gemma else None
+        self.logit_softcap = getattr(c, "final_logit_softcapping", None)
         # experts per layer and per token (0 and 0: a dense MLP); the router's auxiliary loss joins
         # the training loss where the config asks for it, as in the library's model (moe.py)
         self.experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
@@ -195,11 +232,15 @@ class ModelShape:
         self.attn_width = c.num_attention_heads * self.head_dim  # queries' and attention output's width
         with torch.device("meta"):
             probe = self.layer_class(c, 0)
-        self.layer_specs = [ParamSpec(n, tuple(p.shape)) for n, p in probe.named_parameters()]
-        # a gated MLP (down(act(gate(x)) * up(x))) can run in chunks and skip its unread output
-        self.gated_mlp = chunkable(probe.mlp, c.hidden_act)
+        norms = {n for n, m in probe.named_modules() if type(m).__name__.endswith("RMSNorm")}
+        self.layer_specs = [ParamSpec(n, tuple(p.shape), gemma and n.rpartition(".")[0] in norms)
+                            for n, p in probe.named_parameters()]
+        # a gated MLP (down(act(gate(x)) * up(x))) whose output feeds only the residual sum can run in
+        # chunks and skip its unread output; Gemma's passes through post_feedforward_layernorm, whose
+        # backward reads it
+        self.gated_mlp = chunkable(probe.mlp, self.hidden_act) and not gemma
         self.embed_specs = [ParamSpec("weight", (self.vocab, self.hidden))]
-        self.head_specs = [ParamSpec("norm.weight", (self.hidden,))]
+        self.head_specs = [ParamSpec("norm.weight", (self.hidden,), gemma)]
         if not self.tied:
             self.head_specs.append(ParamSpec("lm_head.weight", (self.vocab, self.hidden)))
 
@@ -224,21 +265,29 @@ class ModelShape:
 
     def checkpoint_tensors(self, tile: str, views: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The tensors a published checkpoint stores for a tile, each a view of the tile's parameter
-        `views`. Qwen3-MoE stores one tensor per expert and projection (the library fuses them on
-        loading and splits them again on saving): `experts.E.gate_proj.weight` is the first half
-        of the fused `experts.gate_up_proj[E]`, `up_proj` its second, `down_proj` `experts.down_proj[E]`."""
+        `views`. Qwen3-MoE and Mixtral store one tensor per expert and projection (the library fuses
+        them on loading and splits them again on saving, transformers' conversion_mapping.py): the
+        gate projection of expert E is the first half of the fused `experts.gate_up_proj[E]`, the up
+        projection its second, the down projection `experts.down_proj[E]`; Qwen3-MoE names them
+        `experts.E.gate_proj`, `up_proj`, `down_proj`, Mixtral `experts.E.w1`, `w3`, `w2`, under
+        `block_sparse_moe` where the module is `mlp` (its router too: `block_sparse_moe.gate`)."""
+        names = _EXPERT_NAMES.get(self.family)
         out = []
         for name, view in zip(self.hf_names(tile), views, strict=True):
+            if names is None or ".mlp." not in name:
+                out.append((name, view))
+                continue
+            name = name.replace(".mlp.", names["mlp"], 1)
             stem, _, leaf = name.rpartition(".experts.")
-            if self.family != "qwen3_moe" or not stem:
+            if not stem:  # the router
                 out.append((name, view))
             elif leaf == "gate_up_proj":
                 half = view.shape[1] // 2
                 for e in range(view.shape[0]):
-                    out += [(f"{stem}.experts.{e}.gate_proj.weight", view[e, :half]),
-                            (f"{stem}.experts.{e}.up_proj.weight", view[e, half:])]
+                    out += [(f"{stem}.experts.{e}.{names['gate']}.weight", view[e, :half]),
+                            (f"{stem}.experts.{e}.{names['up']}.weight", view[e, half:])]
             else:
-                out += [(f"{stem}.experts.{e}.{leaf}.weight", view[e]) for e in range(view.shape[0])]
+                out += [(f"{stem}.experts.{e}.{names['down']}.weight", view[e]) for e in range(view.shape[0])]
         return out
 
     def layer_type(self, index: int) -> str:

@@ -55,7 +55,7 @@ class Architecture:
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
             with torch.device("meta"):  # refuses a family it cannot chunk before anything runs
-                chunk_tokens(shape.layer_class(shape.config, 0).mlp, mlp_chunk, shape.config.hidden_act)
+                chunk_tokens(shape.layer_class(shape.config, 0).mlp, mlp_chunk, shape.hidden_act)
         self._templates: dict[str, Template] = {}
         self._norm_template: Template | None = None
 
@@ -69,14 +69,14 @@ class Architecture:
             module.train()
             for sub in module.modules():
                 if isinstance(sub, self._norm_cls):
-                    make_lean(sub, float32_scale=s.family == "gpt_oss", compiled=self.compiled_norms)
+                    make_lean(sub, s.norm_scale, compiled=self.compiled_norms)
                 elif is_router(sub):  # its logits feed the auxiliary loss (moe.py)
                     capture_logits(sub)
                 elif self.lean_moe and lean_experts.is_experts(sub):  # compiled_mlp: their gate compiled
-                    gate = lean_experts.gate_kind(s.family, s.config.hidden_act) if self.compiled_mlp else None
+                    gate = lean_experts.gate_kind(s.family, s.hidden_act) if self.compiled_mlp else None
                     lean_experts.make_lean(sub, gate)
             if self.mlp_chunk:
-                chunk_tokens(module.mlp, self.mlp_chunk, s.config.hidden_act)
+                chunk_tokens(module.mlp, self.mlp_chunk, s.hidden_act)
             elif s.gated_mlp:
                 skip_unread_down(module.mlp, compiled=self.compiled_mlp)
             self._templates[kind] = Template(module)
@@ -94,6 +94,17 @@ class Architecture:
     def rotary(self, device: torch.device) -> nn.Module:
         with torch.device(device):
             return self._rotary_cls(config=self.shape.config)
+
+    def position_embeddings(self, rotary: nn.Module, embeds: torch.Tensor,
+                            position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) by layer type, as the library's model computes them: one rotary for every layer,
+        or, where the rotary module holds one per layer type (Gemma 3: local and global bases), each
+        layer type's own."""
+        s = self.shape
+        kinds = {s.layer_type(i) for i in range(s.num_layers)}
+        if hasattr(rotary, "layer_types"):
+            return {kind: rotary(embeds, position_ids, kind) for kind in kinds}
+        return dict.fromkeys(kinds, rotary(embeds, position_ids))
 
     def masks(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:

@@ -85,6 +85,21 @@ def test_unsupported_architecture(tmp_path):
         Trainer(load_config(base={"model": {"config": str(tmp_path)}}))
 
 
+def test_what_a_family_cannot_train_exactly_is_refused_by_its_setting():
+    """Dropout draws other numbers in the recompute than in the forward; the library's SDPA path
+    drops Gemma 2's attention soft-capping; a bidirectional Gemma 3 is an embedding model."""
+    from megatrain.config import ModelConfig
+    from megatrain.shapes import ModelShape, load_hf_config
+    with pytest.raises(ValueError, match=re.escape("resid_pdrop > 0 is not supported (set overrides.resid_pdrop: 0)")):
+        ModelShape(load_hf_config(ModelConfig(preset="tiny-phi3", overrides={"resid_pdrop": 0.1})))
+    with pytest.raises(ValueError, match="gemma2 has no SDPA attention.*attn_logit_softcapping"):
+        load_hf_config(ModelConfig(preset="tiny-gemma2", attn_implementation="sdpa"))
+    assert load_hf_config(ModelConfig(preset="tiny-gemma2", overrides={"attn_logit_softcapping": None}),
+                          cuda=False)._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="overrides.use_bidirectional_attention: false"):
+        load_hf_config(ModelConfig(preset="tiny-gemma3", overrides={"use_bidirectional_attention": True}))
+
+
 def test_a_misspelt_model_override_is_named_with_the_field_it_was_meant_for(capsys):
     """transformers keeps any key of a config as an attribute: a misspelt override would change
     nothing (num_hiden_layers: 2 would train all 3 layers). Qwen2's head_dim, which its defaults lack but its

@@ -62,6 +62,34 @@ CASES = {
     "qwen3-moe-tied-K2-of-3-accum-clip-pad": ("tiny-qwen3-moe", {}, 2, 2, 0.5, True, {}),
     "qwen3-moe-sliding-K3-divides-kept-noclip": ("tiny-qwen3-moe", {"use_sliding_window": True, "sliding_window": 6},
                                                  3, 1, None, True, {"no_recompute_layers": 1}),
+    # Mixtral: Qwen3-MoE's routing with the top-k weights renormalised always, untied, sliding on
+    # every layer when the config sets a window
+    "mixtral-K2-of-3-accum-clip-pad": ("tiny-mixtral", {}, 2, 2, 0.5, True, {}),
+    "mixtral-sliding-no-aux-K1-kept-device-tiles": ("tiny-mixtral", {"sliding_window": 6, "output_router_logits": False},
+                                                    1, 1, None, True, {"no_recompute_layers": 1, "device_tiles": 2}),
+    # Phi-3: fused qkv and gate-up projections, partial rotary (tiny-phi3: 12 of 16 dimensions)
+    "phi3-tied-K2-of-3-accum-clip-pad": ("tiny-phi3", {}, 2, 2, 0.5, True, {}),
+    # Phi-3-128K's longrope: past original_max_position_embeddings (8 here) the long factors, scaled
+    "phi3-longrope-K2-accum-clip": ("tiny-phi3", {"original_max_position_embeddings": 8,
+                                                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                      "partial_rotary_factor": 0.75,
+                                                                      "short_factor": [1.0] * 6,
+                                                                      "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}},
+                                    2, 2, 0.5, True, {}),
+    "phi3-sliding-untied-K1-offloaded-kept-accum": ("tiny-phi3", {"sliding_window": 6, "tie_word_embeddings": False},
+                                                    1, 2, None, True,
+                                                    {"offload_checkpoints": True, "no_recompute_layers": 1}),
+    # Gemma 2: soft-capped attention (eager on the CPU) and logits, (1 + weight) norms, the scaled
+    # embedding (tied), GeGLU, sliding and full layers; Gemma 3: q and k norms, a rotary per layer type
+    "gemma2-K2-of-3-accum-clip-pad": ("tiny-gemma2", {}, 2, 2, 0.5, True, {}),
+    "gemma2-K1-kept-device-tiles-offloaded-noclip": ("tiny-gemma2", {}, 1, 2, None, True,
+                                                     {"no_recompute_layers": 1, "device_tiles": 2,
+                                                      "offload_checkpoints": True}),
+    # a SiLU-gated Gemma still recomputes its MLP's output: its post-feedforward norm's backward reads it
+    "gemma2-silu-K1-clip": ("tiny-gemma2", {"hidden_activation": "silu"}, 1, 1, 0.5, True, {}),
+    "gemma3-K2-of-3-accum-clip-pad": ("tiny-gemma3", {}, 2, 2, 0.5, True, {}),
+    "gemma3-K3-divides-kept-device-tiles-noclip": ("tiny-gemma3", {}, 3, 1, None, True,
+                                                   {"no_recompute_layers": 1, "device_tiles": 2}),
     # both chosen by the plan against a stated device: every tile on the device, every layer kept
     "llama-auto-tiles-auto-kept-clip-accum": ("tiny-llama", {}, 1, 2, 0.5, True,
                                               {"device_tiles": "auto", "no_recompute_layers": "auto",
@@ -119,7 +147,10 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-gpt-oss", {"experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"experts_kernel": "lean"}),
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
-                                            ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"})])
+                                            ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-mixtral", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-gemma2", {"norm_kernel": "compiled"}),  # (1 + weight) norms
+                                            ("tiny-gemma2", {"loss_kernel": "compiled"})])  # soft-capped logits
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
     """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (float32 on the CPU:
     the fused kernels' arithmetic in another order), and engine.experts_kernel: lean, its gate

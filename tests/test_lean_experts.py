@@ -35,7 +35,7 @@ def _run(module, x, index, weights, grad):
     return out, x.grad, weights.grad, {n: p.grad for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
 @pytest.mark.parametrize("tokens", [37, 1], ids=["every-expert", "most-experts-idle"])
 def test_lean_experts_compute_the_library_experts(preset, tokens):
     hf, library, lean = _experts(preset)
@@ -59,17 +59,17 @@ def test_lean_experts_compute_the_library_experts(preset, tokens):
             assert not got[3]["down_proj_bias"][idle].any()
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_compiled_gates_compute_the_library_gates(preset):
-    """engine.mlp_kernel: compiled with the lean experts: GPT-OSS's clamped gate and Qwen3-MoE's
-    SiLU gate as one compiled kernel each way, against the library's experts in float32 within
+    """engine.mlp_kernel: compiled with the lean experts: GPT-OSS's clamped gate and Qwen3-MoE's and
+    Mixtral's SiLU gate as one compiled kernel each way, against the library's experts in float32 within
     rounding, at weights large enough that GPT-OSS's clamps cut (their gradients masked)."""
     hf, library, lean = _experts(preset)
     for p in library.parameters():
         torch.nn.init.normal_(p, std=1.5)
     lean = copy.deepcopy(library)
     kind = lean_experts.gate_kind(hf.model_type, hf.hidden_act)
-    assert kind == {"tiny-gpt-oss": "clamped", "tiny-qwen3-moe": "silu"}[preset]
+    assert kind == {"tiny-gpt-oss": "clamped", "tiny-qwen3-moe": "silu", "tiny-mixtral": "silu"}[preset]
     lean_experts.make_lean(lean, kind)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, hf.hidden_size, generator=gen)

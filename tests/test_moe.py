@@ -1,4 +1,4 @@
-"""Mixtures of experts (GPT-OSS, Qwen3-MoE) beyond the streamed-training cases of
+"""Mixtures of experts (GPT-OSS, Qwen3-MoE, Mixtral) beyond the streamed-training cases of
 test_engine_reference.py: the library's own loss, the routing those cases exercise, saving and
 reloading, the FLOPs formula's active weights and windows, the presets and their plans, refusals.
 
@@ -19,7 +19,7 @@ from megatrain.metrics import model_flops
 from megatrain.shapes import ModelShape, load_hf_config
 from test_engine_reference import BATCH, SEQ, make_trainer
 
-FAMILIES = ["tiny-gpt-oss", "tiny-qwen3-moe"]
+FAMILIES = ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 def shape_of(preset: str, **overrides) -> ModelShape:
@@ -61,9 +61,11 @@ def test_the_reference_cases_route_to_every_expert(tmp_path, preset):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_save_pretrained_round_trip(tmp_path, preset):
-    """Trained weights saved and loaded by `from_pretrained` are ours to the bit; Qwen3-MoE's experts
-    are written one tensor per expert and projection, as the published checkpoints and the library
-    write them (and the store loads them so: tiny_checkpoint writes that layout)."""
+    """Trained weights saved and loaded by `from_pretrained` are ours to the bit; Qwen3-MoE's and
+    Mixtral's experts are written one tensor per expert and projection, under their published names
+    (Mixtral's `block_sparse_moe.experts.E.w1`, `w3`, `w2` and `block_sparse_moe.gate`), as the
+    published checkpoints and the library write them (and the store loads them so: tiny_checkpoint
+    writes that layout)."""
     tiny_checkpoint(tmp_path / "init", preset)
     _, trainer = make_trainer(tmp_path, preset, {}, 2, 2, 0.5, {}, steps=2)
     state = train_save_reload(trainer, random_batches(2, 2, BATCH, SEQ, 256, pad=True), tmp_path / "out")
@@ -76,6 +78,11 @@ def test_save_pretrained_round_trip(tmp_path, preset):
         assert {"model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
                 "model.layers.0.mlp.experts.3.down_proj.weight"} <= names
         assert not [n for n in names if n.endswith("gate_up_proj")]
+    elif preset == "tiny-mixtral":
+        stem = "model.layers.0.block_sparse_moe."
+        assert {f"{stem}gate.weight", f"{stem}experts.3.w1.weight", f"{stem}experts.3.w3.weight",
+                f"{stem}experts.3.w2.weight"} <= names
+        assert not [n for n in names if ".mlp." in n]
     else:
         assert "model.layers.0.mlp.experts.gate_up_proj_bias" in names and "model.layers.0.self_attn.sinks" in names
 
@@ -104,10 +111,12 @@ def test_flops_count_top_k_experts_and_each_layers_window():
     ("gpt-oss-20b", 20.91e9, 3.61e9, 24, 32, 4),
     ("gpt-oss-120b", 116.83e9, 5.13e9, 36, 128, 4),
     ("qwen3-30b-a3b", 30.53e9, 3.04e9, 48, 128, 8),
+    ("mixtral-8x7b", 46.70e9, 12.75e9, 32, 8, 2),
 ])
 def test_presets_have_the_published_shapes(preset, total, active, layers, experts, top_k):
     """Parameters as the model cards state them (GPT-OSS: 21B / 3.6B active and 117B / 5.1B active;
-    Qwen3-30B-A3B: 30.5B / 3.3B active, the 3.3B counting the 0.31B embedding, which we do not)."""
+    Qwen3-30B-A3B: 30.5B / 3.3B active, the 3.3B counting the 0.31B embedding, which we do not;
+    Mixtral-8x7B: 46.7B / 12.9B active, the 12.9B counting the 0.13B embedding)."""
     s = shape_of(preset)
     assert (s.num_layers, s.experts, s.top_k) == (layers, experts, top_k)
     assert s.total_params() == pytest.approx(total, rel=1e-3)
@@ -115,11 +124,13 @@ def test_presets_have_the_published_shapes(preset, total, active, layers, expert
     if s.family == "gpt_oss":
         assert s.attention()[:2] == [(64 * 64, 128), (64 * 64, None)]
         assert s.config.rope_parameters["rope_type"] == "yarn" and s.router_aux_coef == 0.0
-    else:
+    elif s.family == "qwen3_moe":
         assert s.attention()[0] == (32 * 128, None) and s.hidden == 2048
+    else:
+        assert s.attention()[0] == (4096, None) and s.router_aux_coef == 0.0
 
 
-@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_plan_prints_for_each_preset_without_allocating(preset, capsys):
     """`megatrain plan` of the full-size presets: the model's size and the memory plan, from meta
     tensors only (the host's resident memory does not grow by the model's gigabytes)."""
@@ -168,6 +179,8 @@ def test_refusals_name_the_setting():
         load_hf_config(ModelConfig(preset="tiny-gpt-oss", attn_implementation="sdpa"))
     with pytest.raises(ValueError, match="overrides.mlp_only_layers"):
         shape_of("tiny-qwen3-moe", mlp_only_layers=[1])
+    with pytest.raises(ValueError, match=r"router_jitter_noise > 0 is not supported \(set overrides.router_jitter_noise: 0\)"):
+        shape_of("tiny-mixtral", router_jitter_noise=0.01)
     from megatrain.templates import Architecture
     with pytest.raises(ValueError, match="engine.mlp_chunk_tokens"):
         Architecture(shape_of("tiny-qwen3-moe"), mlp_chunk=8)

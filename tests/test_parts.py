@@ -445,6 +445,19 @@ def test_device_tiles_auto_takes_the_room_the_plan_leaves():
         EngineConfig(device_tiles="many")
 
 
+@pytest.mark.parametrize("preset, kept", [("phi-3-mini", 10), ("gemma-2-9b", 10)])
+def test_a_family_that_keeps_more_is_planned_with_its_measure(preset, kept):
+    """Phi-3's fused qkv and Gemma's extra norms keep more of a layer's activations than the Llama
+    layout (memory.FAMILY_ATTN_KEPT): a layer kept from recompute is planned with that measure."""
+    from megatrain.memory import ATTN_KEPT, FAMILY_ATTN_KEPT
+    arch = shape_of(preset, attn_logit_softcapping=None) if preset.startswith("gemma") else shape_of(preset)
+    assert arch.config._attn_implementation == "sdpa" and FAMILY_ATTN_KEPT[arch.family] == kept > ATTN_KEPT
+    base = EngineConfig(checkpoint_every=1, grad_slabs=12)
+    def device(n):
+        return plan(arch, settings(arch, replace(base, no_recompute_layers=n), tokens=4096)).device_bytes
+    assert device(1) - device(0) == 4096 * (kept * arch.hidden + 4 * arch.ffn) * 2 - 4096 * arch.hidden * 2
+
+
 def test_no_recompute_layers_are_counted_and_chosen_by_the_plan():
     """Each layer kept from recompute holds its graph for every micro-batch of the step; auto keeps as
     many of the last layers as the device holds with a workspace to spare, none without a bound."""
@@ -486,7 +499,7 @@ def test_a_block_holds_no_more_layers_than_the_model_recomputes():
     assert device(8, 4)["device.block_activations"] == 2 * device(8, 2)["device.block_activations"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
@@ -495,13 +508,13 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     tokens in chunks of 7) rows are independent, so the output and the input gradient stay exact;
     the weight gradient sums the chunks' (each rounded to the weight's dtype) in float32: a few bf16
     roundings apart, where a chunk lost would be whole units off."""
-    import importlib
     import megatrain.lean_norm as lean_norm
-    from megatrain.shapes import FAMILIES
+    from megatrain.shapes import FAMILIES, modeling
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
-    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), f"{FAMILIES[family]}RMSNorm")
-    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype)
+    cls = getattr(modeling(family), f"{FAMILIES[family]}RMSNorm")
+    scale = "one_plus" if family.startswith("gemma") else "input"  # Gemma's (1 + weight) in float32
+    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype, scale=scale)
     assert torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
     tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
@@ -527,20 +540,21 @@ def library_and_lean(cls, dtype, **lean):
     return out
 
 
-@pytest.mark.parametrize("float32_scale", [False, True], ids=["qwen2", "gpt-oss-scale"])
+@pytest.mark.parametrize("scale", ["input", "float32", "one_plus"], ids=["qwen2", "gpt-oss-scale", "gemma2-one-plus"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, float32_scale, dtype, chunk):
+def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype, chunk):
     """engine.norm_kernel: compiled, the forward and the written-out backward built by
     torch.compile: the library's output and gradients to float32 rounding, and in bf16 to about one
     bf16 rounding (its products stay in float32 where the library's round to bf16)."""
     import megatrain.lean_norm as lean_norm
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
-    cls = GptOssRMSNorm if float32_scale else Qwen2RMSNorm
-    library, fused = library_and_lean(cls, dtype, float32_scale=float32_scale, compiled=True)
+    cls = {"input": Qwen2RMSNorm, "float32": GptOssRMSNorm, "one_plus": Gemma2RMSNorm}[scale]
+    library, fused = library_and_lean(cls, dtype, scale=scale, compiled=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(fused, library):
         assert got.dtype == want.dtype
@@ -770,6 +784,69 @@ def test_hardware_flops_count_the_recompute_the_schedule_runs():
     assert s.hardware_flops(shape, None, lengths) == model + 3 * layer - 2 * mlp // 3
     assert s.hardware_flops(shape, 8, lengths) == model + 3 * layer - 2 * mlp + 4 * 2 * mlp // 3
     assert Schedule(4, 1, 4, 1).hardware_flops(shape, None, lengths) == model
+
+
+def test_flops_count_fused_projections_as_the_ones_they_fuse():
+    """Phi-3's qkv_proj and gate_up_proj are the q, k, v and gate, up matrices side by side: N counts
+    them whole, 6 N + 12 L h s per token; an MLP that is not the separate gated one keeps its down
+    projection in the recompute, so the hardware FLOPs add every recomputed layer whole."""
+    from megatrain.metrics import model_flops
+    from megatrain.schedule import Schedule
+    s = shape_of("tiny-phi3")  # hidden 64, 4 heads of 16 (2 kv), FFN 128, vocab 256, 3 layers, tied
+    h, kv, f, v = 64, 32, 128, 256
+    layer = (h + 2 * kv) * h + h * h + 2 * f * h + f * h  # qkv, o, gate-up, down
+    assert s.layer_matmul_params() == layer and s.matmul_params() == 3 * layer + v * h
+    lengths = [16, 9]
+    model = model_flops(s.matmul_params(), s.attention(), lengths)
+    assert model == sum(n * (6 * s.matmul_params() + 12 * 3 * h * n) for n in lengths)
+    again = sum(n * (2 * layer + 4 * h * n) for n in lengths)
+    assert Schedule(3, 1, 0, 1).hardware_flops(s, None, lengths) == model + 3 * again
+
+
+def test_flops_of_gemma_count_each_layers_window_and_the_tied_head_once():
+    """Gemma 3: q, k, v, o and the GeGLU's three matrices a layer (its q and k norms, soft-capping and
+    embedding scale are no matmul), the tied head once; sliding layers' attention counted against
+    their window (6), the full layer's against the sequence."""
+    from megatrain.metrics import model_flops
+    s = shape_of("tiny-gemma3")  # hidden 64, 4 heads of 16 (2 kv), FFN 128, vocab 256, layers sliding-full-sliding
+    h, kv, f, v = 64, 32, 128, 256
+    layer = 2 * h * h + 2 * kv * h + 3 * h * f
+    assert s.layer_matmul_params() == layer and s.matmul_params() == 3 * layer + v * h
+    assert s.attention() == [(64, 6), (64, None), (64, 6)]
+    n = 16
+    assert model_flops(s.matmul_params(), s.attention(), [n]) == n * (6 * s.matmul_params() + 12 * 64 * (6 + n + 6))
+
+
+@pytest.mark.parametrize("preset, total, layers", [("phi-3-mini", 3.82e9, 32), ("gemma-2-9b", 9.24e9, 42)])
+def test_dense_presets_have_the_published_shapes(preset, total, layers):
+    """Parameters as the model cards state them: Phi-3-mini 3.8B, Gemma 2 9B 9.24B (tied); N, the
+    FLOPs formula's matmul weights, is everything but the norms and, untied, the embedding."""
+    s = shape_of(preset)
+    assert s.num_layers == layers and s.total_params() == pytest.approx(total, rel=1e-3)
+    norms = sum(p.numel for p in s.layer_specs if not p.matmul) * layers + s.hidden
+    assert s.matmul_params() == s.total_params() - norms - (0 if s.tied else s.vocab * s.hidden)
+    if s.family == "gemma2":  # 16 heads of 256 (not the hidden size 3584), sliding first
+        assert s.attention()[:2] == [(4096, 4096), (4096, None)] and s.config._attn_implementation != "sdpa"
+    else:
+        assert s.attention()[0] == (3072, 2047)
+
+
+def test_random_init_of_gemma_zeroes_its_norms():
+    """Gemma's norms scale by (1 + weight): a preset's seeded init sets them zero, as the library's
+    init does (one would double every norm's output), the final norm's too; matrices N(0, 0.02)."""
+    from megatrain.config import load_config
+    from megatrain.trainer import Trainer
+    trainer = Trainer(load_config(base={"model": {"preset": "tiny-gemma3"}, "engine": {"device": "cpu"},
+                                        "data": {"seq_len": 16, "batch_size": 1}, "steps": 1}))
+    try:
+        layer, head = (dict(zip((s.name for s in t.layout.specs), t.master_views()))
+                       for t in (trainer.store.layers[1], trainer.store.head))
+    finally:
+        trainer.close()
+    for name in ("input_layernorm.weight", "post_feedforward_layernorm.weight", "self_attn.q_norm.weight"):
+        assert not layer[name].any(), name
+    assert not head["norm.weight"].any()
+    assert 0.01 < float(layer["mlp.up_proj.weight"].std()) < 0.03
 
 
 def test_host_memory_is_taken_as_stated(monkeypatch):

@@ -26,6 +26,10 @@ def plan_and_train(capsys, args: list[str]) -> tuple[int, str, str, int, str]:
                                                       "resume=true continues that run"),
     ("mlp-chunk-of-experts", ["model.preset=tiny-qwen3-moe", "engine.mlp_chunk_tokens=8"], {},
      "engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this qwen3_moe model's is not"),
+    # SiLU-gated, but its post-feedforward norm reads the MLP's output, which a chunked recompute leaves out
+    ("mlp-chunk-of-gemma", ["model.preset=tiny-gemma2", "model.overrides.hidden_activation=silu",
+                            "engine.mlp_chunk_tokens=8"], {},
+     "engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this gemma2 model's is not, or its output is read"),
     ("host-stated-in-config", ["engine.host_memory_gb=1"], {}, "the run does not fit: host memory: needs"),
     ("host-stated-in-environment", [], {"MEGATRAIN_HOST_MEMORY_GB": "1"}, "the run does not fit: host memory: needs"),
 ])

@@ -101,9 +101,11 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
     assert (out / "model" / "generation_config.json").is_file()
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gemma2", "tiny-gpt-oss", "tiny-qwen3-moe"])
 def test_evaluation_equals_a_plain_forward(tmp_path, preset):
-    """The held-out loss is the library's cross-entropy (a mixture of experts' without its router term)."""
+    """The held-out loss is the library's cross-entropy (a mixture of experts' without its router term;
+    Gemma 2's of its soft-capped logits). The library's model runs eager attention, which applies
+    Gemma 2's attention soft-capping (its SDPA path drops it)."""
     data = setup(tmp_path, preset)
     trainer = Trainer(config(tmp_path, data, steps=1, data={"eval_fraction": 0.5, "batch_size": 3}))
     try:
@@ -111,7 +113,7 @@ def test_evaluation_equals_a_plain_forward(tmp_path, preset):
         batches = list(trainer.held_out.batches())
     finally:
         trainer.close()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32, attn_implementation="eager")
     total = n = 0
     with torch.no_grad():
         for b in batches:
@@ -124,10 +126,12 @@ def test_evaluation_equals_a_plain_forward(tmp_path, preset):
     assert result["eval_loss"] == pytest.approx(total / n, rel=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen3-moe", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-phi3", "tiny-gemma3", "tiny-qwen3-moe",
+                                    "tiny-gpt-oss"])
 def test_packing_equals_unpacked_training(tmp_path, preset):
     """The same examples, packed into rows with restarting positions, or one padded row each:
-    the same losses and weights (Mistral's sliding window included; and a mixture of experts'
+    the same losses and weights (Mistral's sliding window, Phi-3's partial rotary and Gemma 3's
+    sliding and full layers with their two rotary bases included; and a mixture of experts'
     router loss, which leaves the packed rows' padding out as the padded rows' mask does: with
     the padding counted, GPT-OSS's weights came out up to 1.5 lr apart after two steps)."""
     data = setup(tmp_path, preset)
