@@ -461,7 +461,7 @@ class TrainConfig:
     # more than early_stopping_threshold (the HF Trainer's EarlyStoppingCallback); it then saves its
     # state and model as at its last step; None: no early stop
     early_stopping_patience: int | None = None
-    early_stopping_threshold: float = 0.0
+    early_stopping_threshold: float = 0.0  # the least improvement of the best that resets early stopping's count
     log_every: int = 10  # steps between the console's summary lines
     # where the metrics also go, besides output_dir/metrics.jsonl: tensorboard (events in
     # output_dir/tensorboard), wandb, mlflow; each needs its package: pip install 'megatrain[tensorboard]'
