@@ -67,10 +67,9 @@ def divergence(loss: float, recent: list[float], factor: float | None) -> str | 
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, taken at the end of the step it came in: `model` holds that step's weights (None
-    where the run has no output_dir)."""
+    """Ctrl-C, taken at the end of the step it came in: `model` holds that step's weights."""
 
-    def __init__(self, step: int, model: Path | None):
+    def __init__(self, step: int, model: Path):
         super().__init__(step, model)
         self.step, self.model = step, model
 

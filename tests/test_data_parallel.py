@@ -46,7 +46,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 def settings(tmp_path, **top) -> dict:
     return {"model": {"pretrained": str(tmp_path / "init")},
             "engine": {"device": "cpu", "checkpoint_every": 2, "loss_chunk_tokens": 7},
-            "optim": {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 0},
+            "optim": {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1, "max_grad_norm": 0.5, "schedule": "constant"},
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
 
 

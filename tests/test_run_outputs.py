@@ -87,7 +87,7 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
         for key in ("loss", "lr", "tokens", "target_tokens", "tokens_per_s", "model_tflops", "step_time_s",
                     "peak_host_bytes"):
             assert m[key] is not None, key
-    assert train[0]["lr"] == pytest.approx(1e-3) and train[-1]["lr"] < train[1]["lr"]  # warmup, then cosine
+    assert train[0]["lr"] == pytest.approx(1e-3) and train[-1]["lr"] < train[1]["lr"]  # the full rate, then the cosine
     assert [m["grad_norm"] for m in history] == [m["grad_norm"] for m in train]
     for m in evals:
         assert m["eval_perplexity"] == pytest.approx(math.exp(m["eval_loss"])) and m["eval_target_tokens"] > 0
@@ -168,8 +168,10 @@ def test_resume_with_an_evaluation_split(tmp_path):
     split = {"eval_fraction": 0.25}
 
     def run(steps, out, resume=False):
+        # extended from 2 steps: at a constant rate its first two are the 4-step run's
         trainer = Trainer(config(tmp_path, data, steps=steps, output_dir=str(tmp_path / out), eval_every=2,
-                                 resume=resume, resume_changes=resume, data=split))  # extended from 2 steps
+                                 resume=resume, resume_changes=resume, data=split,
+                                 optim={"lr": 1e-3, "schedule": "constant"}))
         try:
             trainer.fit(progress=False)
             return store_params(trainer)
