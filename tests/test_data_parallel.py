@@ -200,6 +200,7 @@ def test_two_ranks_evaluate_as_one(tmp_path):
         assert got["eval_target_tokens"] == expected["eval_target_tokens"] == 5 * (SEQ - 1)
         assert isinstance(got["eval_target_tokens"], int)
         assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+        assert got["eval_accuracy"] == expected["eval_accuracy"]  # whole counts, summed over the ranks
 
 
 def test_resume_after_a_two_rank_run(tmp_path):
