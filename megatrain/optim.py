@@ -55,7 +55,8 @@ def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """The schedule's factor of lr by update number, transformers.get_scheduler's own function (the
     LambdaLR it builds over a throwaway optimizer); a bad schedule_kwargs is refused by name."""
     from transformers import get_scheduler
-    key = (cfg.schedule, cfg.warmup_steps, total_steps, json.dumps(schedule_arguments(cfg), sort_keys=True))
+    # lr too: polynomial's factor is relative to the optimizer's lr (its lr_end is absolute)
+    key = (cfg.schedule, cfg.lr, cfg.warmup_steps, total_steps, json.dumps(schedule_arguments(cfg), sort_keys=True))
     if key not in _FACTORS:
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
         try:

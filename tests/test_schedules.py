@@ -55,6 +55,12 @@ def test_rates_are_the_library_schedulers_over_adamw(name):
     assert len(set(rates)) == 1 if name == "constant" else len(set(rates)) > 3, rates  # constant, or it moves
 
 
+def test_a_schedule_relative_to_lr_follows_it():
+    """polynomial decays to an absolute lr_end: its factor depends on lr, and two rates two schedules."""
+    a, b = (OptimConfig(lr=lr, schedule="polynomial", schedule_kwargs={"lr_end": 1e-4}) for lr in (1e-3, 2e-3))
+    assert lr_at(10, a, 10) == lr_at(10, b, 10) == pytest.approx(1e-4, rel=1e-12)
+
+
 @pytest.mark.parametrize("name", ["cosine_with_restarts", "polynomial", "warmup_stable_decay"])
 def test_streamed_training_under_a_schedule_matches_reference(tmp_path, name):
     """Six steps, two of warm-up (the first at rate 0), clipped, two micro-batches: the engine and the
