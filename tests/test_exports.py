@@ -241,3 +241,26 @@ def test_export_and_evaluation_settings_that_cannot_work_are_refused(tmp_path, c
     assert main(run_args(tmp_path, data, out, "data.eval_fraction=0.25", *settings)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_resumed_run_goes_on_from_the_saved_best(tmp_path):
+    """The best evaluation and early stopping's count travel in the saved state: a resumed run
+    (extended from 4 steps to 6) judges its evaluations against the best before it."""
+    data = setup(tmp_path)
+    out = tmp_path / "out"
+
+    def run(steps, **extra):
+        return Trainer(config(tmp_path, data, steps=steps, output_dir=str(out), eval_every=2, metric_for_best_model="loss",
+                              early_stopping_patience=5, data={"eval_fraction": 0.25}, **extra))
+    trainer = run(4)
+    try:
+        trainer.fit(progress=False)
+        before = trainer.best.state()
+    finally:
+        trainer.close()
+    assert before["step"] in (2, 4) and before["value"] is not None
+    resumed = run(6, resume=True, resume_changes=True)
+    try:
+        assert resumed.best.state() == before
+    finally:
+        resumed.close()
