@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.exports import META
 from megatrain.io import atomic_dir, complete_dir
 from megatrain.progress import Advance, nothing
 from megatrain.shapes import ModelShape
@@ -23,9 +24,10 @@ SHARD_BYTES = 4 << 30
 
 
 def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype: torch.dtype = torch.float32,
-                    tokenizer=None, advance: Advance = nothing) -> None:
+                    tokenizer=None, advance: Advance = nothing, meta: dict | None = None) -> None:
     """Write config.json, generation_config.json, safetensors shards in `dtype` and the tokenizer
-    (if given): a folder that `AutoModelForCausalLM.from_pretrained` loads and generates from.
+    (if given): a folder that `AutoModelForCausalLM.from_pretrained` loads and generates from;
+    `meta`, if given, as exports.META beside them (which step, which evaluation).
 
     Shards are written as they fill, so at most one shard is held in host memory besides the store.
     """
@@ -37,6 +39,8 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if meta is not None:
+            (tmp / META).write_text(json.dumps(meta, indent=1))
         files: list[tuple[Path, list[str]]] = []
         shard: dict[str, torch.Tensor] = {}
         size = total = 0

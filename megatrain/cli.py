@@ -134,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if isinstance(e, Diverged) else f" at step {trainer.step + 1}"  # a divergence names its step
         print(f"megatrain: error{where}: {e}; {saved_where(cfg.output_dir)}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:  # Ctrl-C: a save cut short leaves the last complete one (io.atomic_dir)
+    except KeyboardInterrupt as e:  # Ctrl-C: a save cut short leaves the last complete one (io.atomic_dir)
         if args.debug:
             raise
+        from megatrain.trainer import Interrupted
+        model = f"; the model of step {e.step} is in {e.model}" if isinstance(e, Interrupted) else ""
         print(f"megatrain: interrupted after step {trainer.step} of {trainer.total_steps}; "
-              f"{saved_where(cfg.output_dir)}", file=sys.stderr)
+              f"{saved_where(cfg.output_dir)}{model}", file=sys.stderr)
         return 130
     finally:
         trainer.close()

@@ -58,6 +58,10 @@ def _convert(value: Any, hint: Any) -> Any:
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_convert(v, a) for v, a in zip(value, args))
         raise TypeError
+    if origin is list:
+        if isinstance(value, list):
+            return [_convert(v, args[0]) for v in value]
+        raise TypeError
     raise AssertionError(f"no conversion for the declared type {hint}")
 
 
@@ -73,6 +77,8 @@ def _type_name(hint: Any) -> str:
         return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})"
     if origin is dict:
         return "a mapping"
+    if origin is list:
+        return f"a list of {_type_name(args[0])}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
@@ -248,6 +254,12 @@ class EngineSettings:
         return getattr(torch, self.master_dtype)
 
 
+# transformers.get_scheduler's schedules that are functions of the step (tests/test_schedules.py
+# holds this list to the library's)
+SCHEDULES = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                    "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-5  # the peak learning rate, reached at the end of the warm-up
@@ -258,10 +270,20 @@ class OptimConfig:
     # or all (torch.optim.AdamW over model.parameters())
     decay: Literal["matrices", "all"] = "matrices"
     max_grad_norm: float | None = 1.0  # None disables clipping
-    warmup_steps: int = 0  # steps of linear warm-up to lr
-    # after the warm-up: cosine, down to lr x min_lr_ratio at the last step; or constant, lr throughout
-    schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1  # the cosine schedule's last learning rate, as a fraction of lr
+    # steps of warm-up to lr, as transformers' schedules count them: update t (0-based) of the
+    # warm-up takes lr x t / warmup_steps, so the first update's is 0 (as in the HF Trainer)
+    warmup_steps: int = 0
+    # the learning-rate schedule, transformers.get_scheduler's (the HF Trainer's lr_scheduler_type),
+    # applied as the HF Trainer applies it: update t takes lr x the schedule's factor at t. Those
+    # driven by a metric (reduce_lr_on_plateau, greedy) are not offered
+    schedule: SCHEDULES = "cosine_with_min_lr"
+    # the *_with_min_lr schedules' last learning rate as a fraction of lr (their min_lr_rate); null:
+    # 0.1 for them; refused with the other schedules
+    min_lr_ratio: float | None = None
+    # the schedule's own further arguments (get_scheduler's scheduler_specific_kwargs, the HF Trainer's
+    # lr_scheduler_kwargs): num_cycles of cosine_with_restarts, power and lr_end of polynomial,
+    # timescale of inverse_sqrt, num_decay_steps and decay_type of warmup_stable_decay, ...
+    schedule_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         check_types(self, "optim")
@@ -276,8 +298,15 @@ class OptimConfig:
                 raise ValueError(f"optim.{name} must be at least 0, not {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be at least 0, not {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if self.min_lr_ratio is not None:
+            if not self.schedule.endswith("_with_min_lr"):
+                raise ValueError(f"optim.min_lr_ratio applies to the schedules cosine_with_min_lr and "
+                                 f"cosine_warmup_with_min_lr, not {self.schedule}")
+            if not 0 <= self.min_lr_ratio <= 1:
+                raise ValueError(f"optim.min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if self.schedule == "constant" and self.warmup_steps:  # transformers' constant has no warm-up
+            raise ValueError("optim.schedule constant takes no warm-up: with optim.warmup_steps, use "
+                             "constant_with_warmup")
 
 
 @dataclass
@@ -396,6 +425,9 @@ class DataConfig:
                              f"directory or Hub id)")
 
 
+TRACKERS = Literal["tensorboard", "wandb", "mlflow"]  # each the name of its package and of its module
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig
@@ -406,7 +438,12 @@ class TrainConfig:
     epochs: float | None = None  # passes over the data instead of steps (data.source file)
     seed: int = 0  # the random initialisation of the weights (model.preset or model.config)
     output_dir: str | None = None  # where checkpoints and metrics go; None writes nothing
-    save_every: int | None = None  # steps between training-state saves; None: only at the end
+    # steps between saves of the training state (output_dir/state) and of the model as a
+    # `transformers` checkpoint, output_dir/checkpoint-N; None: both only at the end (state, model)
+    save_every: int | None = None
+    # checkpoint-N folders kept at most (the HF Trainer's save_total_limit): the oldest removed first,
+    # never the best model's (metric_for_best_model; it then keeps one more); None: every one
+    save_total_limit: int | None = None
     resume: bool = False  # continue from output_dir/state (refused if there is none)
     # resume although settings that change the run's meaning (steps, schedule, data, batch, seed)
     # differ from the saved run's; each difference is named either way
@@ -416,8 +453,19 @@ class TrainConfig:
     overwrite: bool = False
     eval_every: int | None = None  # steps between evaluations of the held-out data; None: at the end only
     eval_batches: int | None = None  # micro-batches of held-out data per evaluation; None: all of it
+    # the evaluation's metric that picks the best model, written to output_dir/best at each
+    # evaluation that improves it: loss or perplexity (lower is better) or accuracy (the token
+    # accuracy, higher is better); None: no best model
+    metric_for_best_model: Literal["loss", "perplexity", "accuracy"] | None = None
+    # end the run after this many evaluations in a row that did not improve metric_for_best_model by
+    # more than early_stopping_threshold (the HF Trainer's EarlyStoppingCallback); it then saves its
+    # state and model as at its last step; None: no early stop
+    early_stopping_patience: int | None = None
+    early_stopping_threshold: float = 0.0  # the least improvement of the best that resets early stopping's count
     log_every: int = 10  # steps between the console's summary lines
-    tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard
+    # where the metrics also go, besides output_dir/metrics.jsonl: tensorboard (events in
+    # output_dir/tensorboard), wandb, mlflow; each needs its package: pip install 'megatrain[tensorboard]'
+    report_to: list[TRACKERS] = field(default_factory=list)
     save_dtype: Literal["float32", "bfloat16"] = "float32"  # weights of the saved model (output_dir/model)
     # stop the run (exit 3) at a step whose loss is over this many times the median of the last 20
     # steps' losses, and over that median by a nat or more (a blip near zero loss
@@ -435,7 +483,7 @@ class TrainConfig:
             self.steps = 10
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
-        for name in ("save_every", "eval_every", "eval_batches"):
+        for name in ("save_every", "save_total_limit", "eval_every", "eval_batches", "early_stopping_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, or null")
         if self.log_every < 1:
@@ -444,16 +492,30 @@ class TrainConfig:
         if self.divergence_factor is not None and not self.divergence_factor > 1:
             raise ValueError(f"divergence_factor must be above 1 (a multiple of the recent losses' median), or null "
                              f"for no guard, not {self.divergence_factor}")
-        if not self.output_dir and (given := [k for k in ("save_every", "resume", "overwrite", "tensorboard")
-                                              if getattr(self, k)] + (["save_dtype"] if self.save_dtype != "float32" else [])):
+        if not self.output_dir and (given := [k for k in ("save_every", "save_total_limit", "resume", "overwrite",
+                                                          "metric_for_best_model", "report_to") if getattr(self, k)]
+                                    + (["save_dtype"] if self.save_dtype != "float32" else [])):
             raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} output_dir (where the run saves)")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: resume continues the earlier run in "
                              "output_dir, overwrite replaces it")
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:  # before anything is written
-            raise ValueError("tensorboard: true needs the tensorboard package (pip install tensorboard)")
-        if self.eval_every and not (self.data.eval_path or self.data.eval_fraction or self.data.eval_split):
-            raise ValueError("eval_every needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
+        if self.save_total_limit and not self.save_every:
+            raise ValueError("save_total_limit limits the checkpoint-N folders that save_every writes: set save_every")
+        if len(set(self.report_to)) < len(self.report_to):
+            raise ValueError(f"report_to names a tracker twice: {self.report_to}")
+        for name in self.report_to:  # before anything is written
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"report_to: {name} needs the {name} package: pip install 'megatrain[{name}]' "
+                                 f"(or pip install {name})")
+        held_out = self.data.eval_path or self.data.eval_fraction or self.data.eval_split
+        for name in ("eval_every", "metric_for_best_model"):
+            if getattr(self, name) and not held_out:
+                raise ValueError(f"{name} needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
+        if self.early_stopping_patience and not (self.metric_for_best_model and self.eval_every):
+            raise ValueError("early_stopping_patience counts evaluations (eval_every) that do not improve "
+                             "metric_for_best_model: set both")
+        if self.early_stopping_threshold < 0:
+            raise ValueError(f"early_stopping_threshold must be at least 0, not {self.early_stopping_threshold}")
 
 
 def _build(cls, values: Any, where: str):

@@ -105,6 +105,7 @@ class _Step:
     ctxs: list[_Context] = field(default_factory=list)
     kept: dict[int, list] = field(default_factory=dict)  # layer -> graphs of a layer kept from recompute
     loss: torch.Tensor | None = None  # summed over target tokens
+    correct: torch.Tensor | None = None  # an evaluation's targets that are the logits' argmax
     dhs: list[torch.Tensor] = field(default_factory=list)  # gradients flowing back
     embed_acc: torch.Tensor | None = None  # the embedding's float32 step gradient
     xs: list[torch.Tensor | None] = field(default_factory=list)  # each recompute's input
@@ -226,8 +227,9 @@ class Engine:
         return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d, self.bytes_d2h + self.checkpoints.bytes_d2h,
                 self.streamer.wait_s, self.slabs.wait_s)
 
-    def evaluate(self, microbatches: list[Batch]) -> tuple[float, int]:
-        """Summed loss and target tokens of micro-batches, forward only: the step's own loop over
+    def evaluate(self, microbatches: list[Batch]) -> tuple[float, int, int]:
+        """Summed loss, target tokens and targets predicted (the logits' argmax) of micro-batches,
+        forward only: the step's own loop over
         the evaluation's ops (schedule.evaluation_ops), with no gradient or update. Waits for the
         optimizer first, so the weights are those after the last step."""
         self.worker.flush()
@@ -238,7 +240,7 @@ class Engine:
             self._run(evaluation_ops(self.shape.num_layers), step)
         self.dev.synchronize()
         self.timeline.end_step()
-        return float(step.loss), int(sum(int((t != IGNORE).sum()) for t in targets))
+        return float(step.loss), int(sum(int((t != IGNORE).sum()) for t in targets)), int(step.correct)
 
     def _run(self, ops, step: _Step) -> None:
         """The one loop: each op's handler, with its weights acquired where it computes."""
@@ -308,10 +310,11 @@ class Engine:
 
     def _head_loss(self, st: _Step, op: HeadLoss, w: list[torch.Tensor]) -> None:
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.HEAD):
-            st.loss = sum(head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
-                                    self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens,
-                                    self.shape.logit_softcap)
-                          for h, t in zip(st.hs, st.targets))
+            parts = [head_loss(h.reshape(-1, h.shape[-1]), t.to(self.dev.torch, non_blocking=True),
+                               self.arch.norm_template(), w[0], w[-1], self.s.loss_chunk_tokens,
+                               self.shape.logit_softcap)
+                     for h, t in zip(st.hs, st.targets)]
+            st.loss, st.correct = sum(loss for loss, _ in parts), sum(correct for _, correct in parts)
 
     def _take_checkpoint(self, st: _Step, op: TakeCheckpoint, _) -> None:
         st.xs = self.checkpoints.take(op.layer)

@@ -97,10 +97,21 @@ def roll_back(target: str | Path) -> None:
     target = Path(target)
     if not target.exists():
         return
+    if previous(target).exists():
+        doomed = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
+        os.replace(target, doomed)  # an empty folder: replaced
+        os.replace(previous(target), target)
+        shutil.rmtree(doomed)
+    else:
+        remove_dir(target)
+
+
+def remove_dir(target: str | Path) -> None:
+    """Remove a folder so that no part of it is left under its name, whatever kills the remover:
+    renamed first to a temporary's name (which remove_stale removes), then removed."""
+    target = Path(target)
     doomed = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
     os.replace(target, doomed)  # an empty folder: replaced
-    if previous(target).exists():
-        os.replace(previous(target), target)
     shutil.rmtree(doomed)
 
 

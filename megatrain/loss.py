@@ -96,13 +96,16 @@ def head_loss_and_grads(x: torch.Tensor, targets: torch.Tensor, active: list[boo
 
 @torch.no_grad()
 def head_loss(x: torch.Tensor, targets: torch.Tensor, norm: Template, w_norm: torch.Tensor,
-              w_head: torch.Tensor, chunk: int, softcap: float | None = None) -> torch.Tensor:
-    """Summed loss over `targets`, forward only (an evaluation): the same chunks as the step's."""
+              w_head: torch.Tensor, chunk: int, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss over `targets`, and how many of them are the logits' argmax (the token
+    accuracy's count), forward only (an evaluation): the same chunks as the step's."""
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
     module = norm.bind([w_norm])
     for lo in range(0, x.shape[0], chunk):
         hi = min(x.shape[0], lo + chunk)
         if bool((targets[lo:hi] != IGNORE).any()):
             logits = _capped(F.linear(module(x[lo:hi]), w_head), softcap).float()
             loss += F.cross_entropy(logits, targets[lo:hi], ignore_index=IGNORE, reduction="sum")
-    return loss
+            correct += (logits.argmax(dim=1) == targets[lo:hi]).sum()  # IGNORE is never an argmax
+    return loss, correct

@@ -22,6 +22,7 @@ overlap the next forward (docs/decisions.md, "The CPU optimizer's order").
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import queue
 import threading
@@ -40,15 +41,40 @@ CHUNK = 1 << 24  # elements per fused AdamW call (measured on the H100 host: 1 <
 SCRATCH_BYTES = CHUNK * (4 + 4)  # Scratch: a float32 master chunk and its int32 low halves
 
 
+def schedule_arguments(cfg: OptimConfig) -> dict:
+    """The schedule's arguments besides the warm-up and the length (get_scheduler's
+    scheduler_specific_kwargs): optim.schedule_kwargs, and min_lr_ratio as the *_with_min_lr
+    schedules' min_lr_rate."""
+    kwargs = dict(cfg.schedule_kwargs)
+    if cfg.schedule.endswith("_with_min_lr") and "min_lr" not in kwargs:
+        kwargs.setdefault("min_lr_rate", 0.1 if cfg.min_lr_ratio is None else cfg.min_lr_ratio)
+    return kwargs
+
+
+def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """The schedule's factor of lr by update number, transformers.get_scheduler's own function (the
+    LambdaLR it builds over a throwaway optimizer); a bad schedule_kwargs is refused by name."""
+    from transformers import get_scheduler
+    # lr too: polynomial's factor is relative to the optimizer's lr (its lr_end is absolute)
+    key = (cfg.schedule, cfg.lr, cfg.warmup_steps, total_steps, json.dumps(schedule_arguments(cfg), sort_keys=True))
+    if key not in _FACTORS:
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+        try:
+            scheduler = get_scheduler(cfg.schedule, dummy, num_warmup_steps=cfg.warmup_steps,
+                                      num_training_steps=total_steps, scheduler_specific_kwargs=schedule_arguments(cfg))
+        except (TypeError, ValueError) as e:  # an argument the schedule lacks or needs
+            raise ValueError(f"optim.schedule {cfg.schedule} with optim.schedule_kwargs {cfg.schedule_kwargs}: {e}") from None
+        _FACTORS[key] = scheduler.lr_lambdas[0]
+    return _FACTORS[key]
+
+
+_FACTORS: dict[tuple, Callable[[int], float]] = {}  # a schedule's function, once a process
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of update number `step` (0-based): linear warmup, then cosine or constant."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Learning rate of update number `step` (0-based): lr times the schedule's factor, the product
+    torch's LambdaLR forms, so an update's rate is the HF Trainer's to the bit."""
+    return cfg.lr * lr_factor(cfg, total_steps)(step)
 
 
 def clip_scale(max_norm: float, norm: float | torch.Tensor) -> float | torch.Tensor:

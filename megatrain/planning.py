@@ -22,7 +22,9 @@ from megatrain.config import EngineSettings, TrainConfig
 from megatrain.data import EvalSource, FileSource, SyntheticSource, make_sources
 from megatrain.device import Device
 from megatrain.distributed import Ranks, check as check_ranks, shared_memory_free
+from megatrain.exports import checkpoints
 from megatrain.io import check_writable
+from megatrain.optim import lr_factor
 from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.store import check_pretrained
@@ -30,7 +32,7 @@ from megatrain.units import GiB
 
 # What a run writes in output_dir (runlog.py, save_state, save_pretrained): a new run there is
 # refused while any is left from an earlier one, unless it resumes that run or overwrites it.
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "state", "model")
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "wandb", "state", "model", "best")
 
 # Settings whose change alters what a resumed run means: the schedule's length and shape, the
 # optimizer, the data and its order, the batch. Engine settings change how, not what.
@@ -108,7 +110,11 @@ class RunPlan:
                      + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items())
                      + f"), device {plan.device_bytes / GiB:.2f} GiB")
         out = cfg.output_dir
-        lines.append(f"outputs: {out}/metrics.jsonl, {out}/state, {out}/model" if out else "outputs: none (no output_dir)")
+        extra = ([f"{out}/checkpoint-N every {cfg.save_every} steps"
+                  + (f" (the last {cfg.save_total_limit} kept)" if cfg.save_total_limit else "")] if cfg.save_every else []) \
+            + ([f"{out}/best (by eval {cfg.metric_for_best_model})"] if cfg.metric_for_best_model else [])
+        lines.append(", ".join([f"outputs: {out}/metrics.jsonl", f"{out}/state", f"{out}/model", *extra])
+                     if out else "outputs: none (no output_dir)")
         return "\n".join(lines)
 
 
@@ -123,6 +129,8 @@ def plan_run(cfg: TrainConfig, ranks: Ranks = Ranks(), elsewhere: bool = False) 
     if limit is not None and cfg.data.seq_len > limit:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {limit}")
     check_output_dir(cfg, shape)
+    # the schedule's arguments, before the data is read (a run in epochs has its length after)
+    lr_factor(cfg.optim, cfg.steps or cfg.optim.warmup_steps + 1)
     if cfg.model.pretrained:
         check_pretrained(shape, Path(cfg.model.pretrained))
     if elsewhere and cfg.engine.device.startswith("cuda") and not torch.cuda.is_available():
@@ -151,6 +159,8 @@ def plan_run(cfg: TrainConfig, ranks: Ranks = Ranks(), elsewhere: bool = False) 
         if data_bytes := data.nbytes + (held_out.nbytes if held_out else 0):
             s, p, refusal = settle(data_bytes)
     total = cfg.steps if cfg.steps is not None else data.steps_for(cfg.epochs) if data is not None else None
+    if total is not None:
+        lr_factor(cfg.optim, total)
     return RunPlan(cfg, ranks, shape, device, machine, shared, s, p, data, held_out, total, refusal)
 
 
@@ -166,7 +176,8 @@ def model_config(cfg: TrainConfig):
 def earlier_outputs(out: Path) -> list[Path]:
     """The run outputs in `out`, with the copies a save cut short between its renames left, and the
     one a save keeps until the next step's loss is judged (io.atomic_dir)."""
-    return [p for name in RUN_OUTPUTS for p in (out / name, out / f".{name}.old", out / f".{name}.previous")
+    names = [*RUN_OUTPUTS, *(p.name for _, p in checkpoints(out))]
+    return [p for name in names for p in (out / name, out / f".{name}.old", out / f".{name}.previous")
             if p.exists()]
 
 

@@ -1,5 +1,5 @@
 """What a run tells its user: output_dir/metrics.jsonl (a JSON line per step and per evaluation),
-optional TensorBoard events (output_dir/tensorboard), and the console: a progress bar with ETA and
+the trackers of report_to (trackers.py), and the console: a progress bar with ETA and
 a short summary line every `log_every` steps on stderr; raw JSON lines only on request.
 
 A step's gradient norm is known only once its optimizer has run, after the next step began
@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import TextIO
 
 from megatrain.io import write_text
+from megatrain.trackers import TRACKERS
 from megatrain.units import GiB
 
 
 class RunLog:
     def __init__(self, output_dir: str | None, total_steps: int, start_step: int, log_every: int,
-                 progress: bool = True, tensorboard: bool = False, json_lines: TextIO | None = None,
-                 quiet: bool = False):
-        """`quiet`: nothing on the console (the data-parallel ranks but the first)."""
+                 progress: bool = True, report_to: list[str] = (), json_lines: TextIO | None = None,
+                 quiet: bool = False, config: dict | None = None):
+        """`quiet`: nothing on the console (the data-parallel ranks but the first); `config`: the
+        run's settings, for the trackers that record them."""
         from tqdm import tqdm
         out = Path(output_dir) if output_dir else None
         if out:
@@ -35,10 +37,8 @@ class RunLog:
             write_text(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
         self.file = open(out / "metrics.jsonl", "a") if out else None
         self.json_lines, self.log_every = json_lines, log_every
-        self.tb = None
-        if tensorboard:  # the package is there: the run's settings checked it (config.py)
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+        # their packages are there: the run's settings checked them (config.py)
+        self.trackers = [TRACKERS[name](out, config or {}) for name in report_to]
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, unit="step", file=sys.stderr,
                         dynamic_ncols=True)
         self.progress, self.quiet = progress, quiet
@@ -63,10 +63,8 @@ class RunLog:
     def step(self, m: dict) -> None:
         """A training step's record, its own gradient norm included."""
         self._write({"kind": "train", **m})
-        if self.tb:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "model_tflops"):
-                if m.get(key) is not None:
-                    self.tb.add_scalar(f"train/{key}", m[key], m["step"])
+        self._track({f"train/{key}": m.get(key) for key in ("loss", "lr", "grad_norm", "tokens_per_s", "model_tflops")},
+                    m["step"])
         if m["step"] % self.log_every == 0:
             norm = "-" if m.get("grad_norm") is None else f"{m['grad_norm']:.3f}"
             self.say(f"step {m['step']}: loss {m['loss']:.4f}, lr {m['lr']:.3g}, grad norm {norm}, "
@@ -80,18 +78,21 @@ class RunLog:
 
     def evaluation(self, m: dict) -> None:
         self._write({"kind": "eval", **m})
-        if self.tb:
-            self.tb.add_scalar("eval/loss", m["eval_loss"], m["step"])
-            self.tb.add_scalar("eval/perplexity", m["eval_perplexity"], m["step"])
-        self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}, perplexity {m['eval_perplexity']:.2f} "
-                 f"({m['eval_target_tokens']} tokens)")
+        self._track({f"eval/{key}": m[f"eval_{key}"] for key in ("loss", "perplexity", "accuracy")}, m["step"])
+        self.say(f"step {m['step']}: eval loss {m['eval_loss']:.4f}, perplexity {m['eval_perplexity']:.2f}, "
+                 f"token accuracy {m['eval_accuracy']:.4f} ({m['eval_target_tokens']} tokens)")
+
+    def _track(self, scalars: dict[str, float | None], step: int) -> None:
+        scalars = {k: v for k, v in scalars.items() if v is not None}  # a norm not known, a perplexity overflowed
+        for tracker in self.trackers:
+            tracker.log(scalars, step)
 
     def close(self) -> None:
         self.bar.close()
         if self.file:
             self.file.close()
-        if self.tb:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def perplexity(loss: float) -> float | None:

@@ -2,12 +2,14 @@
 
     trainer = Trainer(load_config("run.yaml"))
     trainer.fit()                       # or trainer.train_step([Batch(...), ...])
-    trainer.evaluate()                  # loss and perplexity of the held-out data
+    trainer.evaluate()                  # loss, perplexity and token accuracy of the held-out data
     trainer.save_pretrained("out/hf")   # loads with AutoModelForCausalLM.from_pretrained
     trainer.close()
 
-`fit` writes output_dir/metrics.jsonl (runlog.py), evaluates every eval_every steps, and saves the
-state and the model (with its tokenizer) at the end. What a run is (its shape, settings, memory plan,
+`fit` writes output_dir/metrics.jsonl (runlog.py), evaluates every eval_every steps, saves the state
+and the model as checkpoint-N every save_every steps (exports.py), keeps the best model by
+evaluation, stops early, and saves the state and the model (with its tokenizer) at the end or
+after the step a Ctrl-C came in. What a run is (its shape, settings, memory plan,
 data) is decided by planning.plan_run, which `megatrain plan` prints.
 """
 from __future__ import annotations
@@ -17,8 +19,11 @@ import itertools
 import math
 import os
 import shutil
+import signal
 import statistics
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,7 +34,8 @@ from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer
 from megatrain.distributed import Comm, Flags, Ranks, SharedArena, shard_batch
 from megatrain.engine import Engine
-from megatrain.io import drop_previous, remove_stale, roll_back, write_json
+from megatrain.exports import Best, checkpoint_dir, rotate
+from megatrain.io import drop_previous, remove_dir, remove_stale, roll_back, write_json
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at
 from megatrain.planning import RunPlan, earlier_outputs, plan_run
@@ -58,6 +64,37 @@ def divergence(loss: float, recent: list[float], factor: float | None) -> str | 
         return None
     return (f"the loss {loss:.6g} is over divergence_factor {factor:g} times the median {median:.4g} of the last "
             f"{min(len(recent), DIVERGENCE_WINDOW)} steps' losses: the run diverged")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, taken at the end of the step it came in: `model` holds that step's weights."""
+
+    def __init__(self, step: int, model: Path):
+        super().__init__(step, model)
+        self.step, self.model = step, model
+
+
+@contextmanager
+def deferred_interrupt(enabled: bool, say):
+    """Within: a first Ctrl-C (SIGINT) is only noted, so that the step it came in completes (a
+    step cut short leaves some tiles updated and others not: no model of any step to export); the
+    returned function says whether it came. A second stops at once, as Ctrl-C does outside. Off
+    where the process's main thread is not the caller (signals reach that thread only)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    came: list[bool] = []
+    before = signal.getsignal(signal.SIGINT)
+
+    def note(signum, frame):
+        came.append(True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        say("interrupted: the step under way completes and its model is saved; Ctrl-C again stops at once")
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 class Trainer:
@@ -121,6 +158,8 @@ class Trainer:
         self.setup_s["engine"] = time.perf_counter() - clock
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
+        self.best = (Best(cfg.metric_for_best_model, cfg.early_stopping_patience, cfg.early_stopping_threshold)
+                     if cfg.metric_for_best_model else None)
         if cfg.resume:
             self.load_state(Path(cfg.output_dir) / "state")
 
@@ -203,15 +242,16 @@ class Trainer:
             for path in earlier_outputs(out):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if self.ranks.rank != 0:  # one rank writes the log; every rank saves (the first alone writes)
-            runlog = RunLog(None, self.total_steps, self.step, cfg.log_every, False, False, None, quiet=True)
+            runlog = RunLog(None, self.total_steps, self.step, cfg.log_every, False, (), None, quiet=True)
         else:
-            runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.tensorboard, log)
+            runlog = RunLog(cfg.output_dir, self.total_steps, self.step, cfg.log_every, progress, cfg.report_to, log,
+                            config=dataclasses.asdict(cfg))
         history: list[dict] = []
         pending: dict | None = None  # the last step's record, awaiting its gradient norm
         losses: list[float] = []  # this run's, for the divergence guard
-        # the last save's weights, until the next step's loss judges them: a divergence (or a
-        # non-finite step) rolls it back to the state it replaced
-        judged = True
+        # the step of the last save (its state and checkpoint), until the next step's loss judges its
+        # weights: a divergence (or a non-finite step) rolls the state back and removes the checkpoint
+        unjudged: int | None = None
 
         def emit(norm_known: bool = False) -> None:
             nonlocal pending
@@ -222,78 +262,105 @@ class Trainer:
                 runlog.step({k: v for k, v in pending.items() if k != "prev_grad_norm"})
                 pending = None
 
-        try:
-            runlog.say(self.describe() + (f"\nresuming at step {self.step}" if self.step else ""))
-            while self.step < self.total_steps:
-                try:
-                    m = self.train_step(self.next_microbatches())
-                except FloatingPointError:
-                    if not judged:
-                        self._roll_back(out / "state")
-                    raise
-                runlog.advance(m)
-                if pending is not None:
-                    pending["grad_norm"] = m["prev_grad_norm"]
-                    emit(norm_known=True)
-                pending = m
-                history.append(m)
-                if why := divergence(m["loss"], losses, cfg.divergence_factor):
-                    emit()
-                    if not judged:
-                        self._roll_back(out / "state")
-                    raise Diverged(f"step {self.step}: {why} (lower optim.lr, keep optim.max_grad_norm set, or "
-                                   f"set divergence_factor: null to train on); nothing of it was saved")
-                losses.append(m["loss"])
-                if not judged:
-                    if self.ranks.rank == 0:
-                        drop_previous(out / "state")
-                    judged = True
-                last = self.step == self.total_steps
-                if self.held_out and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
-                    emit()
-                    runlog.evaluation(self.evaluate())
-                if out and cfg.save_every and self.step % cfg.save_every == 0 and not last:
-                    emit()
-                    self.save_state(out / "state", keep_previous=True)
-                    judged = False
-            emit()
-            if out:
-                self.save_state(out / "state")
-                self.save_pretrained(out / "model")
-                runlog.say(f"saved: the training state in {out / 'state'}, the model in {out / 'model'}")
-        finally:
-            runlog.close()
+        # one rank: the ranks would have to agree on the step to stop after, so Ctrl-C stops them at once
+        with deferred_interrupt(out is not None and self.ranks.world == 1, runlog.say) as interrupted:
+            try:
+                runlog.say(self.describe() + (f"\nresuming at step {self.step}" if self.step else ""))
+                while self.step < self.total_steps:
+                    try:
+                        m = self.train_step(self.next_microbatches())
+                    except FloatingPointError:
+                        if unjudged is not None:
+                            self._roll_back(out, unjudged)
+                        raise
+                    runlog.advance(m)
+                    if pending is not None:
+                        pending["grad_norm"] = m["prev_grad_norm"]
+                        emit(norm_known=True)
+                    pending = m
+                    history.append(m)
+                    if why := divergence(m["loss"], losses, cfg.divergence_factor):
+                        emit()
+                        if unjudged is not None:
+                            self._roll_back(out, unjudged)
+                        raise Diverged(f"step {self.step}: {why} (lower optim.lr, keep optim.max_grad_norm set, or "
+                                       f"set divergence_factor: null to train on); nothing of it was saved")
+                    losses.append(m["loss"])
+                    if unjudged is not None:
+                        if self.ranks.rank == 0:
+                            drop_previous(out / "state")
+                        unjudged = None
+                    last = self.step == self.total_steps
+                    evaluation = None
+                    if self.held_out and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                        emit()
+                        evaluation = self.evaluate()
+                        runlog.evaluation(evaluation)
+                        if self.best is not None and self.best.judge(evaluation):
+                            self.export(out / "best", evaluation)
+                            runlog.say(f"step {self.step}: the best eval {self.best.metric} so far, "
+                                       f"{self.best.value:.6g}: the model in {out / 'best'}")
+                    if out and cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                        emit()
+                        self.save_state(out / "state", keep_previous=True)
+                        self.export(checkpoint_dir(out, self.step), evaluation)
+                        if self.ranks.rank == 0:
+                            rotate(out, cfg.save_total_limit, self.best.step if self.best else None)
+                        unjudged = self.step
+                    if self.best is not None and self.best.stop:
+                        runlog.say(f"early stop at step {self.step}: {self.best.stale} evaluations without improving "
+                                   f"eval {self.best.metric} by more than {self.best.threshold:g} (its best "
+                                   f"{self.best.value:.6g}, step {self.best.step}; early_stopping_patience)")
+                        break
+                    if interrupted():
+                        emit()
+                        self.export(out / "model", evaluation)
+                        raise Interrupted(self.step, out / "model")
+                emit()
+                if out:
+                    self.save_state(out / "state")
+                    self.export(out / "model")
+                    runlog.say(f"saved: the training state in {out / 'state'}, the model in {out / 'model'}")
+            finally:
+                runlog.close()
         for m in history:  # the records the log got, norms included
             m.setdefault("grad_norm", self.engine.worker.grad_norms.get(m["step"] - 1))
         return history
 
     def evaluate(self) -> dict:
-        """Mean loss and perplexity over the held-out data (eval_batches micro-batches at most),
+        """Mean loss, perplexity and token accuracy (the share of target tokens that are the logits'
+        argmax) over the held-out data (eval_batches micro-batches at most),
         grad_accum micro-batches at a time, through the engine's streaming forward."""
         if self.held_out is None:
             raise ValueError("evaluate needs held-out data: data.eval_path, data.eval_fraction or data.eval_split")
         start = time.perf_counter()
-        loss = targets = 0
+        loss = targets = correct = 0
         batches = list(itertools.islice(self.held_out.batches(), self.cfg.eval_batches))
         for lo in range(0, len(batches), self.cfg.data.grad_accum):
             # the last batch may have fewer rows than there are ranks: a rank may get none
             mine = [mb for mb in map(self._rows, batches[lo: lo + self.cfg.data.grad_accum]) if mb.input_ids.shape[0]]
             if mine:
-                part, n = self.engine.evaluate(mine)
-                loss, targets = loss + part, targets + n
-        loss, targets = self.comm.sum_values(loss, targets)
+                part, n, hits = self.engine.evaluate(mine)
+                loss, targets, correct = loss + part, targets + n, correct + hits
+        loss, targets, correct = self.comm.sum_values(loss, targets, correct)  # summed over ranks as floats
         mean = loss / max(1, targets)
         return {"step": self.step, "eval_loss": mean, "eval_perplexity": perplexity(mean),
-                "eval_target_tokens": int(targets), "eval_time_s": time.perf_counter() - start}  # summed over ranks as floats
+                "eval_accuracy": correct / max(1, targets), "eval_target_tokens": int(targets),
+                "eval_time_s": time.perf_counter() - start}
 
     def describe(self) -> str:
         """The start-up summary: the model, the data, the memory plan and where things go."""
         return self.plan.describe()
 
     # ---- saving ----
-    def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
+    def export(self, path: Path, evaluation: dict | None = None) -> None:
+        """The model of this step as a run saves it (save_pretrained), with the step and the
+        evaluation of its weights, if one was made, beside it (exports.META)."""
+        self.save_pretrained(path, meta={"step": self.step, "eval": evaluation})
+
+    def save_pretrained(self, path: str | Path, dtype: str | None = None, meta: dict | None = None) -> None:
         """The model as a `transformers` folder: weights in `dtype` (default: save_dtype), the
-        generation config, and the tokenizer where the run has one."""
+        generation config, and the tokenizer where the run has one; `meta` beside them, if given."""
         if not self._all_updated():
             return
         tok_dir = self.cfg.data.tokenizer or self.cfg.model.pretrained
@@ -302,7 +369,7 @@ class Trainer:
             tokenizer = load_tokenizer(tok_dir, self.cfg.data.chat_template)
         with bar(f"saving the model to {path}", self._params(), self.progress) as advance:
             checkpoint.save_pretrained(self.store, self.shape, path, getattr(torch, dtype or self.cfg.save_dtype),
-                                       tokenizer, advance)
+                                       tokenizer, advance, meta)
 
     def _params(self, tiles=None) -> int:
         """The parameters of `tiles` (None: every tile), without padding: what a bar counts."""
@@ -315,11 +382,13 @@ class Trainer:
         self.comm.barrier()
         return self.ranks.rank == 0
 
-    def _roll_back(self, path: Path) -> None:
-        """The last save's weights gave a diverged or non-finite loss: back to the state it replaced
-        (none where it was the first), on the rank that writes."""
+    def _roll_back(self, out: Path, step: int) -> None:
+        """The weights saved at `step` gave a diverged or non-finite loss: the state back to the one
+        that save replaced (none where it was the first), its checkpoint removed, on the rank that writes."""
         if self.ranks.rank == 0:
-            roll_back(path)
+            roll_back(out / "state")
+            if (saved := checkpoint_dir(out, step)).exists():
+                remove_dir(saved)
 
     def save_state(self, path: str | Path, keep_previous: bool = False) -> None:
         """`keep_previous`: the state replaced is kept until the caller drops or rolls back to it."""
@@ -327,7 +396,7 @@ class Trainer:
             return
         meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
-                "settings": dataclasses.asdict(self.settings)}
+                "settings": dataclasses.asdict(self.settings), "best": self.best.state() if self.best else None}
         with bar(f"saving the training state to {path}", self._params(), self.progress) as advance:
             checkpoint.save_state(self.store, path, meta, advance, keep_previous)
 
@@ -343,6 +412,8 @@ class Trainer:
         self.step = meta["step"]
         self.engine.worker.updates_done = self.engine.worker.steps_begun = meta["updates_done"]
         self.data.position = meta["data_position"]
+        if self.best is not None:  # a state saved without a best model (an earlier run's) starts afresh
+            self.best.restore(meta.get("best"))
 
     def layer_ceiling(self, reps: int = 5) -> dict:
         """The engine's single-layer compute ceiling on one of this run's micro-batches (engine.py)."""

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, get_scheduler
 
 from megatrain.shapes import ParamSpec, load_hf_config
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.batch import Batch
-from megatrain.optim import lr_at
+from megatrain.optim import schedule_arguments
 
 # datasets' logger binds its handler to the sys.stderr of its first use: importing it here binds the
 # session's, not the captured stream of the first test that reads a dataset (closed when that test
@@ -56,7 +56,9 @@ class Reference:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=optim.lr, betas=optim.betas, eps=optim.eps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, optim, total_steps) / optim.lr)
+        # the schedule as the HF Trainer builds and steps it, once after each optimizer step
+        self.sched = get_scheduler(optim.schedule, self.opt, num_warmup_steps=optim.warmup_steps,
+                                   num_training_steps=total_steps, scheduler_specific_kwargs=schedule_arguments(optim))
         self.max_norm = optim.max_grad_norm
 
     def step(self, microbatches: list[Batch]) -> tuple[float, float]:

@@ -156,7 +156,7 @@ def test_missing_dataset_columns(tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [({"save_dtype": "bfloat16"}, "save_dtype needs output_dir"),
-                                               ({"save_every": 2, "tensorboard": True}, "save_every, tensorboard need output_dir")])
+                                               ({"save_every": 2, "report_to": ["tensorboard"]}, "save_every, report_to need output_dir")])
 def test_a_save_setting_without_output_dir_is_named(settings, message):
     """Without output_dir nothing is saved, so a save setting would do nothing without a word."""
     with pytest.raises(ValueError, match=message):
@@ -419,14 +419,16 @@ def test_megatrain_plan_names_a_bad_rank_count(capsys, gpus, message):
     assert f"argument --gpus: must be {message}" in capsys.readouterr().err
 
 
-def test_tensorboard_without_its_package_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
+def test_a_tracker_without_its_package_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch, tracker):
     import importlib.util
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find_spec(name, *a))
     out = tmp_path / "out"
     assert main(["train", "--no-progress", "model.preset=tiny-qwen2", "engine.device=cpu", "data.seq_len=16",
-                 "steps=1", f"output_dir={out}", "tensorboard=true"]) == 2
-    assert "tensorboard: true needs the tensorboard package" in capsys.readouterr().err
+                 "steps=1", f"output_dir={out}", f"report_to=[{tracker}]"]) == 2
+    assert (f"report_to: {tracker} needs the {tracker} package: pip install 'megatrain[{tracker}]' "
+            f"(or pip install {tracker})") in capsys.readouterr().err
     assert not out.exists()
 
 

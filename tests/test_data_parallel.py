@@ -46,7 +46,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 def settings(tmp_path, **top) -> dict:
     return {"model": {"pretrained": str(tmp_path / "init")},
             "engine": {"device": "cpu", "checkpoint_every": 2, "loss_chunk_tokens": 7},
-            "optim": {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1, "max_grad_norm": 0.5, "warmup_steps": 1},
+            "optim": {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1, "max_grad_norm": 0.5, "schedule": "constant"},
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": ACCUM}, "steps": STEPS, **top}
 
 
@@ -200,6 +200,7 @@ def test_two_ranks_evaluate_as_one(tmp_path):
         assert got["eval_target_tokens"] == expected["eval_target_tokens"] == 5 * (SEQ - 1)
         assert isinstance(got["eval_target_tokens"], int)
         assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+        assert got["eval_accuracy"] == expected["eval_accuracy"]  # whole counts, summed over the ranks
 
 
 def test_resume_after_a_two_rank_run(tmp_path):

@@ -101,7 +101,7 @@ def make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, lr=1e-3, s
     cfg = load_config(base={
         "model": {"pretrained": str(tmp_path / "init")},
         "engine": {"device": "cpu", "checkpoint_every": K, "loss_chunk_tokens": 7, **engine},
-        "optim": {"lr": lr, "weight_decay": 0.1, "max_grad_norm": clip, "warmup_steps": 1, **(optim or {})},
+        "optim": {"lr": lr, "weight_decay": 0.1, "max_grad_norm": clip, "warmup_steps": 0, **(optim or {})},
         "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": accum},
         "steps": steps,
     })
@@ -184,9 +184,9 @@ def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
     assert all(calls.values()), calls  # the run used them
 
 
-def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None):
+def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, optim=None, steps=3):
     model = tiny_checkpoint(tmp_path / "init", preset, overrides)
-    cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, optim=optim)
+    cfg, trainer = make_trainer(tmp_path, preset, overrides, K, accum, clip, engine, optim=optim, steps=steps)
     reference = Reference(model, cfg.optim, cfg.steps)
     try:
         ref_norms, norms = [], []

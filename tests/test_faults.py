@@ -100,6 +100,7 @@ def test_a_run_that_diverges_without_a_nan_stops_and_keeps_the_state_before_it(t
     assert "holds step 2" in err  # where the command says a resume continues from
     assert json.loads((out / "state" / "state.json").read_text())["step"] == 2
     assert not (out / ".state.previous").exists() and not temporaries(out)
+    assert not list(out.glob("checkpoint-*"))  # step 3's, whose weights gave step 4's loss, removed with its state
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][-1] == 4  # the diverged step is in the log
     assert main([*args, "steps=6", "optim.lr=1e3", "save_every=1", "resume=true", "resume_changes=true",

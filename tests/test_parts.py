@@ -45,11 +45,13 @@ SPLIT = EngineConfig(split_masters=True)
 
 
 def test_lr_schedule():
+    """transformers' warm-up (update t at t / warmup_steps of lr) and its cosine down to
+    min_lr_ratio; tests/test_schedules.py holds every schedule to the library's."""
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
-    assert [lr_at(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_at(s, cfg, 14) for s in range(4)] == [0.0, 0.25, 0.5, 0.75]
     assert lr_at(4, cfg, 14) == 1.0
     assert math.isclose(lr_at(9, cfg, 14), 0.55)  # halfway down the cosine
-    assert math.isclose(lr_at(14, cfg, 14), 0.1) and math.isclose(lr_at(99, cfg, 14), 0.1)
+    assert math.isclose(lr_at(14, cfg, 14), 0.1)  # past it the library's cosine goes on: no run gets there
     assert lr_at(50, OptimConfig(lr=2.0, schedule="constant"), 10) == 2.0
 
 

@@ -53,7 +53,7 @@ def setup(tmp_path, preset="tiny-qwen2", rows=24):
 
 def config(tmp_path, path, data=None, **extra):
     base = {"model": {"pretrained": str(tmp_path / "init")}, "engine": {"device": "cpu", "checkpoint_every": 2},
-            "optim": {"lr": 1e-3, "warmup_steps": 1},
+            "optim": {"lr": 1e-3, "warmup_steps": 0},
             "data": {"source": "file", "path": str(path), "format": "chat", "seq_len": 128, "batch_size": 2,
                      "grad_accum": 2, **(data or {})}}
     return load_config(base={**base, **extra})
@@ -87,7 +87,7 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
         for key in ("loss", "lr", "tokens", "target_tokens", "tokens_per_s", "model_tflops", "step_time_s",
                     "peak_host_bytes"):
             assert m[key] is not None, key
-    assert train[0]["lr"] == pytest.approx(1e-3) and train[-1]["lr"] < train[1]["lr"]  # warmup, then cosine
+    assert train[0]["lr"] == pytest.approx(1e-3) and train[-1]["lr"] < train[1]["lr"]  # the full rate, then the cosine
     assert [m["grad_norm"] for m in history] == [m["grad_norm"] for m in train]
     for m in evals:
         assert m["eval_perplexity"] == pytest.approx(math.exp(m["eval_loss"])) and m["eval_target_tokens"] > 0
@@ -104,24 +104,32 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gemma2", "tiny-gpt-oss", "tiny-qwen3-moe"])
 def test_evaluation_equals_a_plain_forward(tmp_path, preset):
     """The held-out loss is the library's cross-entropy (a mixture of experts' without its router term;
-    Gemma 2's of its soft-capped logits). The library's model runs eager attention, which applies
-    Gemma 2's attention soft-capping (its SDPA path drops it)."""
+    Gemma 2's of its soft-capped logits), the token accuracy the share of targets that are its logits'
+    argmax. The library's model runs eager attention, which applies Gemma 2's attention soft-capping
+    (its SDPA path drops it)."""
     data = setup(tmp_path, preset)
-    trainer = Trainer(config(tmp_path, data, steps=1, data={"eval_fraction": 0.5, "batch_size": 3}))
+    # trained a little first, so that some targets are the argmax (none are at the random start)
+    trainer = Trainer(config(tmp_path, data, steps=4, optim={"lr": 1e-2}, data={"eval_fraction": 0.5, "batch_size": 3}))
     try:
+        for _ in range(4):
+            trainer.train_step(trainer.next_microbatches())
         result = trainer.evaluate()
         batches = list(trainer.held_out.batches())
+        trainer.save_pretrained(tmp_path / "trained")
     finally:
         trainer.close()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32, attn_implementation="eager")
-    total = n = 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32, attn_implementation="eager")
+    total = n = hits = 0
     with torch.no_grad():
         for b in batches:
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             total += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                        b.labels[:, 1:].reshape(-1), reduction="sum").item()
             n += int((b.labels[:, 1:] != -100).sum())
+            hits += int((logits[:, :-1].argmax(-1) == b.labels[:, 1:]).sum())
     assert result["eval_target_tokens"] == n
+    # the same argmax: float32 logits that differ by summation order alone, no near-tie among them
+    assert result["eval_accuracy"] == hits / n and 0 < hits < n
     # float32 on both sides; the engine's head sums in chunks, the reference at once
     assert result["eval_loss"] == pytest.approx(total / n, rel=1e-5)
 
@@ -164,8 +172,10 @@ def test_resume_with_an_evaluation_split(tmp_path):
     split = {"eval_fraction": 0.25}
 
     def run(steps, out, resume=False):
+        # extended from 2 steps: at a constant rate its first two are the 4-step run's
         trainer = Trainer(config(tmp_path, data, steps=steps, output_dir=str(tmp_path / out), eval_every=2,
-                                 resume=resume, resume_changes=resume, data=split))  # extended from 2 steps
+                                 resume=resume, resume_changes=resume, data=split,
+                                 optim={"lr": 1e-3, "schedule": "constant"}))
         try:
             trainer.fit(progress=False)
             return store_params(trainer)
@@ -222,7 +232,7 @@ def test_plan_and_help(tmp_path, capsys):
 def test_tensorboard_events(tmp_path):
     pytest.importorskip("tensorboard")
     data = setup(tmp_path)
-    trainer = Trainer(config(tmp_path, data, steps=2, output_dir=str(tmp_path / "out"), tensorboard=True,
+    trainer = Trainer(config(tmp_path, data, steps=2, output_dir=str(tmp_path / "out"), report_to=["tensorboard"],
                              data={"eval_fraction": 0.25}))
     try:
         trainer.fit(progress=False)

@@ -52,7 +52,7 @@ def main() -> int:
                 for g in (np.arange(0, 6), np.arange(6, 12)):
                     rows = [g[:3], g[3:]] if packed else [g[k: k + 1] for k in range(6)]
                     mb = collate(ex, rows, 0, packed)
-                    part, n = trainer.engine.evaluate([mb])
+                    part, n, _ = trainer.engine.evaluate([mb])
                     evals.append(part / n)
                     losses.append(trainer.train_step([mb])["loss"])
                 runs[packed] = losses, evals, store_params(trainer)
