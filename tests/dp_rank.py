@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import store_params
+from helpers import store_params
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
 

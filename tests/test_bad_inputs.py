@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_checkpoint
+from helpers import tiny_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.trainer import Trainer

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_batches, store_params, tiny_checkpoint, train_save_reload
+from helpers import random_batches, store_params, tiny_checkpoint, train_save_reload
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import tiny_checkpoint
+from helpers import tiny_checkpoint
 from megatrain.config import DataConfig, load_config
 from megatrain.data import make_sources
 from megatrain.data.formats import encode

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_batches, store_params, tiny_checkpoint
+from helpers import random_batches, store_params, tiny_checkpoint
 from megatrain.config import load_config
 from megatrain.distributed import Ranks, check, part
 from megatrain.trainer import Trainer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tiny_checkpoint
+from helpers import tiny_checkpoint
 from megatrain.cli import main
 from megatrain.config import DataConfig
 from megatrain.data import make_sources

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import Reference, random_batches, store_params, tiny_checkpoint
+from helpers import Reference, random_batches, store_params, tiny_checkpoint
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
 

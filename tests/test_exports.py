@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import store_params
+from helpers import store_params
 from megatrain.cli import main
 from megatrain.exports import META, rotate
 from megatrain.trainer import Trainer

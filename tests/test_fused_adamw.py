@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import random_batches, store_params, tiny_checkpoint
+from helpers import random_batches, store_params, tiny_checkpoint
 from megatrain import fused_adamw, optim
 from megatrain.config import OptimConfig, load_config
 from megatrain.kernel_build import compiled

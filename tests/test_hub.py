@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_checkpoint
+from helpers import tiny_checkpoint
 from megatrain.config import DataConfig, load_config
 from megatrain.data import make_sources
 from tiny_tokenizer import byte_tokenizer

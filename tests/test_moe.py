@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import random_batches, tiny_checkpoint, train_save_reload
+from helpers import random_batches, tiny_checkpoint, train_save_reload
 from megatrain.cli import main
 from megatrain.config import ModelConfig
 from megatrain.metrics import model_flops

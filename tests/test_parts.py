@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_batches
+from helpers import random_batches
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig, load_config
 import megatrain.store as store_module
 from megatrain.memory import plan

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import store_params, tiny_checkpoint
+from helpers import store_params, tiny_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.data.source import collate

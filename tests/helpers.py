@@ -1,0 +1,107 @@
+"""Helpers the tests share: tiny `transformers` checkpoints, random batches and a plain-PyTorch
+reference trainer (transformers + torch.optim.AdamW) to hold the engine to."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from megatrain.shapes import ParamSpec, load_hf_config
+from megatrain.config import ModelConfig, OptimConfig
+from megatrain.batch import Batch
+from megatrain.optim import schedule_arguments
+
+
+def tiny_checkpoint(path, preset: str, overrides: dict | None = None, seed: int = 0):
+    """Save a seeded, float32, randomly initialised tiny model; return it."""
+    torch.manual_seed(seed)
+    hf = load_hf_config(ModelConfig(preset=preset, overrides=overrides or {}))
+    model = AutoModelForCausalLM.from_config(hf).float()
+    model.save_pretrained(path)
+    return model
+
+
+def random_batches(steps: int, accum: int, batch: int, seq: int, vocab: int, pad: bool, seed: int = 1):
+    """Per step, `accum` micro-batches; with pad, some sequences are right-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+            mask = torch.ones_like(ids)
+            if pad:
+                mask[0, seq - 5:] = 0
+                mask[-1, seq // 2:] = 0
+            labels = ids.masked_fill(mask == 0, -100)
+            mbs.append(Batch(ids, labels, mask))
+        out.append(mbs)
+    return out
+
+
+class Reference:
+    """A fully resident `transformers` model trained with torch.optim.AdamW: the ground truth. A
+    mixture of experts whose config asks for the router's loss (output_router_logits) adds the
+    model's own `aux_loss`, weighted as its `loss` weighs it, to each micro-batch's share."""
+
+    def __init__(self, model, optim: OptimConfig, total_steps: int):
+        self.model = model
+        matrices = {n for n, p in model.named_parameters() if ParamSpec(n, tuple(p.shape)).decay}
+        decay = [p for n, p in model.named_parameters() if n in matrices or optim.decay == "all"]
+        rest = [p for n, p in model.named_parameters() if n not in matrices and optim.decay == "matrices"]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}],
+                                     lr=optim.lr, betas=optim.betas, eps=optim.eps)
+        # the schedule as the HF Trainer builds and steps it, once after each optimizer step
+        self.sched = get_scheduler(optim.schedule, self.opt, num_warmup_steps=optim.warmup_steps,
+                                   num_training_steps=total_steps, scheduler_specific_kwargs=schedule_arguments(optim))
+        self.max_norm = optim.max_grad_norm
+
+    def step(self, microbatches: list[Batch]) -> tuple[float, float]:
+        """Mean loss over the step's target tokens, and the gradient norm before clipping."""
+        self.opt.zero_grad()
+        n = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in microbatches)
+        total = 0.0
+        aux_coef = getattr(self.model.config, "router_aux_loss_coef", 0.0)
+        for mb in microbatches:
+            out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+            logits = out.logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), mb.labels[:, 1:].reshape(-1),
+                ignore_index=-100, reduction="sum")
+            share = loss / n
+            if getattr(out, "aux_loss", None) is not None:
+                share = share + aux_coef * out.aux_loss / len(microbatches)
+            share.backward()
+            total += share.item()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm or float("inf"))
+        self.opt.step()
+        self.sched.step()
+        return total, float(norm)
+
+
+def store_params(trainer) -> dict[str, torch.Tensor]:
+    trainer.engine.worker.flush()
+    out = {}
+    for tile in trainer.store.tiles:
+        for name, view in zip(trainer.shape.hf_names(tile.name), tile.master_views()):
+            out[name] = view.to("cpu", torch.float32)
+    return out
+
+
+def train_save_reload(trainer, batches, out) -> dict[str, torch.Tensor]:
+    """Train on `batches`, export with save_pretrained, load with `from_pretrained`: the loaded state,
+    checked equal to the trained store to the bit; the trainer is closed."""
+    try:
+        for mbs in batches:
+            trainer.train_step(mbs)
+        trainer.save_pretrained(out)
+        ours = store_params(trainer)
+    finally:
+        trainer.close()
+    state = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    if trainer.shape.tied:
+        state.pop("lm_head.weight")
+    assert set(state) == set(ours)
+    for name, value in ours.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    return state
