@@ -5,12 +5,13 @@
 // constants are made in double and rounded to float as there; a call's elements up to its last
 // multiple of torch's vector width (`body`) take its vector formula and the rest its scalar one.
 // Which products and sums are one fused multiply-add is what torch's released build does, and that
-// differs between builds and vector widths (its compiler contracts some of them: the second
-// moment's, the scalar lerp; torch 2.13's AVX2 kernel and 2.11's AVX-512 one contract the second
-// moment differently, and the weight decay's product into the step's sum). So each is written out here in every form a build may take, with nothing
-// else contracted (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py
-// finds the forms that give torch's own kernel's numbers to the bit on the machine that runs it,
-// and without one uses torch's.
+// may differ between builds and vector widths (its compiler contracts some of them: the second
+// moment's, the lerp's, perhaps the weight decay's product into the step's sum; torch 2.11's
+// AVX-512 build's scalar formula gives a second moment that none of the forms here gives). So
+// each is written out here in every form a build may take, with nothing else contracted
+// (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py finds the forms
+// that give torch's own kernel's numbers to the bit on the machine that runs it, and where none
+// does leaves those elements to torch.
 //
 // Called through ctypes, which releases the GIL for the call: the optimizer worker runs this while
 // the main thread launches the GPU's work. OpenMP threads: `threads`, the caller's torch count.
