@@ -10,7 +10,7 @@
   worker_kill  a harness point whose worker is killed by SIGKILL as the OOM killer would: the
                result's status and reason
 
-    python experiments/probes/gpu_faults.py OUT_DIR [--preset qwen2.5-1.5b] [--only kill9 ...]
+    python experiments/probes/gpu_faults.py OUT_DIR [--preset qwen2.5-1.5b] [--steps 10] [--only kill9 ...]
 
 OUT_DIR gets faults.json (one entry per fault) and each run's output. Nothing here is a test: the
 behaviour found is what the log records, and what a test then holds where the CPU can show it.
@@ -41,6 +41,7 @@ def shm() -> set[str]:
 
 
 SEQ = 4096  # tokens a sequence (--seq)
+STEPS = 10  # a killed or crowded run's steps, saved every 2 (--steps)
 
 
 def train_args(preset: str, out: Path, steps: int, *extra: str) -> list[str]:
@@ -62,7 +63,7 @@ def kill9(preset: str, out: Path) -> dict:
     before_shm, before_gpu = shm(), gpu_used_mib()
     log, start = out / "kill9_train.log", time.time()
     with open(log, "w") as f:
-        p = subprocess.Popen(train_args(preset, out / "kill9", 40), stdout=f, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(train_args(preset, out / "kill9", STEPS), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
     state = out / "kill9" / "state"
     deadline = time.time() + 400
@@ -78,7 +79,7 @@ def kill9(preset: str, out: Path) -> dict:
     entry = {"saved_before_kill": state.exists(), "killed_after_start_s": round(killed_at - start, 1),
              "processes_left": left, "shm_added": sorted(shm() - before_shm), "gpu_used_mib_before": before_gpu,
              "gpu_used_mib_after": gpu_used_mib(), "inductor_locks": locks[:20]}
-    entry["resume"] = run(train_args(preset, out / "kill9", 40, "resume=true"), out / "kill9_resume.log")
+    entry["resume"] = run(train_args(preset, out / "kill9", STEPS, "resume=true"), out / "kill9_resume.log")
     return entry
 
 
@@ -86,7 +87,7 @@ def device_full(preset: str, out: Path) -> dict:
     """Another process takes what the device has free once the run has trained two steps."""
     log = out / "device_full_train.log"
     with open(log, "w") as f:
-        p = subprocess.Popen(train_args(preset, out / "device_full", 30), stdout=f, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(train_args(preset, out / "device_full", STEPS), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
     deadline = time.time() + 400
     while p.poll() is None and time.time() < deadline and not (out / "device_full" / "state").exists():
@@ -141,14 +142,15 @@ FAULTS = {"kill9": kill9, "device_full": device_full, "truncated": truncated, "w
 
 
 def main() -> None:
-    global SEQ
+    global SEQ, STEPS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--preset", default="qwen2.5-1.5b")
     ap.add_argument("--seq", type=int, default=SEQ)
+    ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--only", nargs="*", choices=list(FAULTS), default=list(FAULTS))
     a = ap.parse_args()
-    SEQ = a.seq
+    SEQ, STEPS = a.seq, a.steps
     a.out.mkdir(parents=True, exist_ok=True)
     found = {}
     for name in a.only:
