@@ -5,6 +5,8 @@
                memory held, the inductor cache's locks), then the same command with resume=true
   device_full  another process takes the device's free memory while a run trains: the run's exit
                code and message, and whether output_dir/state still holds the last good save
+  device_taken another process holds all but 256 MiB of the device before a run starts: the run's
+               exit code and message (admission should refuse it, naming the device memory)
   truncated    a run's saved state with one file cut to half its size, then resumed: the exit code
                and the message (it should name the file)
   worker_kill  a harness point whose worker is killed by SIGKILL as the OOM killer would: the
@@ -92,11 +94,7 @@ def device_full(preset: str, out: Path) -> dict:
     deadline = time.time() + 400
     while p.poll() is None and time.time() < deadline and not (out / "device_full" / "state").exists():
         time.sleep(0.5)
-    hog = subprocess.Popen([sys.executable, "-c",
-                            "import torch, time; free, _ = torch.cuda.mem_get_info();"
-                            "x = torch.empty(free - (256 << 20), dtype=torch.uint8, device='cuda');"
-                            "print('took', free >> 20, 'MiB', flush=True); time.sleep(600)"],
-                           stdout=subprocess.PIPE, text=True)
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
     took = hog.stdout.readline().strip()
     try:
         rc = p.wait(timeout=600)
@@ -107,6 +105,23 @@ def device_full(preset: str, out: Path) -> dict:
     state = out / "device_full" / "state"
     return {"hog": took, "rc": rc, "last_lines": text.strip().splitlines()[-4:], "traceback": "Traceback" in text,
             "state_left": sorted(q.name for q in state.iterdir()) if state.is_dir() else None}
+
+
+HOG = ("import torch, time; free, _ = torch.cuda.mem_get_info();"
+       "x = torch.empty(free - (256 << 20), dtype=torch.uint8, device='cuda');"
+       "print('took', free >> 20, 'MiB', flush=True); time.sleep(600)")
+
+
+def device_taken(preset: str, out: Path) -> dict:
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
+    try:
+        took = hog.stdout.readline().strip()
+        entry = run(train_args(preset, out / "device_taken", 2), out / "device_taken_train.log")
+    finally:
+        hog.kill()
+        hog.wait()
+    return {"hog": took, **entry, "output_left": sorted(q.name for q in (out / "device_taken").iterdir())
+            if (out / "device_taken").is_dir() else None}
 
 
 def truncated(preset: str, out: Path) -> dict:
@@ -138,7 +153,7 @@ def worker_kill(preset: str, out: Path) -> dict:
     return {"killed": worker, "rc": rc, "status": r.get("status"), "reason": r.get("reason")}
 
 
-FAULTS = {"kill9": kill9, "device_full": device_full, "truncated": truncated, "worker_kill": worker_kill}
+FAULTS = {"kill9": kill9, "device_full": device_full, "device_taken": device_taken, "truncated": truncated, "worker_kill": worker_kill}
 
 
 def main() -> None:
