@@ -33,6 +33,15 @@ def grow_expandable_segments() -> None:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def held_by_others(index: int) -> str:
+    """`: N of M GiB in use by other processes`, as the driver counts it, or nothing where it cannot say."""
+    try:
+        used, total = torch.cuda.device_memory_used(index), torch.cuda.get_device_properties(index).total_memory
+    except Exception:  # NVML absent, or the driver refusing this too: the message stands without numbers
+        return ""
+    return f": {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use by other processes (nvidia-smi lists them)"
+
+
 class Device:
     def __init__(self, name: str = "auto"):
         if name == "auto":
@@ -46,7 +55,13 @@ class Device:
         if self.is_cuda:
             if self.torch.index is None:
                 self.torch = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.torch)
+            try:
+                torch.cuda.set_device(self.torch)  # creates the CUDA context: a few hundred MiB
+            except RuntimeError as e:
+                if "out of memory" not in str(e):
+                    raise
+                raise ValueError(f"engine.device {self.torch}: no room for a CUDA context, the device is out "
+                                 f"of memory before the run began{held_by_others(self.torch.index)}") from None
             grow_expandable_segments()
             self.compute = torch.cuda.Stream(self.torch)
             self.h2d = torch.cuda.Stream(self.torch)

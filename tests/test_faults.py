@@ -238,3 +238,23 @@ def test_a_workflow_job_that_is_no_point_ends_with_snakemake(tmp_path):
         for d in ("results", "logs", "plots", "work"):
             import shutil
             shutil.rmtree(ROOT / d / hw, ignore_errors=True)
+
+
+def test_a_device_another_process_filled_is_refused_by_name(monkeypatch, tmp_path, capsys):
+    """The GPU fault `device_taken` (experiments/probes/gpu_faults.py): another process holds all but
+    256 MiB of the device, so the run's CUDA context cannot be made; torch says so by a traceback."""
+    import torch
+
+    def full(device):
+        raise torch.AcceleratorError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", full)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda index: 139 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 140 << 30}))
+    rc = main(["train", "--no-progress", "model.preset=tiny-llama", "engine.device=cuda:0", "data.seq_len=16",
+               f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "engine.device cuda:0: no room for a CUDA context" in err and "139.0 of 140.0 GiB" in err
+    assert not (tmp_path / "run").exists()

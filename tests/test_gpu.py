@@ -21,9 +21,11 @@ EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager"} 
 
 
 def gpu_tree(tmp_path, **engine) -> dict:
+    """A tiny run streaming every tile from the host (`device_tiles: 0`; the default, auto, would keep
+    all of a tiny model's state on the GPU, leaving nothing to stream or update on the host)."""
     return {
         "model": {"pretrained": str(tmp_path / "init")},
-        "engine": {"device": "cuda", "checkpoint_every": 2, "loss_chunk_tokens": 96, **engine},
+        "engine": {"device": "cuda", "checkpoint_every": 2, "loss_chunk_tokens": 96, "device_tiles": 0, **engine},
         "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "warmup_steps": 2},
         "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2},
         "steps": STEPS,
@@ -56,8 +58,19 @@ def assert_same_direction(start: dict, runs) -> None:
     assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.99
 
 
-def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only):
-    model = tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+# the dense families beyond the Llama layout, at OVERRIDES' size (Gemma 3's layer types for 4 layers)
+DENSE = {"tiny-qwen2": OVERRIDES, "tiny-phi3": OVERRIDES, "tiny-gemma2": OVERRIDES,
+         "tiny-gemma3": {**OVERRIDES, "layer_types": ["sliding_attention", "full_attention"] * 2}}
+
+
+@pytest.mark.parametrize("preset", list(DENSE))
+def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only, preset):
+    """bf16 streamed training against the library's float32 model on the CPU. The reference runs eager
+    attention where the GPU's run takes flex attention (Gemma 2's soft-capping), which the CPU
+    cannot differentiate."""
+    model = tiny_checkpoint(tmp_path / "init", preset, DENSE[preset])
+    if model.config._attn_implementation == "flex_attention":
+        model.set_attn_implementation("eager")
     start = {k: v.clone() for k, v in model.state_dict().items()}
     cfg, trainer = gpu_trainer(tmp_path)
     reference = Reference(model, cfg.optim, STEPS)
@@ -255,7 +268,9 @@ def test_a_closed_deepspeed_run_leaves_the_process_as_it_found_it(cuda_only):
 
 MOE = {"tiny-gpt-oss": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32},
        "tiny-qwen3-moe": {"hidden_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "head_dim": 32,
-                          "num_hidden_layers": 4}}
+                          "num_hidden_layers": 4},
+       "tiny-mixtral": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32,
+                        "num_hidden_layers": 4}}
 
 
 @pytest.mark.parametrize("preset", list(MOE))
