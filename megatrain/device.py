@@ -34,12 +34,12 @@ def grow_expandable_segments() -> None:
 
 
 def held_by_others(index: int) -> str:
-    """`: N of M GiB in use by other processes`, as the driver counts it, or nothing where it cannot say."""
+    """`: other processes hold N GiB of it`, as the driver (NVML) counts it, or nothing where it cannot say."""
     try:
-        used, total = torch.cuda.device_memory_used(index), torch.cuda.get_device_properties(index).total_memory
+        used = torch.cuda.device_memory_used(index)
     except Exception:  # NVML absent, or the driver refusing this too: the message stands without numbers
         return ""
-    return f": {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use by other processes (nvidia-smi lists them)"
+    return f": other processes hold {used / 2**30:.1f} GiB of it (nvidia-smi lists them)"
 
 
 class Device:

@@ -115,7 +115,18 @@ class Architecture:
         kinds = {s.layer_type(i) for i in range(s.num_layers)}
         out = {}
         if "full_attention" in kinds:
-            out["full_attention"] = create_causal_mask(**kwargs)
+            out["full_attention"] = attending(create_causal_mask(**kwargs))
         if "sliding_attention" in kinds:
-            out["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            out["sliding_attention"] = attending(create_sliding_window_causal_mask(**kwargs))
         return out
+
+
+def attending(mask):
+    """A boolean (SDPA) mask whose rows that attend to nothing attend to every key instead. Such a row
+    is a padding query whose window holds only padding: its output and gradient are read by nothing,
+    but the attention's backward on the GPU computes exp(-inf - -inf) for it, a NaN that the zero
+    gradient does not cancel (a padded Gemma 3 batch, sliding window 6, on an H200). The rows that
+    attend to something are untouched, so every other token's output and gradient are the library's."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return mask | ~mask.any(-1, keepdim=True)
+    return mask
