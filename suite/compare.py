@@ -19,7 +19,9 @@ Each pair's environments (the result's `env`) are compared too: the machine (GPU
 memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the commit, each
 difference printed once at the top. A pair run on different machines is judged by what does not
 depend on the machine: its ratio to its own single-layer ceiling measured in the same run (MegaTrain),
-else its rate over the machine's matmul rate measured by the same worker (`env.matmul_tflops`). Where
+else the fraction of its bound it reached: its model FLOPs at the machine's matmul rate, or its bytes
+each way at the link's rates where that takes longer (`env.matmul_tflops`, `env.h2d_gbps` and
+`env.d2h_gbps`, measured by the same worker; the matmul's alone where one side lacks them). Where
 those fall beyond the noise, the code got slower; the raw verdicts are worded as the machines'
 difference ("faster on new machine") and are never a regression of the code. Settings a run resolved
 itself (MegaTrain's `auto` choices and kernels, `info.engine`) that differ between the two are named
@@ -151,14 +153,26 @@ def resolved_differences(base: dict, new: dict) -> list[str]:
     return [f"{k} {b.get(k)}->{n.get(k)}" for k in sorted(set(b) | set(n)) if k != "device" and b.get(k) != n.get(k)]
 
 
-def normalised(r: dict) -> tuple[str, float] | None:
-    """The point's speed in units of its own machine: (yardstick, value), or None."""
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+def normalised(r: dict, link: bool = True) -> tuple[str, float] | None:
+    """The point's speed in units of its own machine: (yardstick, value), or None. Its ratio to its
+    own single-layer ceiling where it has one; else the fraction of its bound it reached: the
+    longer of its model FLOPs at the machine's matmul rate and (`link`, where the worker measured
+    the link and the point counts its bytes) its bytes each way at the link's rate, over its step."""
     if isinstance(r.get("ratio_to_ceiling"), (int, float)):
         return "ratio to its layer ceiling", float(r["ratio_to_ceiling"])
-    rate, matmul = (r.get("median") or {}).get("model_tflops"), (r.get("env") or {}).get("matmul_tflops")
-    if isinstance(rate, (int, float)) and isinstance(matmul, (int, float)) and matmul > 0:
-        return "fraction of the matmul rate", rate / matmul
-    return None
+    med, env = r.get("median") or {}, r.get("env") or {}
+    rate, matmul = med.get("model_tflops"), env.get("matmul_tflops")
+    if not (_number(rate) and _number(matmul)):
+        return None
+    step = med.get("step_time_s")
+    ways = [(med.get(f"bytes_{w}"), env.get(f"{w}_gbps")) for w in ("h2d", "d2h")]
+    if link and _number(step) and all(isinstance(b, (int, float)) and _number(g) for b, g in ways):
+        return "fraction of its matmul or link bound", max(rate / matmul, *(b / g / 1e9 / step for b, g in ways))
+    return "fraction of the matmul rate", rate / matmul
 
 
 def noise(base: dict, new: dict) -> float | None:
@@ -220,6 +234,8 @@ def _across_machines(base: dict, new: dict, raw: str, m: Metric, limit: float) -
     """The verdict of a timed metric between two machines: the code's, from the speed in each
     machine's own units where both results have one, else the machines' (never a regression)."""
     b, n = normalised(base), normalised(new)
+    if b is not None and n is not None and b[0] != n[0]:  # one side without the link's rate: the matmul's alone
+        b, n = normalised(base, link=False), normalised(new, link=False)
     if b is None or n is None or b[0] != n[0]:
         return _machine_verdict(raw, m), False
     change, verdict = _verdict(b[1], n[1], METRICS["model_tflops"], limit)

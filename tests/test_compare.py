@@ -314,3 +314,33 @@ def test_settings_resolved_differently_are_named_on_the_row(base, tmp_path, caps
     assert report["rows"][0]["resolved"] == ["optimizer_kernel compiled->eager"]
     compare.main(str(b), str(n), 0.05, compare.DEFAULT_METRICS)
     assert "resolved differently: optimizer_kernel compiled->eager" in capsys.readouterr().out
+
+
+def test_a_link_bound_point_on_another_machine_is_judged_by_its_link(base, tmp_path):
+    """A point whose step is its bytes over the link (20 GB up, 10 GB down a step on a 25 GB/s link:
+    0.8 of its 1 s) moved to a machine of a 1.5x matmul and a 2x link: half the step is the same
+    code, though the matmul yardstick alone would call it faster; 0.8 of the step is the code slower."""
+    steady = [1.0, 1.01, 0.99, 1.0, 1.005]
+    link = {"bytes_h2d": 20e9, "bytes_d2h": 10e9}
+
+    def point(step: float, env: dict, matmul: float, gbps: float) -> dict:
+        r = result("megatrain", 4, tflops=100.0 / step)
+        r["median"] |= {"step_time_s": step, **link}
+        return timed(r | {"env": env}, [step * t for t in steady], matmul, h2d_gbps=gbps, d2h_gbps=gbps)
+
+    b = tmp_path / "b"
+    write(b, "a", point(1.0, H100, 600.0, 25.0))
+    assert compare.normalised(json.loads((b / "a.json").read_text())) == pytest.approx(
+        ("fraction of its matmul or link bound", 0.8))
+    for step, slower in ((0.5, False), (0.8, True)):
+        n = tmp_path / f"n{step}"
+        write(n, "a", point(step, H200, 900.0, 50.0))
+        row = next(r for r in compare.compare(b, n)["rows"] if r["metric"] == "model_tflops")
+        assert row["verdict"].startswith("code slower per fraction of its matmul or link bound") if slower \
+            else "code same" in row["verdict"], row
+    # a side without the link's rates: both judged by the matmul rate alone
+    old = point(1.0, H100, 600.0, 25.0)
+    del old["env"]["h2d_gbps"]
+    write(tmp_path / "old", "a", old)
+    row = next(r for r in compare.compare(tmp_path / "old", tmp_path / "n0.5")["rows"] if r["metric"] == "model_tflops")
+    assert "fraction of the matmul rate" in row["verdict"], row
