@@ -161,11 +161,12 @@ class EngineConfig:
     no_recompute_layers: int | Literal["auto"] = 0
     # the last N recomputed layers whose attention can be kept (the library's SDPA; a window, if any,
     # wider than the sequence) keep its output and log-sum-exp from the forward, so their recompute
-    # runs no attention core (a 7B layer at 8 x 4096 tokens: a fifth of its recompute's FLOPs), for
-    # tokens x heads x head_dim x 2 + heads x tokens x 4 bytes of device memory per layer and
-    # micro-batch: kept_attention.py. The same gradients as recomputing it; a micro-batch with
-    # padding or packed rows recomputes it. auto: as many as the memory plan leaves device room for
-    # after device_tiles and no_recompute_layers (none on the CPU); 0: none; more than can: all that can
+    # runs no attention core (a 7B layer at 4096-token sequences: 11% of its recompute's FLOPs by the
+    # FLOPs formula, more as sequences grow), for tokens x heads x head_dim x 2 (bf16) + heads x
+    # tokens x 4 bytes of device memory per layer and micro-batch (kept_attention.py); the same
+    # gradients as recomputing it, which a micro-batch with padding or packed rows does. auto: as
+    # many as the memory plan leaves device room for after device_tiles and no_recompute_layers (none
+    # on the CPU); 0: none; more than can keep it: all that can
     keep_attention_layers: int | Literal["auto"] = "auto"
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the

@@ -8,8 +8,10 @@ kernel the library's SDPA call would run, keeps its output and what its backward
 per micro-batch: tokens x heads x head_dim of the compute dtype, heads x tokens of float32 and a
 few scalars), and the recompute returns that output through an autograd function whose backward is
 the kernel's backward on the recomputed q, k and v. The arithmetic is the library's: the kernel
-SDPA picks for these inputs (`torch._fused_sdp_choice`) with the arguments it passes, and q, k, v
-are the forward's bit for bit.
+SDPA picks for these inputs (`torch._fused_sdp_choice`, the same in the forward and in the
+recompute, whose backward it is) with the arguments it passes, and q, k, v are the forward's bit
+for bit. (cuDNN's forward is asked for the log-sum-exp, as the recompute's call asks; the library's
+forward without grad does not ask: the GPU test holds the two outputs equal.)
 
 Where the library's call is not one of those kernels on causal attention without a mask, the layer
 runs the library's call and its recompute runs attention again: a micro-batch with padding or
@@ -133,6 +135,14 @@ def _arguments(module, key, value):
     return key, value, groups > 1
 
 
+def _backend(query, key, value, scale: float | None, gqa: bool, grad: bool) -> int:
+    """The kernel SDPA picks for these inputs without a mask, in a forward without grad (the first)
+    or with it (the recompute's, whose backward the gradients come from)."""
+    with torch.set_grad_enabled(grad):
+        query = query.detach().requires_grad_(grad)
+        return torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scale, enable_gqa=gqa)
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs):
     """The library's SDPA attention, keeping or reusing its output inside `keeping` or `reusing`."""
@@ -144,9 +154,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if (keep is not None and attention_mask is None and not dropout and causal and kwargs.get("position_bias") is None
             and query.shape[2] == key.shape[2] > 1):
         k, v, gqa = _arguments(module, key, value)
-        choice = torch._fused_sdp_choice(query, k, v, None, 0.0, True, scale=scaling, enable_gqa=gqa)
+        choice = _backend(query, k, v, scaling, gqa, grad=False)
         padded = query.is_cuda and query.shape[-1] % 8  # flash on a GPU: the library pads the head width
-        if choice in KERNELS and not (padded and choice == int(SDPBackend.FLASH_ATTENTION)):
+        if (choice in KERNELS and choice == _backend(query, k, v, scaling, gqa, grad=True)
+                and not (padded and choice == int(SDPBackend.FLASH_ATTENTION))):
             forward, backward = KERNELS[choice]
             out, state = forward(query, k, v, scaling)
             keep.append(Kept(out, state, backward, scaling))
