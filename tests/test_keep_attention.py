@@ -84,6 +84,9 @@ def three_steps(tmp_path, preset, overrides, engine, pad, compute="float32"):
     # more than can (9): every layer, grouped queries, tied; and in bfloat16 (the CPU's flash attention too)
     ("tiny-qwen2", {"keep_attention_layers": 9}, {}, False, "float32", [0, 1, 2]),
     ("tiny-qwen2", {"keep_attention_layers": 9}, {}, False, "bfloat16", [0, 1, 2]),
+    # fused q, k, v and partial rotary (Phi-3); a mixture of experts with the router's loss (Qwen3-MoE)
+    ("tiny-phi3", {"keep_attention_layers": 9}, {}, False, "float32", [0, 1, 2]),
+    ("tiny-qwen3-moe", {"keep_attention_layers": 9}, {}, False, "float32", [0, 1, 2]),
     # sliding, full, sliding (window 6 of 16 tokens), the last layer kept whole: the full layer alone
     ("tiny-gemma3", {"keep_attention_layers": 9, "no_recompute_layers": 1}, {}, False, "float32", [1]),
     # the last two of four, with the chunked MLP, device tiles and offloaded checkpoints
