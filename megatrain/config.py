@@ -159,6 +159,15 @@ class EngineConfig:
     # the last N layers keep their forward graph for the backward instead of recomputing it (their
     # activations stay on the device); auto: as many as the memory plan leaves device room for
     no_recompute_layers: int | Literal["auto"] = 0
+    # the last N recomputed layers whose attention can be kept (the library's SDPA; a window, if any,
+    # wider than the sequence) keep its output and log-sum-exp from the forward, so their recompute
+    # runs no attention core (a 7B layer at 4096-token sequences: 11% of its recompute's FLOPs by the
+    # FLOPs formula, more as sequences grow), for tokens x heads x head_dim x 2 (bf16) + heads x
+    # tokens x 4 bytes of device memory per layer and micro-batch (kept_attention.py); the same
+    # gradients as recomputing it, which a micro-batch with padding or packed rows does. auto: as
+    # many as the memory plan leaves device room for after device_tiles and no_recompute_layers (none
+    # on the CPU); 0: none; more than can keep it: all that can
+    keep_attention_layers: int | Literal["auto"] = "auto"
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
     # bf16 shadow's refresh in one pass over memory: fused_adamw.py; needs a C++ compiler) or eager
@@ -203,7 +212,7 @@ class EngineConfig:
             raise ValueError(f"engine.mlp_chunk_tokens must be a positive integer, auto or null, not {self.mlp_chunk_tokens}")
         if self.optimizer_threads is not None and self.optimizer_threads < 1:
             raise ValueError(f"engine.optimizer_threads must be at least 1, or null, not {self.optimizer_threads}")
-        for name in ("grad_slabs", "device_tiles", "no_recompute_layers"):
+        for name in ("grad_slabs", "device_tiles", "no_recompute_layers", "keep_attention_layers"):
             n = getattr(self, name)
             if isinstance(n, int) and n < 0:
                 raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n}")
@@ -227,6 +236,7 @@ class EngineSettings:
     loss_chunk_tokens: int
     mlp_chunk_tokens: int | None
     no_recompute_layers: int
+    keep_attention_layers: int  # recomputed layers that keep their attention (schedule.layers_keeping_attention)
     optimizer_threads: int | None
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: the one pass, for the host tiles with float32 masters
     norm_kernel: Literal["compiled", "eager"]

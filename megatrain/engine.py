@@ -24,7 +24,9 @@ end. With K = 1 a layer's recompute and backward of all micro-batches share one 
 The last `no_recompute_layers` layers are blocks of their own that the forward already runs with a
 graph (the same per-layer graph the recompute builds, kept for every micro-batch until its
 backward): no checkpoint and no second forward for them, at the cost of their activations staying
-on the device; `auto` takes as many as the memory plan fits (resolve.py).
+on the device; `auto` takes as many as the memory plan fits (resolve.py). The last
+`keep_attention_layers` recomputed layers that can keep their attention's output from the forward
+(kept_attention.py) do, per micro-batch, and their recompute runs no attention core.
 
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
@@ -52,6 +54,7 @@ from functools import partial
 
 import torch
 
+from megatrain import kept_attention
 from megatrain.activations import Checkpoints
 from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
@@ -64,7 +67,7 @@ from megatrain.moe import Routing, captured
 from megatrain.optim import OptimizerWorker, adamw, clip_scale, lr_at
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
                                 PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
-                                evaluation_ops)
+                                evaluation_ops, layers_keeping_attention)
 from megatrain.store import HostStore, Layout, Tile
 from megatrain.templates import Architecture
 from megatrain.timeline import Kind, Timeline, Track
@@ -86,6 +89,9 @@ class StepResult:
     bytes_d2h: int
     wait_update_s: float  # host blocked on the optimizer's update of a tile it had to stream
     wait_slab_s: float  # host blocked on a free gradient slab (the optimizer falling behind)
+    # per micro-batch: its recompute took the attention of the layers that keep it from the forward
+    # (False where it had a mask, or none keeps it)
+    attention_kept: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +110,8 @@ class _Step:
     hs: list[torch.Tensor] = field(default_factory=list)  # hidden states through the forward
     ctxs: list[_Context] = field(default_factory=list)
     kept: dict[int, list] = field(default_factory=dict)  # layer -> graphs of a layer kept from recompute
+    attention: dict[int, list[kept_attention.Kept | None]] = field(default_factory=dict)  # layer -> its kept attention
+    attention_kept: set[int] = field(default_factory=set)  # the micro-batches whose attention was kept
     loss: torch.Tensor | None = None  # summed over target tokens
     correct: torch.Tensor | None = None  # an evaluation's targets that are the logits' argmax
     dhs: list[torch.Tensor] = field(default_factory=list)  # gradients flowing back
@@ -169,8 +177,9 @@ class Engine:
         """The ops of a step of this many micro-batches."""
         if microbatches not in self._schedules:
             s = self.s
+            keep = layers_keeping_attention(self.shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
             self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every,
-                                                     s.no_recompute_layers, microbatches)
+                                                     s.no_recompute_layers, microbatches, keep)
         return self._schedules[microbatches]
 
     # ------------------------------------------------------------------ the step
@@ -207,7 +216,8 @@ class Engine:
         moved = [now - then for now, then in zip(self._counters(), before)]
         lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
         prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
-        return StepResult(loss, n_targets, lengths, time.perf_counter() - start, prev, *moved)
+        return StepResult(loss, n_targets, lengths, time.perf_counter() - start, prev, *moved,
+                          [m in step.attention_kept for m in range(len(microbatches))])
 
     def _targets(self, microbatches: list[Batch]) -> tuple[list[torch.Tensor], int]:
         """Each micro-batch's shifted labels and the step's target tokens; a step the engine cannot
@@ -269,12 +279,21 @@ class Engine:
         self.checkpoints.put(op.layer, st.hs)
 
     def _forward(self, st: _Step, op: Forward, w: list[torch.Tensor]) -> None:
-        """No graph, except for a layer kept from recompute, whose graph every micro-batch keeps."""
+        """No graph, except for a layer kept from recompute, whose graph every micro-batch keeps; a
+        layer that keeps its attention keeps every micro-batch's attention output where it can."""
         i = op.layer
         with torch.no_grad(), self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.FORWARD, f"L{i}"):
             if op.keep_graph:
                 st.kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
                 outs = [(out.detach(), logits) for _, _, out, logits in st.kept[i]]
+            elif op.keep_attention:
+                outs, st.attention[i] = [], []
+                for m, (h, ctx) in enumerate(zip(st.hs, st.ctxs)):
+                    with kept_attention.keeping() as kept:
+                        outs.append(self._layer(i, w, h, ctx))
+                    st.attention[i].append(kept[0] if kept else None)
+                    if kept:
+                        st.attention_kept.add(m)
             else:
                 outs = [self._layer(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
             st.hs = [out for out, _ in outs]
@@ -325,7 +344,11 @@ class Engine:
     def _recompute(self, st: _Step, op: Recompute, w: list[torch.Tensor]) -> None:
         """A small graph for one layer of one micro-batch, from the block's checkpoint or the layer before."""
         m = op.mb
-        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.RECOMPUTE, f"L{op.layer}"):
+        kept = None
+        if op.kept_attention:  # the graph holds it from now on, to its backward
+            kept, st.attention[op.layer][m] = st.attention[op.layer][m], None
+        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.RECOMPUTE, f"L{op.layer}"), \
+                kept_attention.reusing(kept):
             graph = self._graph(op.layer, w, st.xs[m], st.ctxs[m], root_only=op.root_only)
         st.graphs[m].append(graph)
         st.xs[m] = None if op.root_only else graph[2]  # the block's last output is the backward's alone

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from megatrain import schedule
+from megatrain import kept_attention, schedule
 from megatrain.config import EngineSettings
 from megatrain.distributed import slab_numel
 from megatrain.shapes import ModelShape
@@ -121,6 +121,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # the graphs of the layers not recomputed, every micro-batch's, from their forward to their
         # backward (a chunked MLP keeps only its input, counted within attn_kept h)
         "kept_graphs": N * M * (tokens * (attn_kept * h + (0 if chunk_mlp else mlp)) + scores) * c,
+        # the attention outputs and log-sum-exps of the layers that keep them, every micro-batch's,
+        # from their forward to their recompute's backward (kept_attention.py)
+        "kept_attention": s.keep_attention_layers * M * kept_attention.kept_bytes(shape, tokens, c),
         # a layer's backward beyond its graph: gradients through the rotary embedding and attention,
         # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py);
         # eager attention's scores, masked, with the sinks, their softmax and its gradient
@@ -146,7 +149,7 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None,
     if device_is_host:
         on_host = p.device_bytes - p.detail["device.workspace"]
         if p.host_bytes + on_host > host_available:
-            acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))
+            acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs", "kept_attention"))
             shortages.append(Shortage(
                 "host", p.host_bytes + on_host, host_available,
                 f"a CPU run computes in host memory: the plan's host side {p.host_bytes / GiB:.1f} GiB and its "
@@ -173,12 +176,12 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None,
             + "fewer engine.grad_slabs (each holds one layer's float32 gradient, a rank's part of it), " + split + "engine.master_dtype=bfloat16, "
             "a smaller model, or state engine.host_memory_gb if the OS under-reports it"))
     if device_available is not None and p.device_bytes > device_available:
-        acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs"))
+        acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs", "kept_attention"))
         shortages.append(Shortage(
             "device", p.device_bytes, device_available,
             f"activations {acts / GiB:.1f} GiB; lower data.batch_size, data.grad_accum or data.seq_len, "
-            f"engine.checkpoint_every, engine.loss_chunk_tokens, engine.mlp_chunk_tokens or "
-            f"engine.no_recompute_layers, or set engine.offload_checkpoints"))
+            f"engine.checkpoint_every, engine.loss_chunk_tokens, engine.mlp_chunk_tokens, "
+            f"engine.no_recompute_layers or engine.keep_attention_layers, or set engine.offload_checkpoints"))
     if shortages:
         raise DoesNotFit("the run", shortages)
 

@@ -43,6 +43,11 @@ def recompute_flops(decoder_matmul_params: int, attention: Attention, seq_length
     return float(sum(n * (2 * decoder_matmul_params + 4 * _attention_keys(attention, n)) for n in seq_lengths))
 
 
+def attention_flops(attention: Attention, seq_lengths: list[int]) -> float:
+    """The forward of the given layers' attention core (q k^T and its product with v: 4 a_l k_l a token)."""
+    return float(sum(n * 4 * _attention_keys(attention, n) for n in seq_lengths))
+
+
 def tree_rss_bytes(pid: int | None = None, shared_once: bool = False) -> int:
     """Resident memory of a process and all its descendants. `shared_once`: shared pages (file
     and shared-memory mappings) counted once, as the largest process's, not once per process: the

@@ -102,7 +102,8 @@ class RunPlan:
         lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters"
                      f"{' (split: shadow + low halves)' if s.split_masters else ''}, checkpoint every "
                      f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
-                     f"{s.no_recompute_layers} layers kept from recompute"
+                     f"{s.no_recompute_layers} layers kept from recompute, "
+                     f"{s.keep_attention_layers} keeping their attention"
                      + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
                         f"{d.batch_size // s.ranks} rows of each micro-batch per rank" if s.ranks > 1 else ""))
         host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}

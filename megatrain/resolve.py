@@ -12,6 +12,9 @@ before it settled:
                        beside everything else (their updates are the ones the next step waits for
                        on the host; recompute is not exposed time, so tiles come first)
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
+  keep_attention_layers  the most recomputed layers, from the last that can (kept_attention.py),
+                       whose attention output the device holds from the forward to the backward:
+                       after the graphs, which save the whole recompute of a layer, not a part
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
                        the 14-byte plan does not fit the host and the 12-byte one does: the eager
                        split update is 2-4x slower on the CPU (docs/host-store.md; the one-pass
@@ -36,7 +39,7 @@ import os
 import psutil
 import torch
 
-from megatrain import fused_adamw, lean_experts, memory
+from megatrain import fused_adamw, lean_experts, memory, schedule
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.shapes import ModelShape
@@ -128,6 +131,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         loss_chunk_tokens=engine.loss_chunk_tokens,
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
+        keep_attention_layers=0,
         optimizer_threads=engine.optimizer_threads,
         optimizer_kernel=_optimizer_kernel(engine.optimizer_kernel, machine.host_adamw_why_not),
         norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
@@ -143,6 +147,11 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.no_recompute_layers == "auto":
         s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
+    keepable = len(schedule.layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, shape.num_layers))
+    if engine.keep_attention_layers == "auto":
+        s = replace(s, keep_attention_layers=_most_that_fit(shape, s, "keep_attention_layers", keepable, bound))
+    else:
+        s = replace(s, keep_attention_layers=min(engine.keep_attention_layers, keepable))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
         s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes,
                                                    engine.grad_slabs == "auto"))

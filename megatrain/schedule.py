@@ -4,16 +4,21 @@ One list drives both the weight prefetcher (the units the ops load, in order) an
 loop (one handler per op kind), so the two cannot disagree; the same object says which layers
 are recomputed and how many FLOPs the hardware executes.
 
-With L layers, K = checkpoint_every and the last N layers kept from recompute, the layers
-0..L-N-1 form blocks of K (the last may be shorter), each with a checkpoint of its input, and each
-kept layer is a block of its own. For M micro-batches:
+Each layer has an activation policy (`Policy`): what it keeps from its forward for its backward.
+With L layers, K = checkpoint_every and the last N layers kept from recompute ("keep_graph"), the
+layers 0..L-N-1 form blocks of K (the last may be shorter), each with a checkpoint of its input,
+and each kept layer is a block of its own. Of the recomputed layers, the last A whose attention
+can be kept (kept_attention.py; engine.keep_attention_layers) keep its output from the forward
+("keep_attention"), so their recompute runs no attention core; the others keep nothing
+("recompute"). For M micro-batches:
   Embed                                    every micro-batch's embedding rows, its masks and rotary
   [SaveCheckpoint i] Forward i             for i = 0..L-1 (a checkpoint at each block's first layer)
   Head                                     loss, its gradient and the gradient into the last layer
   per block, last first:
     TakeCheckpoint s, PrefetchCheckpoint s' (a recomputed block; s' the previous recomputed block)
     per micro-batch m:
-      Recompute s..e-1 (m)                 a small graph per layer (kept layers: none)
+      Recompute s..e-1 (m)                 a small graph per layer (kept layers: none; with the
+                                           attention kept, that layer's attention output)
       Backward e-1..s (m)                  each graph run and released; at m = M-1 the layer's
                                            step gradient returns to the host
       EmbeddingBackward (m)                after layer 0
@@ -22,12 +27,18 @@ An evaluation runs the same loop over Embed, Forward 0..L-1 and HeadLoss (evalua
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from megatrain.metrics import model_flops, recompute_flops
+from megatrain.kept_attention import keepable_layers
+from megatrain.metrics import attention_flops, model_flops, recompute_flops
 from megatrain.shapes import ModelShape
 
 HEAD = "head"  # the unit of the head's op (final norm and LM head; the embedding too when tied)
+# what a layer keeps from its forward for its backward: its block's checkpoint only (its forward runs
+# again), its attention's output too (the recompute runs no attention core), or its whole graph
+Policy = Literal["recompute", "keep_attention", "keep_graph"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class SaveCheckpoint:
 class Forward:
     layer: int
     keep_graph: bool  # a layer kept from recompute: its graph is built now and kept to its backward
+    keep_attention: bool = False  # a recomputed layer whose recompute takes its attention's output from here
 
     @property
     def loads(self) -> int:
@@ -79,6 +91,7 @@ class Recompute:
     layer: int
     mb: int
     root_only: bool  # the block's last layer: only the backward reads its output (unread_mlp.py)
+    kept_attention: bool = False  # its attention's output from the forward (kept_attention.py)
 
     @property
     def loads(self) -> int:
@@ -133,18 +146,32 @@ def blocks(num_layers: int, checkpoint_every: int, no_recompute_layers: int) -> 
     return [Block(s, min(s + K, R), True) for s in range(0, R, K)] + [Block(i, i + 1, False) for i in range(R, L)]
 
 
+def layers_keeping_attention(shape: ModelShape, seq_len: int, no_recompute_layers: int, count: int) -> tuple[int, ...]:
+    """The recomputed layers that keep their attention: the last `count` of those that can
+    (kept_attention.keepable_layers), as the layers kept from recompute are the last: their backward
+    comes first, so what they keep is held the shortest."""
+    keepable = [i for i in keepable_layers(shape, seq_len) if i < shape.num_layers - no_recompute_layers]
+    return tuple(keepable[len(keepable) - min(count, len(keepable)):])
+
+
 class Schedule:
-    def __init__(self, num_layers: int, checkpoint_every: int, no_recompute_layers: int, microbatches: int):
+    def __init__(self, num_layers: int, checkpoint_every: int, no_recompute_layers: int, microbatches: int,
+                 keep_attention: Sequence[int] = ()):
+        """`keep_attention`: the recomputed layers that keep their attention (layers_keeping_attention)."""
         L, M = num_layers, microbatches
         self.recomputed_layers = L - no_recompute_layers  # layers 0..this-1 run their forward twice
         R = self.recomputed_layers
+        assert all(i < R for i in keep_attention)
+        self.attention_kept = tuple(keep_attention)
+        self.policy: tuple[Policy, ...] = tuple("keep_graph" if i >= R else "keep_attention" if i in keep_attention
+                                                else "recompute" for i in range(L))
         self.blocks = blocks(L, checkpoint_every, no_recompute_layers)
         ops: list[Op] = [Embed()]
         starts = {b.start for b in self.blocks if b.recomputed}
         for i in range(L):
             if i in starts:
                 ops.append(SaveCheckpoint(i))
-            ops.append(Forward(i, keep_graph=i >= R))
+            ops.append(Forward(i, keep_graph=i >= R, keep_attention=self.policy[i] == "keep_attention"))
         ops.append(Head())
         for b in reversed(range(len(self.blocks))):
             block = self.blocks[b]
@@ -154,7 +181,9 @@ class Schedule:
                 ops.append(PrefetchCheckpoint(self.blocks[b - 1].start))  # overlaps this block's compute
             for m in range(M):
                 if block.recomputed:
-                    ops += [Recompute(i, m, root_only=i == block.end - 1) for i in range(block.start, block.end)]
+                    ops += [Recompute(i, m, root_only=i == block.end - 1,
+                                      kept_attention=self.policy[i] == "keep_attention")
+                            for i in range(block.start, block.end)]
                 ops += [Backward(i, m, block.recomputed, first=m == 0, last=m == M - 1)
                         for i in reversed(range(block.start, block.end))]
                 if block.start == 0:
@@ -171,13 +200,17 @@ class Schedule:
     def recomputed_blocks(self) -> int:
         return sum(b.recomputed for b in self.blocks)
 
-    def hardware_flops(self, shape: ModelShape, mlp_chunk: int | None, seq_lengths: list[int]) -> float:
+    def hardware_flops(self, shape: ModelShape, mlp_chunk: int | None, seq_lengths: list[int],
+                       kept_lengths: Sequence[int] = ()) -> float:
         """FLOPs the step executes: the model's, plus the recomputed layers' second forward, less the
         MLP projections a recomputed block's last layer leaves out (unread_mlp.py), plus the chunked
-        MLP's gate and up projections that every backward runs again (chunked_mlp.py)."""
+        MLP's gate and up projections that every backward runs again (chunked_mlp.py), less the
+        attention core of the layers that keep it, for the sequences whose micro-batch kept it
+        (`kept_lengths`: by the engine's StepResult.attention_kept; a micro-batch with a mask did not)."""
         R = self.recomputed_layers  # the first R layers: the last no_recompute_layers keep their graphs
         flops = model_flops(shape.matmul_params(), shape.attention(), seq_lengths)
         flops += recompute_flops(shape.layer_matmul_params() * R, shape.attention(range(R)), seq_lengths)
+        flops -= attention_flops(shape.attention(self.attention_kept), list(kept_lengths))
         mlp = shape.mlp_matmul_params()
         unread = mlp if mlp_chunk else (mlp // 3 if shape.gated_mlp else 0)
         flops -= sum(2 * n * unread * self.recomputed_blocks for n in seq_lengths)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -328,7 +329,7 @@ class ModelShape:
         token multiplies by (the FLOPs formula's N; the same for a dense model)."""
         return self.layer_matmul_params(active) * self.num_layers + self.vocab * self.hidden
 
-    def attention(self, layers: range | None = None) -> list[tuple[int, int | None]]:
+    def attention(self, layers: Iterable[int] | None = None) -> list[tuple[int, int | None]]:
         """(attention width, window) of each decoder layer (of `layers`): the FLOPs formula's
         attention term (metrics.model_flops)."""
         return [(self.attn_width, self.window(i)) for i in (range(self.num_layers) if layers is None else layers)]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatrain import lean_experts
+from megatrain import kept_attention, lean_experts
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
 from megatrain.moe import capture_logits, is_router
@@ -44,13 +44,16 @@ class Template:
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
     chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py; a
-    mixture of experts' experts and their gate: lean_experts.py)."""
+    mixture of experts' experts and their gate: lean_experts.py), their attention the library's, or,
+    where some layers keep it for their recompute, that attention able to (`keep_attention`:
+    kept_attention.py)."""
 
     def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
-                 compiled_mlp: bool = False, lean_moe: bool = False):
+                 compiled_mlp: bool = False, lean_moe: bool = False, keep_attention: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
         self.compiled_norms, self.compiled_mlp, self.lean_moe = compiled_norms, compiled_mlp, lean_moe
+        self._config = kept_attention.config(shape) if keep_attention else shape.config
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
         if mlp_chunk:
@@ -65,7 +68,7 @@ class Architecture:
         kind = s.layer_type(index)
         if kind not in self._templates:
             with torch.device("meta"):
-                module = s.layer_class(s.config, index)
+                module = s.layer_class(self._config, index)
             module.train()
             for sub in module.modules():
                 if isinstance(sub, self._norm_cls):

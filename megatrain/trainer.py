@@ -136,7 +136,7 @@ class Trainer:
             self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
             self.setup_s["optimizer_kernel"] = built.seconds
         self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
-                                 lean_moe=s.experts_kernel == "lean")
+                                 lean_moe=s.experts_kernel == "lean", keep_attention=s.keep_attention_layers > 0)
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
         self.arena = flags = None
@@ -189,7 +189,8 @@ class Trainer:
         a = self.shape
         lengths = [n for mb in microbatches for n in mb.sequence_lengths()]  # every rank's rows
         flops = model_flops(a.matmul_params(), a.attention(), lengths)
-        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, lengths)
+        kept = [n for mb, k in zip(microbatches, r.attention_kept) if k for n in mb.sequence_lengths()]
+        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, lengths, kept)
         self.sampler.sample()
         return {
             "step": self.step,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from megatrain import memory
 from megatrain.config import load_config
 from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
-from megatrain.schedule import Schedule
+from megatrain.schedule import Schedule, layers_keeping_attention
 from megatrain.shapes import ModelShape
 from megatrain.store import PAGE, Layout, pinned_bytes
 from megatrain.units import GiB
@@ -50,7 +51,8 @@ SPLIT_RATE = 0.41
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
 # engine.experts_kernel defaulted to compiled and lean on a GPU
-EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", "experts_kernel": "library"}
+EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", "experts_kernel": "library",
+         "keep_attention_layers": 0}
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
 # kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
 # H100 host, held about 0.4 GiB each of the host peak the harness counts
@@ -178,7 +180,7 @@ def _layer_hw_rate(tflops: float, probe: tuple[str, int, int]) -> float:
     model = model_flops(shape.layer_matmul_params(), one, lens)
     unread = shape.mlp_matmul_params() // 3 if shape.gated_mlp else 0
     hw = model + recompute_flops(shape.layer_matmul_params(), one, lens) - 2 * seq * batch * unread
-    return tflops * 1e12 * _causal(hw, shape, 1, 1, lens) / model
+    return tflops * 1e12 * _causal(hw, shape, 1, range(1), lens) / model
 
 
 def _compiled_saving(m: MachineModel, s, shape: ModelShape, sched: Schedule, lens: list[int]) -> float:
@@ -201,12 +203,13 @@ def _saving_per_unit(seconds: float, probe: tuple[str, int, int]) -> float:
     return seconds / (batch * seq * shape.hidden)
 
 
-def _causal(hw: float, shape: ModelShape, layers: int, recomputed: int, lens: list[int]) -> float:
+def _causal(hw: float, shape: ModelShape, layers: int, recomputed: Iterable[int], lens: list[int]) -> float:
     """FLOPs the kernels execute: the shared formula counts a full-attention layer's whole square
-    (12 w n^2 per sequence, 4 w n^2 more when recomputed); causal attention computes half of it."""
-    def square(count: int) -> float:
-        return sum(w for w, window in shape.attention(range(count)) if window is None) * sum(n * n for n in lens)
-    return hw - 0.5 * (12 * square(layers) + 4 * square(recomputed))
+    (12 w n^2 per sequence, 4 w n^2 more when its attention is recomputed); causal attention computes
+    half of it."""
+    def square(indices: Iterable[int]) -> float:
+        return sum(w for w, window in shape.attention(indices) if window is None) * sum(n * n for n in lens)
+    return hw - 0.5 * (12 * square(range(layers)) + 4 * square(recomputed))
 
 
 def _transfers(plan: list, buffers: int) -> list:
@@ -232,10 +235,11 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     s = replace(s, device="cuda")
     p = memory.plan(shape, s)
     L, M = shape.num_layers, s.microbatches
-    sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M)
+    keep = layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
+    sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M, keep)
     lens = [spec.seq_len] * spec.batch_size * M
     flops = model_flops(shape.matmul_params(), shape.attention(), lens)
-    hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens)
+    hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens, lens)  # synthetic rows: no mask
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (shape.vocab * shape.hidden if shape.tied else 0)
     embed = 0 if shape.tied else shape.vocab * shape.hidden
@@ -254,7 +258,8 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE if s.split_masters else 1.0)  # s per param
-    executed, dense = _causal(hw, shape, L, sched.recomputed_layers, lens), _layer_hw_rate(m.layer_tflops, m.probe)
+    again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
+    executed, dense = _causal(hw, shape, L, again, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
     if moe is None:
         gpu = executed / dense - _compiled_saving(m, s, shape, sched, lens)

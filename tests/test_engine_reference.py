@@ -90,6 +90,11 @@ CASES = {
     "gemma3-K2-of-3-accum-clip-pad": ("tiny-gemma3", {}, 2, 2, 0.5, True, {}),
     "gemma3-K3-divides-kept-device-tiles-noclip": ("tiny-gemma3", {}, 3, 1, None, True,
                                                    {"no_recompute_layers": 1, "device_tiles": 2}),
+    # the recomputed layers keep their attention (unpadded: padding recomputes it): all of them; Gemma 3's
+    # full layer alone (its sliding ones, window 6 of 16, have a mask) beside a layer kept whole
+    "qwen2-tied-kept-attention-K2-accum-clip": ("tiny-qwen2", {}, 2, 2, 0.5, False, {"keep_attention_layers": 3}),
+    "gemma3-kept-attention-full-layer-kept-graph": ("tiny-gemma3", {}, 1, 2, None, False,
+                                                    {"keep_attention_layers": 3, "no_recompute_layers": 1}),
     # both chosen by the plan against a stated device: every tile on the device, every layer kept
     "llama-auto-tiles-auto-kept-clip-accum": ("tiny-llama", {}, 1, 2, 0.5, True,
                                               {"device_tiles": "auto", "no_recompute_layers": "auto",

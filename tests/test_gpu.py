@@ -1,6 +1,6 @@
 """GPU checks (skipped without CUDA): the bf16 streamed run tracks the float32 CPU reference, and
-the streaming switches (buffers, slabs, K, checkpoint offload, layers kept from recompute) change
-the schedule but not one bit of the numerics."""
+the streaming switches (buffers, slabs, K, checkpoint offload, layers kept from recompute, attention
+kept for the recompute) change the schedule but not one bit of the numerics."""
 from __future__ import annotations
 
 import os
@@ -100,6 +100,32 @@ def test_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only, preset):
 def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
     runs = base_and(tmp_path, engine)
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("engine", [{"checkpoint_every": 2}, {"checkpoint_every": 1, "no_recompute_layers": 1}])
+def test_kept_attention_keeps_numerics(tmp_path, cuda_only, monkeypatch, engine):
+    """Recomputed layers that take their attention's output and log-sum-exp from the forward
+    (kept_attention.py: the kernel SDPA picks, flash attention or cuDNN, and that kernel's backward)
+    against recomputing it, on unpadded batches: not one bit apart. `auto` keeps it in every
+    recomputed layer (a tiny model, the GPU's free memory), and every such layer and micro-batch
+    takes it."""
+    import megatrain.kept_attention as kept_attention
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    reused = []
+    forward = kept_attention._Reused.forward
+    monkeypatch.setattr(kept_attention._Reused, "forward", staticmethod(lambda *a: reused.append(1) or forward(*a)))
+    runs = []
+    for keep in ("auto", 0):
+        _, trainer = gpu_trainer(tmp_path, **engine, keep_attention_layers=keep)
+        try:
+            recomputed = OVERRIDES["num_hidden_layers"] - trainer.settings.no_recompute_layers
+            assert trainer.settings.keep_attention_layers == (recomputed if keep == "auto" else 0)
+            batches = random_batches(3, 2, BATCH, SEQ, trainer.shape.vocab, pad=False)
+            runs.append(([trainer.train_step(mbs)["loss"] for mbs in batches], store_params(trainer)))
+        finally:
+            trainer.close()
+    assert len(reused) == 3 * 2 * recomputed
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 

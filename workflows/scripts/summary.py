@@ -127,15 +127,19 @@ def executed_tflops(result: dict) -> float | None:
     """The rate of the FLOPs the kernels ran: the step's `hardware_flops` (the model's, the recompute's,
     less what the engine leaves out) with causal attention as the half square its kernels compute
     (suite.projection's count), over the step; None where the result records no executed FLOPs."""
+    from megatrain.schedule import layers_keeping_attention
     from suite.projection import _causal
     med, spec = result.get("median") or {}, result["spec"]
     if result["status"] != "ok" or not med.get("hardware_flops"):
         return None
     shape = _shape(json.dumps(spec["model"], sort_keys=True))
-    layers = shape.num_layers
-    recomputed = layers - result["info"]["engine"]["no_recompute_layers"]
+    engine = result["info"]["engine"]
+    layers, kept = shape.num_layers, engine["no_recompute_layers"]
+    # the layers whose attention the recompute ran again: not those that kept it (synthetic rows, no mask)
+    keep = layers_keeping_attention(shape, spec["seq_len"], kept, engine.get("keep_attention_layers", 0))
+    again = [i for i in range(layers - kept) if i not in keep]
     lens = [spec["seq_len"]] * spec["batch_size"] * spec["grad_accum"]
-    return _causal(med["hardware_flops"], shape, layers, recomputed, lens) / med["step_time_s"] / 1e12
+    return _causal(med["hardware_flops"], shape, layers, again, lens) / med["step_time_s"] / 1e12
 
 
 def rows(root: Path = ROOT) -> list[dict]:
