@@ -21,6 +21,7 @@ import pandas as pd
 
 from megatrain.io import atomic_file, write_text
 from megatrain.units import GiB
+from suite.system import SYSTEMS
 from suite.timing import median_interval
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
@@ -418,8 +419,7 @@ def md_table(df: pd.DataFrame, printed: bool = False) -> str:
 
 
 # the paper's names of the systems it compares, as the suite names them
-PAPER_SYSTEMS = {"MegaTrain": "megatrain", "ZeRO-3 Offload": "zero3", "FSDP Offload": "fsdp2",
-                 "PyTorch Native": "native", "ZeRO-Infinity": "zero_infinity", "ColossalAI Gemini": "gemini"}
+PAPER_SYSTEMS = {r.paper: name for name, r in SYSTEMS.items() if r.paper}
 # a stated ratio's quantity: its panel's where a figure has two (Figures 5 and 6: (a) throughput,
 # (b) host memory), else throughput
 RATIO_QUANTITY = {"a": "model_tflops", "b": "peak_host_GiB"}
