@@ -2,14 +2,14 @@
 that runs this repository's kernel and the one that runs the library's ops, where the kernel can
 run (and, where it cannot, why, naming the setting to change), its name in the tables.
 
-    KERNELS                                   in the order resolve decides them (the MLP's after the experts')
-    kernel.choose(asked, shape, machine, chosen)  `auto` decided, or the kernel asked for refused where it cannot run
-    kernel.runs(settings)                     whether a run uses the kernel
+    KERNELS                                  in the order resolve decides them (the MLP's after the experts')
+    kernel.choose(asked, shape, machine, chosen)   `auto` decided; the kernel asked for refused where it cannot run
+    kernel.runs(settings)                    whether a run uses the kernel
 
-The resolver decides every `auto` through them; the trainer, the engine and the memory plan, the
-step model (suite/projection.py) and the tables (workflows/scripts/aggregate.py) ask them what a
-run uses, so no other place reads a kernel setting's strings. The settings themselves are typed
-fields of EngineConfig and EngineSettings (tests/test_registries.py holds their values to these).
+The resolver decides every `auto` through them; the trainer, the engine, the memory plan, the step
+model (suite/projection.py) and the tables (workflows/scripts/aggregate.py) ask them what a run
+uses, so no other place reads a kernel setting's strings. The settings themselves are typed fields
+of EngineConfig and EngineSettings (tests/test_registries.py holds their values to these).
 """
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from megatrain.config import EngineSettings
     from megatrain.resolve import Machine
     from megatrain.shapes import ModelShape
 
 
 @dataclass(frozen=True)
 class Kernel:
+    """A kernel of this repository's in place of the library's ops, chosen by one engine setting."""
     setting: str  # the field of EngineConfig and EngineSettings that picks it
     own: str  # the value that runs this repository's kernel
     library: str  # the value that runs the library's ops (torch's, for the host AdamW)
@@ -45,13 +47,14 @@ class Kernel:
             raise ValueError(why)
         return asked
 
-    def runs(self, settings: Any) -> bool:
+    def runs(self, settings: EngineSettings | Mapping[str, Any]) -> bool:
         """Whether `settings` (EngineSettings, or a result's record of them) use the kernel."""
         value = settings.get(self.setting) if isinstance(settings, Mapping) else getattr(settings, self.setting)
         return value == self.own
 
 
 def _anywhere(shape: ModelShape, machine: Machine, chosen: dict[str, str]) -> None:
+    """Every model's, on every machine."""
     return None
 
 

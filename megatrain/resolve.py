@@ -39,7 +39,7 @@ import torch
 from megatrain import fused_adamw, memory
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
-from megatrain.kernels import KERNELS
+from megatrain.kernels import KERNELS, OPTIMIZER
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
@@ -85,7 +85,7 @@ class Machine:
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        why_not = fused_adamw.probe() if engine.optimizer_kernel != "eager" else None
+        why_not = fused_adamw.probe() if engine.optimizer_kernel != OPTIMIZER.library else None
         return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, why_not)
 
 
