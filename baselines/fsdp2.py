@@ -108,6 +108,13 @@ class FSDP2(System):
     OPTIONS = frozenset({"accumulate", "admission"})
     host_blind_options = frozenset({"accumulate"})  # host peaks alike: 166.5 and 168.6 GiB at L28 on the H200
 
+    @classmethod
+    def summing(cls, spec, device_free: int | None) -> str | None:
+        where = spec.options.get("accumulate", "auto")
+        if where != "auto":
+            return where
+        return None if device_free is None else auto_accumulation(spec, device_free)
+
     def __init__(self, spec, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         lap = hf.Laps()

@@ -61,6 +61,7 @@ from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
 from megatrain.distributed import Comm, Flags, part, slab_numel
+from megatrain.kernels import LOSS, OPTIMIZER
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
@@ -157,7 +158,7 @@ class Engine:
         self.parts = {t: part(t.layout.numel, ranks.local_world, ranks.local_rank)[:2] for t in host_tiles}
         self.worker = OptimizerWorker(host_tiles, optim, total_steps, self.timeline, self.parts,
                                       None if flags is None else (lambda tile: flags.mark(tile.name)),
-                                      settings.optimizer_kernel == "compiled")
+                                      OPTIMIZER.runs(settings))
         self.streamer.peers = flags
         self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
@@ -315,7 +316,7 @@ class Engine:
                 part, dh = head_loss_and_grads(
                     h.reshape(-1, h.shape[-1]), tgt.to(dev.torch, non_blocking=True), active,
                     self.arch.norm_template(), w[0], w[-1], chunk, st.scale, grads[0], grads[-1],
-                    compiled=self.s.loss_kernel == "compiled", softcap=self.shape.logit_softcap)
+                    compiled=LOSS.runs(self.s), softcap=self.shape.logit_softcap)
                 st.loss += part
                 st.dhs.append(dh.view(h.shape))
         st.hs = []

@@ -14,6 +14,7 @@ from typing import Literal
 from megatrain import kept_attention, schedule
 from megatrain.config import EngineSettings
 from megatrain.distributed import slab_numel
+from megatrain.kernels import MLP
 from megatrain.shapes import ModelShape
 from megatrain.optim import SCRATCH_BYTES
 from megatrain.store import HostStore, Layout, can_split, pinned_bytes
@@ -80,7 +81,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     unit = max(layer, head)
     # per token, what a layer's MLP (or router and experts) keeps for its backward; the compiled
     # SwiGLU keeps gate and up, not the activation too (swiglu.py)
-    mlp = shape.mlp_kept - (shape.ffn if s.mlp_kernel == "compiled" else 0)
+    mlp = shape.mlp_kept - (shape.ffn if MLP.runs(s) else 0)
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     attn_kept = FAMILY_ATTN_KEPT.get(shape.family, ATTN_KEPT)
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens

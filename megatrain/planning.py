@@ -24,6 +24,7 @@ from megatrain.device import Device
 from megatrain.distributed import Ranks, check as check_ranks, shared_memory_free
 from megatrain.exports import checkpoints
 from megatrain.io import check_writable
+from megatrain.kernels import OPTIMIZER
 from megatrain.optim import lr_factor
 from megatrain.resolve import HOST_MEMORY_ENV, Machine, host_available_bytes, resolve
 from megatrain.shapes import ModelShape, load_hf_config
@@ -68,7 +69,7 @@ class RunPlan:
     def optimizer_note(self) -> str | None:
         """Why the host AdamW runs eager where engine.optimizer_kernel auto wanted its one pass."""
         why = self.machine.host_adamw_why_not
-        if self.settings.optimizer_kernel == "eager" and why:
+        if not OPTIMIZER.runs(self.settings) and why:
             return f"the host AdamW runs eager (several passes over memory): {why}"
         return None
 

@@ -4,8 +4,8 @@
 shape and the machine's free memory and returns frozen EngineSettings; the memory plan, the store
 and the engine read only those. The `auto` choices are made in this order, each with the ones
 before it settled:
-  optimizer_kernel     the host AdamW's one compiled pass where its kernel can be had here
-                       (Machine.host_adamw_why_not), else the eager update
+  the kernels          each its own kernel where it can run for this model on this machine (on a
+                       GPU, but the host AdamW's: kernels.py), else the library's ops
   mlp_chunk_tokens     the whole MLP when the plan fits the device, else the largest chunk of
                        MLP_CHUNKS that makes it fit (chunking recomputes part of the MLP)
   device_tiles         the most tiles, in forward order, whose optimizer state the device holds
@@ -39,9 +39,10 @@ import os
 import psutil
 import torch
 
-from megatrain import fused_adamw, lean_experts, memory, schedule
+from megatrain import fused_adamw, memory, schedule
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
+from megatrain.kernels import KERNELS, OPTIMIZER
 from megatrain.shapes import ModelShape
 from megatrain.units import GiB
 
@@ -87,7 +88,7 @@ class Machine:
         if engine.device_memory_gb is not None:
             free = int(engine.device_memory_gb * GiB)
         gpus = torch.cuda.device_count() if device.is_cuda else 0
-        why_not = fused_adamw.probe() if engine.optimizer_kernel != "eager" else None
+        why_not = fused_adamw.probe() if engine.optimizer_kernel != OPTIMIZER.library else None
         return Machine(device.is_cuda, free, host_available_bytes(engine.host_memory_gb), gpus, why_not)
 
 
@@ -110,17 +111,9 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
                "engine.compute_dtype bfloat16")
         raise ValueError(f"engine.split_masters: true holds float32 masters as their bfloat16 compute copy plus "
                          f"the low 16 bits; {why}, or leave engine.split_masters auto")
-    norm = engine.norm_kernel if engine.norm_kernel != "auto" else "compiled" if machine.is_cuda else "eager"
-    experts = engine.experts_kernel if engine.experts_kernel != "auto" else (
-        "lean" if machine.is_cuda and shape.experts else "library")
-    # a mixture of experts' gate compiles within the lean experts, for the gates lean_experts has
-    gate = experts == "lean" and lean_experts.gate_kind(shape.family, shape.hidden_act) is not None
-    mlp = engine.mlp_kernel if engine.mlp_kernel != "auto" else (
-        "compiled" if machine.is_cuda and (shape.gated_mlp or gate) else "eager")
-    if mlp == "compiled" and shape.experts and not gate:
-        raise ValueError("engine.mlp_kernel: compiled compiles a mixture of experts' gate within the lean experts"
-                         + (" (set engine.experts_kernel: lean)" if experts != "lean" else
-                            f"; this {shape.family} model's activation has no compiled gate (set engine.mlp_kernel: eager)"))
+    chosen: dict[str, str] = {}
+    for kernel in KERNELS:
+        chosen[kernel.setting] = kernel.choose(getattr(engine, kernel.setting), shape, machine, chosen)
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
         split_masters=splittable and engine.split_masters is True,
@@ -132,11 +125,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
         keep_attention_layers=0,
-        optimizer_threads=engine.optimizer_threads,
-        optimizer_kernel=_optimizer_kernel(engine.optimizer_kernel, machine.host_adamw_why_not),
-        norm_kernel=norm, mlp_kernel=mlp, timeline=engine.timeline,
-        loss_kernel=engine.loss_kernel if engine.loss_kernel != "auto" else "compiled" if machine.is_cuda else "eager",
-        experts_kernel=experts,
+        optimizer_threads=engine.optimizer_threads, **chosen, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
         local_ranks=ranks.local_world)
@@ -172,22 +161,6 @@ def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:
         raise ValueError(f"engine.mlp_chunk_tokens chunks the bias-free SiLU-gated MLP; this {shape.family} model's "
                          f"is not, or its output is read by more than the residual sum (Gemma's post-feedforward "
                          f"norm): set engine.mlp_chunk_tokens: null")
-    if engine.mlp_kernel == "compiled" and not shape.gated_mlp and not shape.experts:
-        raise ValueError(f"engine.mlp_kernel: compiled is for the bias-free SiLU-gated MLP; this {shape.family} "
-                         f"model's is not, or its output is read by more than the residual sum (Gemma's "
-                         f"post-feedforward norm): set engine.mlp_kernel: eager")
-    if engine.experts_kernel == "lean" and not shape.experts:
-        raise ValueError(f"engine.experts_kernel: lean is for a mixture of experts; this {shape.family} model has "
-                         f"no experts (set engine.experts_kernel: auto)")
-
-
-def _optimizer_kernel(asked: str, why_not: str | None) -> str:
-    if asked == "eager" or (asked == "auto" and why_not):
-        return "eager"
-    if why_not:
-        raise ValueError(f"engine.optimizer_kernel: compiled, but the host AdamW's C++ kernel cannot be "
-                         f"built here ({why_not}); install a C++ compiler, or set optimizer_kernel: eager")
-    return "compiled"
 
 
 def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) -> int | None:

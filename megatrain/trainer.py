@@ -36,6 +36,7 @@ from megatrain.distributed import Comm, Flags, Ranks, SharedArena, shard_batch
 from megatrain.engine import Engine
 from megatrain.exports import Best, checkpoint_dir, rotate
 from megatrain.io import drop_previous, remove_dir, remove_stale, roll_back, write_json
+from megatrain.kernels import EXPERTS, MLP, NORM, OPTIMIZER
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.optim import lr_at
 from megatrain.planning import RunPlan, earlier_outputs, plan_run
@@ -131,12 +132,12 @@ class Trainer:
         self.optimizer_kernel_note = plan.optimizer_note
         if self.optimizer_kernel_note:
             say(self.optimizer_kernel_note, ranks.rank == 0)
-        if s.optimizer_kernel == "compiled":
+        if OPTIMIZER.runs(s):
             built = fused_adamw.build()
             self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
             self.setup_s["optimizer_kernel"] = built.seconds
-        self.arch = Architecture(shape, s.mlp_chunk_tokens, s.norm_kernel == "compiled", s.mlp_kernel == "compiled",
-                                 lean_moe=s.experts_kernel == "lean", keep_attention=s.keep_attention_layers > 0)
+        self.arch = Architecture(shape, s.mlp_chunk_tokens, NORM.runs(s), MLP.runs(s), lean_moe=EXPERTS.runs(s),
+                                 keep_attention=s.keep_attention_layers > 0)
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
         self.arena = flags = None

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from megatrain import memory
 from megatrain.config import load_config
+from megatrain.kernels import EXPERTS, LOSS, MLP, NORM
 from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
 from megatrain.schedule import Schedule, layers_keeping_attention
@@ -51,8 +52,7 @@ SPLIT_RATE = 0.41
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
 # engine.experts_kernel defaulted to compiled and lean on a GPU
-EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", "experts_kernel": "library",
-         "keep_attention_layers": 0}
+EAGER = {**{k.setting: k.library for k in (NORM, MLP, LOSS, EXPERTS)}, "keep_attention_layers": 0}
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
 # kernels before megatrain/kernel_build.py built them in-process): the workers, one per core of the
 # H100 host, held about 0.4 GiB each of the host peak the harness counts
@@ -94,7 +94,7 @@ H200_MOE = {"qwen3_moe": {"library": (236.1, ("qwen3-30b-a3b", 8, 4096)), "lean"
 def experts_variant(s) -> str:
     """A run's experts as the MoE layer probe names its variants: the library's, the lean ones, the
     lean ones with their gate compiled (engine.experts_kernel, engine.mlp_kernel)."""
-    return "library" if s.experts_kernel == "library" else "lean_gate" if s.mlp_kernel == "compiled" else "lean"
+    return "lean_gate" if EXPERTS.runs(s) and MLP.runs(s) else "lean" if EXPERTS.runs(s) else "library"
 
 # The compiled norms and MLP product against the eager ones in one dense layer: the H100's 7B layer
 # (results/h100/probes/layer_kernels/layer_7b_b8.json: 121.7 -> 105.6 ms), the H200's 14B layer
@@ -189,7 +189,7 @@ def _compiled_saving(m: MachineModel, s, shape: ModelShape, sched: Schedule, len
     of the width, the same a token at 8 times the length). The probe runs a forward, a recompute and
     a backward, the backward's elementwise work taken as twice a forward's: a layer's forward saves a
     quarter of it, its backward half, a recomputed layer's second forward another quarter."""
-    if m.compiled_saving is None or (s.norm_kernel, s.mlp_kernel) != ("compiled", "compiled"):
+    if m.compiled_saving is None or not (NORM.runs(s) and MLP.runs(s)):
         return 0.0
     passes = (3 * shape.num_layers + sched.recomputed_layers) / 4  # probe layers' worth
     return _saving_per_unit(*m.compiled_saving) * sum(lens) * shape.hidden * passes

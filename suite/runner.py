@@ -36,7 +36,7 @@ from megatrain.metrics import PeakSampler, environment
 from megatrain.units import GiB
 from suite import launch
 from suite.spec import RunSpec
-from suite.system import DATA_PARALLEL
+from suite.system import SYSTEMS
 from suite.worker import since_start, summarize
 
 STATUSES = ("ok", "oom_device", "oom_host", "timeout", "unsupported", "error", "interrupted")
@@ -256,8 +256,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 def _shares_host_store(spec: RunSpec) -> bool:
     """Whether the point's ranks map one host store (MegaTrain's), whose shared pages the sampler
     counts once; a baseline's ranks each hold their own shard of the offloaded state, pinned or not,
-    so every rank's resident memory counts in full (suite.system.DATA_PARALLEL)."""
-    return spec.gpus > 1 and DATA_PARALLEL[spec.system]
+    so every rank's resident memory counts in full (suite.system.Registration.shared_host_store)."""
+    return spec.gpus > 1 and SYSTEMS[spec.system].shared_host_store
 
 
 def _has_gpu() -> bool:

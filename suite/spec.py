@@ -14,7 +14,7 @@ from typing import Any
 from megatrain.metrics import model_flops
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.config import DataConfig, ModelConfig, TrainConfig, load_config
-from suite.system import DATA_PARALLEL, FIXED_STEPS, SYSTEMS
+from suite.system import SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class RunSpec:
     # prompt_field, response_field, tokenizer, ...); batches drawn in the same seeded order for every system
     data: dict[str, Any] | None = None
     save_to: str | None = None  # after the steps, save the trained weights there as a transformers checkpoint
-    # data-parallel ranks, one per GPU, under torchrun (the systems of suite.system.DATA_PARALLEL);
+    # data-parallel ranks, one per GPU, under torchrun (the systems registered data_parallel in suite.system.SYSTEMS);
     # batch_size stays the global micro-batch's, which the ranks split
     gpus: int = 1
 
@@ -56,8 +56,9 @@ class RunSpec:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.seq_len < 2:
             raise ValueError("seq_len: must be at least 2 (a sequence of one token predicts nothing)")
-        if self.gpus > 1 and self.system not in DATA_PARALLEL:
-            raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only {', '.join(DATA_PARALLEL)} "
+        if self.gpus > 1 and not SYSTEMS[self.system].data_parallel:
+            parallel = ", ".join(name for name, r in SYSTEMS.items() if r.data_parallel)
+            raise ValueError(f"gpus: {self.system} runs on one GPU in this harness; only {parallel} "
                              f"run data-parallel")
         if self.batch_size % self.gpus:
             raise ValueError(f"batch_size {self.batch_size} does not split over gpus {self.gpus}: make it a multiple")
@@ -172,7 +173,7 @@ class RunSpec:
         weights, the loss check's repeated batch, a system that runs a fixed script (their count is
         their meaning), a smoke point (its timing is never judged)."""
         return (self.data is not None or self.save_to is not None or self.repeat_batch or self.smoke
-                or self.system in FIXED_STEPS)
+                or SYSTEMS[self.system].fixed_steps)
 
     @property
     def measured_steps_limit(self) -> int:

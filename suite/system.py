@@ -6,6 +6,10 @@
     system.save(path)                    # the trained weights as a `transformers` checkpoint (float32)
     system.close()
 
+Each system is registered once, as data, in `SYSTEMS`: its class, its colour in the figures, its
+name in the paper's tables and what the harness must know before importing it (data-parallel runs,
+a shared host store, a fixed step count).
+
 A constructor that finds the system cannot run here raises `Unsupported(reason)`; one that finds
 the point cannot fit raises `megatrain.memory.DoesNotFit` (which memory, needed and available
 bytes) before allocating anything. The systems themselves live in `baselines/`, MegaTrain's
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -71,6 +76,14 @@ class System(ABC):
         workflow's estimate) foresees a refusal with it."""
         return None
 
+    @classmethod
+    def summing(cls, spec: RunSpec, device_free: int | None) -> str | None:
+        """Where a rank will sum the micro-batches' gradients of `spec` with `device_free` bytes of its
+        GPU free (None: unknown), where that sets the step's time and `info()["accumulate"]` records
+        it (FSDP2: on the device or on the host); None where it does not, or is not known before the
+        run. A planner (the workflow's estimate) times a point from a result that summed alike."""
+        return None
+
     @abstractmethod
     def __init__(self, spec: RunSpec, device: torch.device) -> None:
         """Build the model and the optimizer; refuse (Unsupported, DoesNotFit) before allocating."""
@@ -91,30 +104,39 @@ class System(ABC):
         """Release what the system holds (process groups, swap files, scratch folders)."""
 
 
-# name -> "module:class"; a module is imported only when its system is asked for (each has its own deps)
-SYSTEMS: dict[str, str] = {
-    "megatrain": "baselines.megatrain:MegaTrain",
-    "native": "baselines.native:Native",
-    "fsdp2": "baselines.fsdp2:FSDP2",
-    "zero3": "baselines.deepspeed_zero:ZeRO3Offload",
-    "zero_infinity": "baselines.deepspeed_zero:ZeROInfinity",
-    "gemini": "baselines.gemini:Gemini",
-    "ratel": "baselines.ratel:Ratel",
-}
+@dataclass(frozen=True)
+class Registration:
+    """A compared system, registered once: the harness, the grids' check, the figures and the
+    paper's tables read it."""
+    cls: str  # "module:Class"; the module is imported only when its system is asked for (each has its own deps)
+    color: str  # its colour in every figure
+    paper: str | None = None  # its name in the paper's comparisons; None where the paper states no ratio of it
+    # it runs a point on several GPUs of one host (RunSpec.gpus, under torchrun)
+    data_parallel: bool = False
+    # its ranks map one host store (MegaTrain's shared-memory file), so the harness counts shared
+    # pages once over the process tree; a baseline's ranks each hold their own shard of the
+    # offloaded state (pinned or not), so every process's resident memory counts in full
+    shared_host_store: bool = False
+    # its steps are a script's fixed count (Ratel's main.py runs the iterations it was started
+    # for), so a point takes no steps beyond its spec's `steps` (suite/timing.py)
+    fixed_steps: bool = False
 
-# The systems that run a point on several GPUs of one host (RunSpec.gpus, under torchrun), and
-# whether their ranks share one host store: MegaTrain's ranks map one shared-memory file, so the
-# harness counts shared pages once over the process tree; a baseline's ranks each hold their own
-# shard of the offloaded state (pinned or not), so every process's resident memory counts in full.
-DATA_PARALLEL: dict[str, bool] = {"megatrain": True, "fsdp2": False, "zero3": False, "zero_infinity": False}
-# The systems whose steps are a script's fixed count (Ratel's main.py runs the iterations it was
-# started for), so a point takes no steps beyond its spec's `steps` (suite/timing.py)
-FIXED_STEPS: frozenset[str] = frozenset({"ratel"})
+
+SYSTEMS: dict[str, Registration] = {
+    "megatrain": Registration("baselines.megatrain:MegaTrain", "C1", "MegaTrain", data_parallel=True,
+                              shared_host_store=True),
+    "native": Registration("baselines.native:Native", "C2", "PyTorch Native"),
+    "fsdp2": Registration("baselines.fsdp2:FSDP2", "C0", "FSDP Offload", data_parallel=True),
+    "zero3": Registration("baselines.deepspeed_zero:ZeRO3Offload", "C5", "ZeRO-3 Offload", data_parallel=True),
+    "zero_infinity": Registration("baselines.deepspeed_zero:ZeROInfinity", "C4", "ZeRO-Infinity", data_parallel=True),
+    "gemini": Registration("baselines.gemini:Gemini", "C8", "ColossalAI Gemini"),
+    "ratel": Registration("baselines.ratel:Ratel", "C6", fixed_steps=True),
+}
 
 
 def load(name: str) -> type[System]:
     """The System class of a named system."""
     if name not in SYSTEMS:
         raise ValueError(f"system: unknown {name!r}; known: {list(SYSTEMS)}")
-    module, _, cls = SYSTEMS[name].partition(":")
+    module, _, cls = SYSTEMS[name].cls.partition(":")
     return getattr(importlib.import_module(module), cls)

@@ -20,7 +20,9 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.io import atomic_file, write_text
+from megatrain.kernels import EXPERTS, LOSS, MLP, NORM
 from megatrain.units import GiB
+from suite.system import SYSTEMS
 from suite.timing import median_interval
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
@@ -85,10 +87,9 @@ def kernels(result: dict) -> str | None:
     engine = (result.get("info") or {}).get("engine")
     if result.get("system") != "megatrain" or not isinstance(engine, dict):
         return None
-    compiled = [k for k in ("norm", "mlp") if engine.get(f"{k}_kernel") == "compiled"]
-    label = "compiled" if len(compiled) == 2 else f"{compiled[0]} compiled" if compiled else "eager"
-    return (label + (", loss compiled" if engine.get("loss_kernel") == "compiled" else "")
-            + (", experts lean" if engine.get("experts_kernel") == "lean" else ""))
+    layer = [k for k in (NORM, MLP) if k.runs(engine)]
+    label = "compiled" if len(layer) == 2 else f"{layer[0].label} {layer[0].own}" if layer else "eager"
+    return label + "".join(f", {k.label} {k.own}" for k in (LOSS, EXPERTS) if k.runs(engine))
 
 
 # what a result's reason says when the memory ran out while the point ran (the worker's own error, or
@@ -418,8 +419,7 @@ def md_table(df: pd.DataFrame, printed: bool = False) -> str:
 
 
 # the paper's names of the systems it compares, as the suite names them
-PAPER_SYSTEMS = {"MegaTrain": "megatrain", "ZeRO-3 Offload": "zero3", "FSDP Offload": "fsdp2",
-                 "PyTorch Native": "native", "ZeRO-Infinity": "zero_infinity", "ColossalAI Gemini": "gemini"}
+PAPER_SYSTEMS = {r.paper: name for name, r in SYSTEMS.items() if r.paper}
 # a stated ratio's quantity: its panel's where a figure has two (Figures 5 and 6: (a) throughput,
 # (b) host memory), else throughput
 RATIO_QUANTITY = {"a": "model_tflops", "b": "peak_host_GiB"}

@@ -10,8 +10,9 @@ cut off at its end (experiments/workflow_gpu.sh's DEADLINE).
 A point's estimate comes from the measured point of its system and GPU count nearest in parameters
 and in model FLOPs a step: its wall less its steps (start, set-up, close) scaled by the parameters,
 and its mean step (the warm-up's included) scaled by the FLOPs, for as many steps as this point
-runs, plus JOB_OVERHEAD_S. For FSDP2 only a point that summed its micro-batches where this one will
-(`accumulate`: on the GPU or on the host, whose steps differ fourfold); summed on the host, its step
+runs, plus JOB_OVERHEAD_S. Where the system says where it sums a step's micro-batches
+(`System.summing`; FSDP2's `accumulate`: on the GPU or on the host, whose steps differ fourfold),
+only a point that summed them where this one will; summed on the host, its step
 is scaled by the parameters: it is mostly every micro-batch's gradients copied to the host and added
 there (on the four-GPU host, 14B to width's w4.0: 1.31x the parameters, 1.10x the FLOPs, 1.46x the
 step). A point the grid expects refused (`expect`), or that its system's host admission refuses at
@@ -48,15 +49,14 @@ def _spec(point: dict[str, Any]):
 
 
 def summing(point: dict[str, Any], gpu_bytes: int | None) -> str | None:
-    """Where an FSDP2 point will sum its micro-batches on a GPU of `gpu_bytes` (None: not FSDP2, or
-    the GPU unknown)."""
-    if point["system"] != "fsdp2":
+    """Where the point will sum its micro-batches on a GPU of `gpu_bytes` (System.summing; None: its
+    system does not say, or the GPU is unknown)."""
+    from suite.system import load
+    try:
+        spec = _spec(point)
+    except ValueError:  # a spec the harness refuses (its message says why when it runs)
         return None
-    where = point.get("options", {}).get("accumulate", "auto")
-    if where != "auto" or gpu_bytes is None:
-        return where if where != "auto" else None
-    from baselines.fsdp2 import auto_accumulation
-    return auto_accumulation(_spec(point), gpu_bytes - CONTEXT_BYTES)
+    return load(point["system"]).summing(spec, None if gpu_bytes is None else gpu_bytes - CONTEXT_BYTES)
 
 
 def measured(hardware: str, root: Path = Path(".")) -> list[dict[str, Any]]:

@@ -59,8 +59,8 @@ def _merge(grid: dict, other: dict) -> None:
 
 def check(grid: dict) -> dict:
     """Raise ValueError on a point id used twice in one experiment (a `not_runnable` entry counts as
-    a point of its experiment), a preset, paper artefact, system option or model override that does
-    not exist (found before any point runs, not when that point or table comes), or a `same_as` that
+    a point of its experiment), a preset, paper artefact, system (suite.system.SYSTEMS), system
+    option or model override that does not exist (found before any point runs, not when that point or table comes), or a `same_as` that
     names no point of the grid, a point that is itself a `same_as`, or a point of another identity
     or other steps; return the grid."""
     from megatrain.presets import PRESETS

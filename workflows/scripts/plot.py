@@ -53,6 +53,7 @@ from matplotlib.lines import Line2D
 
 from megatrain.io import save_figure
 from megatrain.units import GB_PER_GiB
+from suite.system import SYSTEMS
 from workflows.scripts import aggregate, outputs
 from workflows.scripts.aggregate import Experiment, _size_b, experiment
 
@@ -84,8 +85,7 @@ SETTINGS_CHANGE = "settings-change"  # gid of a line whose settings differ from 
 IDEAL = "ideal-scaling"  # gid of the dashed ideal linear scaling from a line's 1-GPU point
 # one colour per system in every figure; a second series of a system (fewer layers) takes the next
 # marker and a colour of its own
-SYSTEM_COLORS = {"megatrain": "C1", "native": "C2", "fsdp2": "C0", "zero3": "C5", "zero_infinity": "C4",
-                 "gemini": "C8", "ratel": "C6"}
+SYSTEM_COLORS = {name: r.color for name, r in SYSTEMS.items()}
 # (neither a system's colour, nor grey, "not attempted", nor the paper's black)
 SPARE_COLORS = ("C9", "navy", "saddlebrown", "darkgreen", "goldenrod", "slateblue")
 MEASURED = dict(linestyle="-")
