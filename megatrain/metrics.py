@@ -172,17 +172,20 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
-def link_gbps(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> dict[str, float] | None:
+def link_gbps(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> dict[str, float | str] | None:
     """The host-device link's rate each way as this process sees it, GB/s: `nbytes` between a
     page-locked host buffer and the device, the best of a few timed copies after one untimed. The
     buffer is registered with CUDA at its size and released after (torch's pinned allocator would
-    keep it, rounded up, for the rest of the run). None on the CPU, which has no link."""
+    keep it, rounded up, for the rest of the run). None on the CPU, which has no link; `link_error`
+    where the buffer could not be page-locked (the point is still measured, without this yardstick)."""
     if device.type != "cuda":
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    from megatrain.store import page_aligned  # the store's blocks are registered as this one is
+
+    host = page_aligned(nbytes)
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
-        return None
+    if (err := int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))) != 0:
+        return {"link_error": f"cudaHostRegister of {nbytes} bytes failed: {err}"}
     try:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         rates = {}
