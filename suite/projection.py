@@ -14,7 +14,7 @@ the update that the next step waits for:
   H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
              plus offloaded checkpoints, at the probe's pinned link bandwidth
   CPU        AdamW over the host tiles: OPTIMIZER_BYTES per parameter at the host's memcpy rate
-             (split masters: SPLIT_RATE of it)
+             (split masters: SPLIT_RATE of it, by the host kernel)
   tail       the first host tile's update (its gradient arrives last, its weights are read first)
              less the device tiles' backward that hides it
 
@@ -46,9 +46,12 @@ from suite.spec import RunSpec
 # AdamW per parameter on the host: read the gradient, master and both moments (4 B each), write the
 # master, the moments and the bf16 shadow
 OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
-# split masters (engine.split_masters): the update runs at this fraction of the whole masters' rate
-# (experiments/probes/adamw_rate.py on the 2-core CPU machine, docs/host-store.md)
-SPLIT_RATE = 0.41
+# split masters (engine.split_masters): the update's rate over the whole masters', by the host
+# kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 3.77 over
+# 3.50 G params/s on the one-GPU H200 host's 16 threads (results/h200/probes/adamw_rate); torch's
+# ops, the only path of split tiles before it, 0.41 on the 2-core CPU machine (0.55 on that H200
+# host, 0.26 on the four-GPU host's 64 cores: a rate of the machine's, which it does not yet carry)
+SPLIT_RATE = {"compiled": 1.08, "eager": 0.41}
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
 # engine.experts_kernel defaulted to compiled and lean on a GPU
@@ -257,7 +260,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
-    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE if s.split_masters else 1.0)  # s per param
+    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE[s.optimizer_kernel] if s.split_masters else 1.0)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
     executed, dense = _causal(hw, shape, L, again, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
@@ -316,6 +319,9 @@ def check(roots: list[Path]) -> list[dict]:
         ran = {k: engine.get(k, v) for k, v in EAGER.items()}  # EAGER's before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
         ran["device_tiles"] = engine.get("device_tiles", 0)  # 0 before auto
+        # the C++ pass (its note names the library it loaded) updates split tiles; before it, torch's ops did
+        ran["optimizer_kernel"] = "compiled" if "host_adamw" in (r.get("info") or {}).get("optimizer_kernel_note", "") \
+            else "eager"
         # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
         # compiled loss's head chunk): the projection times that run, not today's choice
         ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens") if k in engine}

@@ -11,6 +11,7 @@ on one axis. Without --paper, the experiment's default artefacts (EXPERIMENTS) a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -27,7 +28,7 @@ from suite.timing import median_interval
 
 MEASURED_COLUMNS = ["source", "experiment", "id", "system", "preset", "layers", "batch", "accum", "seq", "gpus",
                     "options", "kernels", "status", "refused", "reason", "model_tflops", "model_tflops_low",
-                    "model_tflops_high", "steps_measured", "steady", "ceiling_ratio", "hardware_tflops", "step_time_s",
+                    "model_tflops_high", "steps_measured", "steady", "ceiling_ratio", "executed_tflops", "step_time_s",
                     "tokens_per_s", "params", "peak_host_GiB", "peak_device_GiB", "host_bytes_per_param", "host_GiB",
                     "hidden_size", "width", "params_B"]
 
@@ -38,6 +39,32 @@ def _size_b(model) -> float | None:
     """ "7B", "Qwen2.5-14B" or "qwen2.5-32b" -> 7.0, 14.0, 32.0 (the nominal billions of parameters)."""
     m = re.search(r"([\d.]+)\s*B\b", str(model), re.IGNORECASE)
     return float(m.group(1)) if m else None
+
+
+@functools.cache
+def _shape(model: str):
+    from megatrain.shapes import ModelShape
+    from suite.spec import RunSpec
+    return ModelShape(RunSpec(system="megatrain", model=json.loads(model)).hf_config(cuda=True))
+
+
+def executed_tflops(result: dict) -> float | None:
+    """The rate of the FLOPs the kernels ran: the step's `hardware_flops` (the model's, the recompute's,
+    less what the engine leaves out) with causal attention as the half square its kernels compute
+    (suite.projection's count), over the step; None where the result records no executed FLOPs."""
+    from megatrain.schedule import layers_keeping_attention
+    from suite.projection import _causal
+    med, spec = result.get("median") or {}, result["spec"]
+    if result["status"] != "ok" or not med.get("hardware_flops"):
+        return None
+    shape = _shape(json.dumps(spec["model"], sort_keys=True))
+    engine = result["info"]["engine"]
+    layers, kept = shape.num_layers, engine["no_recompute_layers"]
+    # the layers whose attention the recompute ran again: not those that kept it (synthetic rows, no mask)
+    keep = layers_keeping_attention(shape, spec["seq_len"], kept, engine.get("keep_attention_layers", 0))
+    again = [i for i in range(layers - kept) if i not in keep]
+    lens = [spec["seq_len"]] * spec["batch_size"] * spec["grad_accum"]
+    return _causal(med["hardware_flops"], shape, layers, again, lens) / med["step_time_s"] / 1e12
 
 
 _PARAMS_B: dict[str, float | None] = {}
@@ -221,11 +248,12 @@ EXPERIMENTS: dict[str, Experiment] = {
     # beyond the paper's 512K: a step's model FLOPs count attention's whole score square, which at a
     # million tokens is most of them, so the FLOPs the step ran stand beside
     "long_context": Experiment((), "id", "grid point", kind="bars",
-                               panels=("model_tflops", "hardware_tflops", "step_time_s", "peak_device_GiB"),
+                               panels=("model_tflops", "executed_tflops", "step_time_s", "peak_device_GiB"),
                                note="Model TFLOP/s: the model's FLOPs a token, 6 x its matmul parameters + 12 x "
                                     "layers x width x the keys it attends (the whole causal square, though a causal "
-                                    "kernel computes about half), over the step's time; executed TFLOP/s adds the "
-                                    "recomputed forward the step runs (megatrain/metrics.py)."),
+                                    "kernel computes about half), over the step's time; executed TFLOP/s: the FLOPs the "
+                                    "kernels ran, the recomputed forward in and causal attention as the half square "
+                                    "(megatrain/metrics.py, suite/projection.py)."),
 }
 GENERIC = Experiment((), "id", "grid point", kind="bars", panels=("model_tflops",))
 
@@ -320,9 +348,7 @@ def flatten(result: dict, point_id: str, experiment: str) -> dict:
         **rate_interval(result),
         # MegaTrain with `ceiling`: model TFLOP/s over one decoder layer's alone on the same batch
         "ceiling_ratio": result.get("ratio_to_ceiling"),
-        # the FLOPs the step executed (recomputation included) over its time; the same formula's
-        # attention as model_tflops (the whole score square)
-        "hardware_tflops": med.get("hardware_tflops"), "step_time_s": med.get("step_time_s"),
+        "executed_tflops": executed_tflops(result), "step_time_s": med.get("step_time_s"),
         "tokens_per_s": med.get("tokens_per_s"), "params": params,
         "peak_host_GiB": host / GiB if host else None,
         "peak_device_GiB": device / GiB if device else None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import io
 import json
 import re
@@ -116,34 +115,9 @@ def _ranks_key(result: dict) -> tuple:
             spec["grad_accum"], json.dumps(spec.get("options") or {}, sort_keys=True))
 
 
-@functools.cache
-def _shape(model: str):
-    from megatrain.shapes import ModelShape
-    from suite.spec import RunSpec
-    return ModelShape(RunSpec(system="megatrain", model=json.loads(model)).hf_config(cuda=True))
-
-
-def executed_tflops(result: dict) -> float | None:
-    """The rate of the FLOPs the kernels ran: the step's `hardware_flops` (the model's, the recompute's,
-    less what the engine leaves out) with causal attention as the half square its kernels compute
-    (suite.projection's count), over the step; None where the result records no executed FLOPs."""
-    from megatrain.schedule import layers_keeping_attention
-    from suite.projection import _causal
-    med, spec = result.get("median") or {}, result["spec"]
-    if result["status"] != "ok" or not med.get("hardware_flops"):
-        return None
-    shape = _shape(json.dumps(spec["model"], sort_keys=True))
-    engine = result["info"]["engine"]
-    layers, kept = shape.num_layers, engine["no_recompute_layers"]
-    # the layers whose attention the recompute ran again: not those that kept it (synthetic rows, no mask)
-    keep = layers_keeping_attention(shape, spec["seq_len"], kept, engine.get("keep_attention_layers", 0))
-    again = [i for i in range(layers - kept) if i not in keep]
-    lens = [spec["seq_len"]] * spec["batch_size"] * spec["grad_accum"]
-    return _causal(med["hardware_flops"], shape, layers, again, lens) / med["step_time_s"] / 1e12
-
-
 def rows(root: Path = ROOT) -> list[dict]:
     """The summary's rows, raw values (None where a result has none)."""
+    from workflows.scripts.aggregate import executed_tflops
     from workflows.scripts.grid import stale
     results = [(p, json.loads(p.read_text(encoding="utf-8"))) for p in point_files(root)]
     grids = {hw: _grid_points(root, hw) for hw in machines(root)}
