@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,13 +44,23 @@ def temporaries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name.startswith((".state.", ".model.")))
 
 
-@pytest.fixture
-def killed_in_first_save(tmp_path) -> Path:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def killed_once(tmp_path_factory) -> Path:
+    """The output_dir of one `megatrain train` killed in its first save, made once for the module."""
+    out = tmp_path_factory.mktemp("killed") / "out"
     done = subprocess.run([sys.executable, "-c", KILLED_IN_SAVE, "train", "--no-progress", "--no-json", *TINY,
                            "steps=2", f"output_dir={out}"], env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert (out / "metrics.jsonl").exists() and temporaries(out), sorted(p.name for p in out.iterdir())
+    return out
+
+
+@pytest.fixture
+def killed_in_first_save(killed_once, tmp_path) -> Path:
+    """A copy of that output_dir, each test's own: the tests run in it and change it."""
+    out = tmp_path / "out"
+    shutil.copytree(killed_once, out, symlinks=True)
+    assert temporaries(out) == temporaries(killed_once)
     return out
 
 

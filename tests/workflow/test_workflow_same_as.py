@@ -49,14 +49,16 @@ def test_a_same_as_must_name_the_point_that_runs():
                             "      - {id: c, system: native, preset: tiny-llama, same_as: depth/b}\n"))
 
 
-def test_suite_run_refuses_a_same_as_of_another_run(tmp_path):
+def test_suite_run_refuses_a_same_as_of_another_run(tmp_path, capsys, monkeypatch):
+    """In this process (the refusal comes before any worker): `suite run`'s exit status and message."""
+    from suite.__main__ import main
     source = tmp_path / "a.json"
     source.write_text(json.dumps({"status": "ok", "spec": {"system": "native", "model": {"preset": "tiny-llama"},
                                                            "seq_len": 8, "batch_size": 1}}))
-    done = subprocess.run([sys.executable, "-m", "suite", "run", "--system", "native", "--preset", "tiny-llama",
-                           "--seq", "16", "--batch", "1", "--same-as", str(source), "--out", str(tmp_path / "b.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "runs something else" in done.stderr
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # `suite run` sets it; gone afterwards
+    assert main(["run", "--system", "native", "--preset", "tiny-llama", "--seq", "16", "--batch", "1",
+                 "--same-as", str(source), "--out", str(tmp_path / "b.json")]) == 2
+    assert "runs something else" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
 
 
