@@ -177,15 +177,26 @@ def bf16_run(overrides: list[str]) -> dict:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("split", ["true", "false"])
-@pytest.mark.parametrize("run", ["no-clipping", "clipping-device-tiles"])
-def test_bf16_training_is_the_14_byte_stores(run, split):
-    """The tiny run with bf16 compute on the CPU, float32 masters split on the host or whole beside
-    the shadow: the losses, masters, moments and shadows recorded with the 14-byte store, to the bit."""
+@pytest.fixture(scope="module")
+def pinned_runs() -> dict[tuple[str, str], dict]:
+    """Every (run, split) of the test below, one after the other in one pinned child: one Python's
+    start and imports instead of four. Each run sets its threads and builds its trainer from its seed,
+    so a run's bits do not depend on the runs before it in the process (the recorded ones were made
+    one process each: a leak from one run into the next fails the comparison)."""
     recorded = json.loads(GOLDEN.read_text())
     pinned_numerics.skip_unless_recorded_torch(recorded)
-    golden = recorded["runs"][run]
-    got = pinned_numerics.run(Path(__file__), *golden["overrides"], f"engine.split_masters={split}")
+    cases = [(run, split) for run in recorded["runs"] for split in ("true", "false")]
+    runs = [[*recorded["runs"][run]["overrides"], f"engine.split_masters={split}"] for run, split in cases]
+    return dict(zip(cases, pinned_numerics.run(Path(__file__), "--runs", json.dumps(runs))))
+
+
+@pytest.mark.parametrize("split", ["true", "false"])
+@pytest.mark.parametrize("run", ["no-clipping", "clipping-device-tiles"])
+def test_bf16_training_is_the_14_byte_stores(pinned_runs, run, split):
+    """The tiny run with bf16 compute on the CPU, float32 masters split on the host or whole beside
+    the shadow: the losses, masters, moments and shadows recorded with the 14-byte store, to the bit."""
+    golden = json.loads(GOLDEN.read_text())["runs"][run]
+    got = pinned_runs[run, split]
     assert got["losses"] == golden["losses"] and got["sha256"] == golden["sha256"]
 
 
@@ -197,5 +208,7 @@ if __name__ == "__main__":  # the pinned child of the test; --write: record each
         golden.update(torch=torch.__version__, pins=pinned_numerics.PINS)
         GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
         print(f"wrote {GOLDEN}")
+    elif sys.argv[1:2] == ["--runs"]:  # several runs, each a list of overrides, in this one pinned process
+        print(json.dumps([bf16_run(overrides) for overrides in json.loads(sys.argv[2])]))
     else:
         print(json.dumps(bf16_run(sys.argv[1:])))
