@@ -42,6 +42,10 @@ def test_a_rerun_is_no_regression_and_an_injected_slowdown_is_one(tmp_path, monk
     2-core machine's compute alone drifts between consecutive runs by more than the slowdown (the
     first run after the workflow tests 12% slower), which no noise model of one run sees."""
     root = Path(__file__).resolve().parents[2]
+    # one OpenMP thread a worker: two, on a 2-core machine that other processes share, spin at their
+    # barriers while descheduled, and a 20 ms step of compute took 0.02-1.7 s (the pair's noise 50%,
+    # no slowdown seen); one thread is time-sliced at worst, and the steps held 0.22-0.24 s
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", f"{slowed(tmp_path, 'wait', WAIT_S)}:{root}")
     base = run_point(point(), tmp_path / "base" / "p.json")
     again = run_point(point(), tmp_path / "again" / "p.json")
