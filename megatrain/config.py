@@ -190,7 +190,7 @@ class EngineConfig:
     # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
     # auto: compiled on a GPU (7B on the H100: +1.5% at 4 x 4096, the head 523 -> 396 ms at
     # 16 x 4096; docs/decisions.md, "The compiled loss"), eager on the CPU; both track each other on the GPU
-    # (tests/test_gpu.py)
+    # (tests/engine/test_gpu.py)
     loss_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # a mixture of experts' experts: library (transformers' grouped-GEMM experts) or lean (the same
     # grouped GEMMs and gate without expert parallelism's sentinel masks, the routing's gathers undone
@@ -264,7 +264,7 @@ class EngineSettings:
         return getattr(torch, self.master_dtype)
 
 
-# transformers.get_scheduler's schedules that are functions of the step (tests/test_schedules.py
+# transformers.get_scheduler's schedules that are functions of the step (tests/engine/test_schedules.py
 # holds this list to the library's)
 SCHEDULES = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                     "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]

@@ -1,14 +1,27 @@
-"""Helpers the tests share: tiny `transformers` checkpoints, random batches and a plain-PyTorch
-reference trainer (transformers + torch.optim.AdamW) to hold the engine to."""
+"""Helpers the tests share: tiny `transformers` checkpoints, random batches, a plain-PyTorch
+reference trainer (transformers + torch.optim.AdamW) to hold the engine to, a preset's shape and
+its resolved engine settings, and ranks launched under torchrun (tests/distributed/dp_rank.py)."""
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from megatrain.shapes import ParamSpec, load_hf_config
-from megatrain.config import ModelConfig, OptimConfig
+from megatrain.shapes import ModelShape, ParamSpec, load_hf_config
+from megatrain.config import DataConfig, EngineConfig, EngineSettings, ModelConfig, OptimConfig
 from megatrain.batch import Batch
 from megatrain.optim import schedule_arguments
+from megatrain.resolve import Machine, resolve
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the repository
 
 
 def tiny_checkpoint(path, preset: str, overrides: dict | None = None, seed: int = 0):
@@ -105,3 +118,54 @@ def train_save_reload(trainer, batches, out) -> dict[str, torch.Tensor]:
     for name, value in ours.items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     return state
+
+
+def shape_of(preset: str, **overrides) -> ModelShape:
+    return ModelShape(load_hf_config(ModelConfig(preset=preset, overrides=overrides)))
+
+
+def settings(shape: ModelShape, engine: EngineConfig | None = None, *, master="float32", compute="bfloat16",
+             tokens=16384, microbatches=1, clipping=False, pinned=False, device_free=None,
+             host=2**60) -> EngineSettings:
+    """A run's resolved engine settings: one sequence of `tokens` per micro-batch, a device of
+    `device_free` bytes (None: unbounded), `host` bytes of host memory, a GPU's pinned buffers
+    where `pinned`."""
+    engine = replace(engine or EngineConfig(), master_dtype=master, compute_dtype=compute)
+    data = DataConfig(seq_len=tokens, grad_accum=microbatches)
+    return resolve(engine, data, OptimConfig(max_grad_norm=1.0 if clipping else None), shape,
+                   Machine(pinned, device_free, host))
+
+
+# the repository and these helpers ahead of the caller's path (a GPU host's carried packages live on
+# PYTHONPATH); one OpenMP thread a rank, so that the ranks of a test share the machine's cores
+RANK_ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH")]))}
+
+
+def torchrun(tmp_path, tree: dict, batches: str | None, name: str, nodes: int = 1, crash_rank: int | None = None,
+             per_host: int = 2, evaluate: bool = False) -> list[dict]:
+    """Run tests/distributed/dp_rank.py under torchrun, `per_host` ranks per "host", `nodes` hosts on
+    this machine (each its own torchrun, as on separate hosts); the ranks' reports."""
+    rank = str(TESTS / "distributed" / "dp_rank.py")
+    out = tmp_path / name
+    out.mkdir()
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"config": tree, "batches": batches, "out": str(out), "crash_rank": crash_rank,
+                                "evaluate": evaluate}))
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_host)]
+    if nodes == 1:
+        commands = [run + ["--standalone", rank, str(spec)]]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        commands = [run + ["--nnodes", str(nodes), "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), rank, str(spec)] for k in range(nodes)]
+    procs = [subprocess.Popen(c, env=RANK_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    if crash_rank is not None:
+        assert all(p.returncode != 0 for p in procs)
+        return []
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(per_host * nodes)]

@@ -1,4 +1,4 @@
-"""Where device tiles' weights part from host tiles' (GPU): the tiny bf16 model of tests/test_gpu.py
+"""Where device tiles' weights part from host tiles' (GPU): the tiny bf16 model of tests/engine/test_gpu.py
 trained from one seeded init on the same batches with the default engine and with each variant,
 the largest weight difference per tile after every step, and the gradient at that element.
 

@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def main() -> int:
-    from conftest import store_params, tiny_checkpoint
+    from helpers import store_params, tiny_checkpoint
     from megatrain.config import load_config
     from megatrain.data.pipeline import Examples
     from megatrain.data.source import collate

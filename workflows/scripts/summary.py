@@ -12,7 +12,7 @@ peaks, the ratio to the single-layer ceiling), the commit it ran at and its file
 grid point has changed since it ran is marked stale (`workflows.scripts.grid.stale`). README.md's
 results table is HEADLINE's rows rendered from the same rows, between the two markers there, and
 every decimal number of README's prose (outside code) must be a figure of the summary: `--check`
-and tests/test_docs.py fail on one typed by hand. `python -m workflows.scripts.runs promote` runs
+and tests/workflow/test_docs.py fail on one typed by hand. `python -m workflows.scripts.runs promote` runs
 this after copying a run's points in.
 """
 from __future__ import annotations

@@ -1,0 +1,197 @@
+"""The layer kernels against the library's modules: the chunked MLP, the lean and compiled norms, the
+compiled SiLU-gated product and what it keeps for the backward; each compiled kernel built once, in
+this process."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import shape_of
+from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
+from megatrain.memory import plan
+from megatrain.resolve import Machine, resolve
+from megatrain.shapes import load_hf_config
+
+
+def test_chunked_mlp_equals_the_whole_mlp():
+    """Forward and every gradient of the chunked MLP equal the unchunked module's (float32, a chunk
+    that does not divide the tokens); an MLP of another kind is refused by name."""
+    from megatrain.chunked_mlp import chunk_tokens
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    cfg = load_hf_config(ModelConfig(preset="tiny-llama"))
+    torch.manual_seed(0)
+    whole, chunked = LlamaMLP(cfg), LlamaMLP(cfg)
+    chunked.load_state_dict(whole.state_dict())
+    chunk_tokens(chunked, 7, cfg.hidden_act)
+    x = torch.randn(2, 19, cfg.hidden_size)
+    dy = torch.randn(2, 19, cfg.hidden_size)
+    outs = []
+    for mlp in (whole, chunked):
+        xi = x.clone().requires_grad_()
+        y = mlp(xi)
+        grads = torch.autograd.grad(y, [xi, *mlp.parameters()], dy)
+        outs.append([y.detach(), *grads])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not a bias-free SiLU-gated MLP"):
+        chunk_tokens(LlamaMLP(cfg), 7, "gelu")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
+    """The decoder layers' RMSNorm keeping only its input: the same output and gradients as the
+    library's module, to the bit (the same ops, run again in the backward). Over token chunks (30
+    tokens in chunks of 7) rows are independent, so the output and the input gradient stay exact;
+    the weight gradient sums the chunks' (each rounded to the weight's dtype) in float32: a few bf16
+    roundings apart, where a chunk lost would be whole units off."""
+    import megatrain.lean_norm as lean_norm
+    from megatrain.shapes import FAMILIES, modeling
+    if chunk:
+        monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+    cls = getattr(modeling(family), f"{FAMILIES[family]}RMSNorm")
+    scale = "one_plus" if family.startswith("gemma") else "input"  # Gemma's (1 + weight) in float32
+    (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype, scale=scale)
+    assert torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
+    tol = 0 if not chunk else 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
+
+
+def library_and_lean(cls, dtype, **lean):
+    """A library RMSNorm and its copy made lean (`lean`: make_lean's options), each run forward and
+    backward on the same input and output gradient: their (output, input gradient, weight gradient)."""
+    import megatrain.lean_norm as lean_norm
+    norms = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norms[0].weight.normal_(1.0, 0.3)
+        norms[1].weight.copy_(norms[0].weight)
+    lean_norm.make_lean(norms[1], **lean)
+    x = torch.randn(3, 10, 64, dtype=dtype)
+    dy = torch.randn_like(x)
+    out = []
+    for norm in norms:
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        y.backward(dy)
+        out.append((y.detach(), xi.grad, norm.weight.grad))
+    return out
+
+
+@pytest.mark.parametrize("scale", ["input", "float32", "one_plus"], ids=["qwen2", "gpt-oss-scale", "gemma2-one-plus"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype, chunk):
+    """engine.norm_kernel: compiled, the forward and the written-out backward built by
+    torch.compile: the library's output and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (its products stay in float32 where the library's round to bf16)."""
+    import megatrain.lean_norm as lean_norm
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    if chunk:
+        monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+    cls = {"input": Qwen2RMSNorm, "float32": GptOssRMSNorm, "one_plus": Gemma2RMSNorm}[scale]
+    library, fused = library_and_lean(cls, dtype, scale=scale, compiled=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(fused, library):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
+    """Dynamo builds a function at most recompile_limit times a process and then runs its library
+    ops instead (kernel_build): the norm's and the MLP's kernels see inputs of every rank, with gradients or
+    without, in one form, so these twelve calls add one build each (before: six a forward, three a
+    backward)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    import megatrain.lean_norm as lean_norm
+    from megatrain import swiglu
+    kernels = (lean_norm._rms_norm, lean_norm._backward, swiglu._product, swiglu._grads)
+    before = [len(entries(k.__code__)) for k in kernels]
+    weight = torch.ones(16, requires_grad=True)
+    for shape in ((2, 3, 16), (2, 3, 4, 16), (5, 16)):
+        for grad in (False, True):
+            x, up = torch.randn(shape, requires_grad=grad), torch.randn(shape, requires_grad=grad)
+            y = lean_norm._LeanRMSNorm.apply(x, weight, 0.123, False, True) + swiglu.swiglu(x, up)  # a new eps
+            if grad:
+                y.sum().backward()
+    built = [len(entries(k.__code__)) - b for k, b in zip(kernels, before)]
+    assert max(built) <= 1, built
+
+
+def test_norm_kernels_are_built_once_a_row_width():
+    """A norm kernel's reduction is configured at its build for the width it was built at (lean_norm):
+    Qwen3's head norms (128 wide) beside its hidden-size norms get a kernel of their own, and more
+    rows at a width build nothing. The process's recompile limit leaves room for every model's widths."""
+    import torch._dynamo.config as dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    import megatrain.kernel_build as kernel_build
+    import megatrain.lean_norm as lean_norm
+    kernels = (lean_norm._rms_norm, lean_norm._backward)
+    before = [len(entries(k.__code__)) for k in kernels]
+    for rows, width in ((6, 24), (11, 24), (6, 8), (40, 8), (3, 24)):
+        x = torch.randn(rows, width, requires_grad=True)
+        lean_norm._LeanRMSNorm.apply(x, torch.ones(width, requires_grad=True), 0.321, False, True).sum().backward()
+    assert [len(entries(k.__code__)) - b for k, b in zip(kernels, before)] == [2, 2]
+    assert dynamo.recompile_limit >= kernel_build.RECOMPILE_LIMIT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_swiglu_is_the_library_product_to_rounding(dtype):
+    """engine.mlp_kernel: compiled, silu(gate) * up and its written-out backward built by
+    torch.compile: the library's values and gradients to float32 rounding, and in bf16 to about one
+    bf16 rounding (silu(gate) is not rounded to bf16 before the product)."""
+    import torch.nn.functional as F
+    from megatrain.swiglu import swiglu
+    gate, up = torch.randn(3, 10, 96, dtype=dtype), torch.randn(3, 10, 96, dtype=dtype)
+    gates = [gate.clone().requires_grad_() for _ in range(2)]
+    ups = [up.clone().requires_grad_() for _ in range(2)]
+    ys = [F.silu(gates[0]) * ups[0], swiglu(gates[1], ups[1])]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for got, want in ((ys[1], ys[0]), (gates[1].grad, gates[0].grad), (ups[1].grad, ups[0].grad)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_compiled_mlp_keeps_one_ffn_tensor_less_and_the_plan_counts_it():
+    """What the SiLU-gated MLP saves for its backward, through saved-tensor hooks: the library's
+    keeps four tokens x FFN tensors (gate, silu(gate), up, the product: ModelShape.mlp_kept), the
+    compiled product three (gate, up, the product); the memory plan's activations differ by one."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2MLP
+    from megatrain.unread_mlp import skip_unread_down
+    config = Qwen2Config(hidden_size=32, intermediate_size=80, hidden_act="silu")
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    counts = {}
+    for compiled in (False, True):
+        mlp = Qwen2MLP(config)
+        skip_unread_down(mlp, compiled=compiled)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            mlp(x).sum().backward()
+        counts[compiled] = saved.count(2 * 5 * 80)  # tokens x FFN (the down projection's input as 10 x 80)
+    assert counts == {False: 4, True: 3}
+    shape = shape_of("qwen2.5-7b")
+    assert shape.mlp_kept == 4 * shape.ffn
+    s = resolve(EngineConfig(device="cpu", no_recompute_layers=2), DataConfig(seq_len=4096, batch_size=2), OptimConfig(),
+                shape, Machine(False, None, 1 << 50))
+    eager, fused = (plan(shape, replace(s, mlp_kernel=k)).detail for k in ("eager", "compiled"))
+    ffn_tensor = s.tokens * shape.ffn * 4  # float32 compute on the CPU
+    assert eager["device.block_activations"] - fused["device.block_activations"] == s.checkpoint_every * ffn_tensor
+    assert eager["device.kept_graphs"] - fused["device.kept_graphs"] == 2 * ffn_tensor
+
+
+def test_engine_kernels_build_in_this_process():
+    """kernel_build.compiled: the function's own result, and inductor set to build in this process
+    (compile_threads 1: no pool of compile workers; the GPU test counts the processes)."""
+    import torch._inductor.config as inductor
+    from megatrain.kernel_build import compiled
+    x = torch.randn(8, 16)
+    with inductor.patch(compile_threads=4):
+        assert torch.equal(compiled(lambda t: t * 2 + 1)(x), x * 2 + 1)
+        assert inductor.compile_threads == 1

@@ -1,0 +1,95 @@
+"""engine.experts_kernel: lean (megatrain/lean_experts.py) against the library's grouped-GEMM
+experts, module by module on the CPU: the forward bit for bit, the gradients of the hidden states,
+routing weights, stacked weights and biases within float32 summation order, experts no row reaches
+included. The engine's training with it is in tests/engine/test_engine_reference.py."""
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from megatrain import lean_experts
+from megatrain.config import ModelConfig
+from megatrain.shapes import load_hf_config
+
+
+def _experts(preset: str):
+    hf = load_hf_config(ModelConfig(preset=preset), cuda=False)
+    modeling = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
+    cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("Experts"))
+    torch.manual_seed(0)
+    library = cls(hf).float()
+    for p in library.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    lean = copy.deepcopy(library)
+    lean_experts.make_lean(lean)
+    return hf, library, lean
+
+
+def _run(module, x, index, weights, grad):
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = module(x, index, weights)
+    out.backward(grad)
+    return out, x.grad, weights.grad, {n: p.grad for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("tokens", [37, 1], ids=["every-expert", "most-experts-idle"])
+def test_lean_experts_compute_the_library_experts(preset, tokens):
+    hf, library, lean = _experts(preset)
+    assert lean_experts.is_experts(library) and library.has_bias == (preset == "tiny-gpt-oss")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hf.hidden_size, generator=gen)
+    weights, index = torch.topk(torch.randn(tokens, library.num_experts, generator=gen).softmax(-1),
+                                hf.num_experts_per_tok)
+    grad = torch.randn(tokens, hf.hidden_size, generator=gen)
+    ref, got = _run(library, x, index, weights, grad), _run(lean, x, index, weights, grad)
+    assert torch.equal(got[0], ref[0])  # the forward: the same arithmetic
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-6, atol=1e-7)
+    assert set(got[3]) == set(ref[3])
+    for name, g in ref[3].items():
+        torch.testing.assert_close(got[3][name], g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    if tokens == 1:  # experts no row reaches: zero gradients, their biases' too
+        idle = sorted(set(range(library.num_experts)) - set(index.flatten().tolist()))
+        assert idle and not got[3]["down_proj"][idle].any()
+        if library.has_bias:
+            assert not got[3]["down_proj_bias"][idle].any()
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
+def test_compiled_gates_compute_the_library_gates(preset):
+    """engine.mlp_kernel: compiled with the lean experts: GPT-OSS's clamped gate and Qwen3-MoE's and
+    Mixtral's SiLU gate as one compiled kernel each way, against the library's experts in float32 within
+    rounding, at weights large enough that GPT-OSS's clamps cut (their gradients masked)."""
+    hf, library, lean = _experts(preset)
+    for p in library.parameters():
+        torch.nn.init.normal_(p, std=1.5)
+    lean = copy.deepcopy(library)
+    kind = lean_experts.gate_kind(hf.model_type, hf.hidden_act)
+    assert kind == {"tiny-gpt-oss": "clamped", "tiny-qwen3-moe": "silu", "tiny-mixtral": "silu"}[preset]
+    lean_experts.make_lean(lean, kind)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, hf.hidden_size, generator=gen)
+    weights, index = torch.topk(torch.randn(37, library.num_experts, generator=gen).softmax(-1), hf.num_experts_per_tok)
+    grad = torch.randn(37, hf.hidden_size, generator=gen)
+    if kind == "clamped":  # the clamps bind on some rows, both ways
+        up = torch.einsum("th,hf->tf", x, library.gate_up_proj[0]) + library.gate_up_proj_bias[0]
+        assert (up[:, ::2] > library.limit).any() and (up[:, 1::2].abs() > library.limit).any()
+    calls = []
+    kernel = lean_experts._GATES[kind]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(lean_experts._GATES, kind, tuple(lambda *a, k=k: calls.append(k) or k(*a) for k in kernel))
+        ref, got = _run(library, x, index, weights, grad), _run(lean, x, index, weights, grad)
+    assert len(calls) == 2  # the compiled forward and backward ran
+    # at these magnitudes the products cancel: float32 rounding compared over each whole tensor
+    for a, b in [(got[0], ref[0]), (got[1], ref[1]), (got[2], ref[2]), *((got[3][n], ref[3][n]) for n in ref[3])]:
+        assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+def test_lean_experts_leave_the_library_experts_class_as_it_was():
+    """make_lean changes the one module (a template's), never the library's class."""
+    _, library, lean = _experts("tiny-qwen3-moe")
+    assert "forward" in vars(lean) and "forward" not in vars(library)

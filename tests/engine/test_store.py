@@ -1,0 +1,79 @@
+"""The host store (megatrain/store.py): its layout (aligned, decayed parameters first, one block a
+layer), its bytes per parameter with whole or split float32 masters, and its seeded initial weights."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from helpers import settings, shape_of
+from megatrain.config import EngineConfig
+import megatrain.store as store_module
+from megatrain.shapes import ParamSpec
+from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
+
+SPLIT = EngineConfig(split_masters=True)
+
+
+def test_layout_is_aligned_and_decay_first():
+    arch = shape_of("tiny-qwen2")
+    layout = Layout.of(arch.layer_specs)
+    assert all(o % ALIGN == 0 for o in layout.offsets)
+    for spec, offset in zip(layout.specs, layout.offsets):
+        assert (offset < layout.decay_numel) == spec.decay
+    assert not HostStore(arch, settings(arch)).layers[0].split  # auto, with the host to spare: whole masters
+    store = HostStore(arch, settings(arch, SPLIT, clipping=True))
+    tile = store.layers[0]
+    assert tile.split and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
+    for t in (tile.low, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
+        assert t.data_ptr() % PAGE == 0
+    # one layer-contiguous block: the low halves, moments and gradient buffer follow each other
+    assert tile.exp_avg.data_ptr() > tile.low.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
+    assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_host_bytes_per_parameter(split):
+    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow), 18
+    with it (a float32 gradient waits for the global norm); split (engine.split_masters), 12 and 16:
+    the master's low halves beside the shadow that is its high halves."""
+    arch = shape_of("tiny-llama", num_hidden_layers=8)
+    engine = EngineConfig(split_masters=split)
+    for clipping, per_param in ((False, 14 - 2 * split), (True, 18 - 2 * split)):
+        store = HostStore(arch, settings(arch, engine, clipping=clipping))
+        layer = store.layers[0]
+        assert layer.split == split and (layer.master is None) == split
+        assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
+        per_layer = HostStore.nbytes(arch, settings(arch, engine, clipping=clipping))[0]
+        deeper = shape_of("tiny-llama", num_hidden_layers=16)
+        growth = HostStore.nbytes(deeper, settings(deeper, engine, clipping=clipping))[0] - per_layer
+        # 8 more layers cost per_param bytes per parameter, each buffer rounded up to a page
+        n = layer.layout.numel
+        assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
+
+
+@pytest.mark.parametrize("master, split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("chunk", [1 << 22, 64])
+def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeypatch):
+    """A tile's seeded draws, in place into a whole float32 master or through a tensor otherwise
+    (in chunks, here also of 64 elements: 1961 = 29 x 64 + 105), are the numbers torch draws into a
+    tensor of their own (the store's init did so before), in the master and in its bf16 shadow."""
+    monkeypatch.setattr(store_module, "_DRAW", chunk)
+    drawn = []
+    write = Tile.write_master
+    monkeypatch.setattr(Tile, "write_master", lambda self, values, lo=0: (drawn.append(values.numel()), write(self, values, lo)))
+    specs = [ParamSpec("w.weight", (37, 53)), ParamSpec("v.weight", (129,))]
+    tile = Tile("t", Layout.of(specs), master, torch.bfloat16, pinned=False, grad=False, split=split)
+    tile.reset()
+    gen = torch.Generator().manual_seed(7)
+    for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
+        tile.draw_normal(offset, spec.numel, 0.02, gen)
+    # drawn in place, or through tensors of at most two chunks (the last chunk takes the tail)
+    assert (drawn == []) if (master, split) == (torch.float32, False) else (max(drawn) < 2 * chunk and sum(drawn) == 1961 + 129)
+    gen = torch.Generator().manual_seed(7)
+    for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
+        want = torch.empty(spec.shape).normal_(0.0, 0.02, generator=gen).reshape(-1)
+        with tile.plain_state() as state:
+            got = state["master"][offset: offset + spec.numel]
+            assert torch.equal(got.float(), want.to(master).float())
+        assert torch.equal(tile.shadow[offset: offset + spec.numel], want.to(torch.bfloat16))
