@@ -9,7 +9,7 @@ run (and, where it cannot, why, naming the setting to change), its name in the t
 The resolver decides every `auto` through them; the trainer, the engine, the memory plan, the step
 model (suite/projection.py) and the tables (workflows/scripts/aggregate.py) ask them what a run
 uses, so no other place reads a kernel setting's strings. The settings themselves are typed fields
-of EngineConfig and EngineSettings (tests/test_registries.py holds their values to these).
+of EngineConfig and EngineSettings (tests/suite/test_registries.py holds their values to these).
 """
 from __future__ import annotations
 

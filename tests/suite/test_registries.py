@@ -14,7 +14,7 @@ from megatrain.config import EngineConfig, EngineSettings
 from megatrain.kernels import KERNELS
 from suite.system import SYSTEMS, System, load
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_registered_system_is_a_system_with_a_colour_of_its_own():

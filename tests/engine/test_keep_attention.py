@@ -2,7 +2,7 @@
 from the forward. The attention is the library's SDPA to the bit (its kernel, the CPU's flash
 attention for float32 and bfloat16 alike), so training is the recomputing run's to the bit; where a
 micro-batch has a mask (padding), a window is narrower than the sequence or the attention is not
-SDPA, the layer recomputes it. tests/test_engine_reference.py holds these runs to the reference."""
+SDPA, the layer recomputes it. tests/engine/test_engine_reference.py holds these runs to the reference."""
 from __future__ import annotations
 
 from dataclasses import replace
