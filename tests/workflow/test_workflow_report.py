@@ -596,6 +596,15 @@ def test_the_executed_rate_counts_causal_attention_as_half_its_square(tmp_path):
     assert whole / 2 < df.loc[0, "executed_tflops"] < model < whole
 
 
+def test_a_tiny_models_executed_rate_is_counted_at_its_own_sequence(tmp_path):
+    """The CPU grid's points: a tiny preset whose positions stop at 256, at 64 tokens a sequence."""
+    point = _result("megatrain", seq=64)
+    point["median"] |= {"hardware_flops": 1e9}
+    point["info"] = {"engine": {"no_recompute_layers": 0, "keep_attention_layers": 0}}
+    df = _table(tmp_path, "context", {"s64": point})
+    assert 0 < df.loc[0, "executed_tflops"] < 1e9 / 0.1 / 1e12
+
+
 def test_long_context_and_largest_show_what_they_are_about(tmp_path):
     """long_context: the executed TFLOP/s beside the model TFLOP/s, and the step time; largest: the
     parameters and the host memory; a bar of a grid point names its model, depth and tokens."""

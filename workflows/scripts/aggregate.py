@@ -42,10 +42,10 @@ def _size_b(model) -> float | None:
 
 
 @functools.cache
-def _shape(model: str):
+def _shape(model: str, seq_len: int):
     from megatrain.shapes import ModelShape
     from suite.spec import RunSpec
-    return ModelShape(RunSpec(system="megatrain", model=json.loads(model)).hf_config(cuda=True))
+    return ModelShape(RunSpec(system="megatrain", model=json.loads(model), seq_len=seq_len).hf_config(cuda=True))
 
 
 def executed_tflops(result: dict) -> float | None:
@@ -57,7 +57,7 @@ def executed_tflops(result: dict) -> float | None:
     med, spec = result.get("median") or {}, result["spec"]
     if result["status"] != "ok" or not med.get("hardware_flops"):
         return None
-    shape = _shape(json.dumps(spec["model"], sort_keys=True))
+    shape = _shape(json.dumps(spec["model"], sort_keys=True), spec["seq_len"])
     engine = result["info"]["engine"]
     layers, kept = shape.num_layers, engine["no_recompute_layers"]
     # the layers whose attention the recompute ran again: not those that kept it (synthetic rows, no mask)
