@@ -203,6 +203,8 @@ def link_gbps(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> d
     finally:
         torch.cuda.synchronize(device)
         cudart.cudaHostUnregister(host.data_ptr())
+        dev = None
+        torch.cuda.empty_cache()  # the device buffer not left cached beside the point's own memory
 
 
 def _cpu_model() -> str:
