@@ -20,8 +20,9 @@ memory, PCIe), the software under the code (driver, CUDA, torch, ...) and the co
 difference printed once at the top. A pair run on different machines is judged by what does not
 depend on the machine: its ratio to its own single-layer ceiling measured in the same run (MegaTrain),
 else the fraction of its bound it reached: its model FLOPs at the machine's matmul rate, or its bytes
-each way at the link's rates where that takes longer (`env.matmul_tflops`, `env.h2d_gbps` and
-`env.d2h_gbps`, measured by the same worker; the matmul's alone where one side lacks them). Where
+each way at the link's rates where that takes longer (`env.matmul_tflops`, measured by the same
+worker, and `env.h2d_gbps`, `env.d2h_gbps` where a result holds them; the matmul's alone where one
+side lacks them). Where
 those fall beyond the noise, the code got slower; the raw verdicts are worded as the machines'
 difference ("faster on new machine") and are never a regression of the code. Settings a run resolved
 itself (MegaTrain's `auto` choices and kernels, `info.engine`) that differ between the two are named
@@ -160,8 +161,8 @@ def _number(x) -> bool:
 def normalised(r: dict, link: bool = True) -> tuple[str, float] | None:
     """The point's speed in units of its own machine: (yardstick, value), or None. Its ratio to its
     own single-layer ceiling where it has one; else the fraction of its bound it reached: the
-    longer of its model FLOPs at the machine's matmul rate and (`link`, where the worker measured
-    the link and the point counts its bytes) its bytes each way at the link's rate, over its step."""
+    longer of its model FLOPs at the machine's matmul rate and (`link`, where the result holds the
+    link's rates and the point counts its bytes) its bytes each way at the link's rate, over its step."""
     if isinstance(r.get("ratio_to_ceiling"), (int, float)):
         return "ratio to its layer ceiling", float(r["ratio_to_ceiling"])
     med, env = r.get("median") or {}, r.get("env") or {}
