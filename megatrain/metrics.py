@@ -172,6 +172,41 @@ def matmul_tflops(device: torch.device) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
+def link_gbps(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> dict[str, float | str] | None:
+    """The host-device link's rate each way as this process sees it, GB/s: `nbytes` between a
+    page-locked host buffer and the device, the best of a few timed copies after one untimed. The
+    buffer is registered with CUDA at its size and released after (torch's pinned allocator would
+    keep it, rounded up, for the rest of the run). None on the CPU, which has no link; `link_error`
+    where the buffer could not be page-locked (the point is still measured, without this yardstick)."""
+    if device.type != "cuda":
+        return None
+    from megatrain.store import page_aligned  # the store's blocks are registered as this one is
+
+    host = page_aligned(nbytes)
+    cudart = torch.cuda.cudart()
+    if (err := int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))) != 0:
+        return {"link_error": f"cudaHostRegister of {nbytes} bytes failed: {err}"}
+    try:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        rates = {}
+        for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
+            best = float("inf")
+            for i in range(runs + 1):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize(device)
+                if i:
+                    best = min(best, time.perf_counter() - start)
+            rates[name] = nbytes / best / 1e9
+        return rates
+    finally:
+        torch.cuda.synchronize(device)
+        cudart.cudaHostUnregister(host.data_ptr())
+        dev = None
+        torch.cuda.empty_cache()  # the device buffer not left cached beside the point's own memory
+
+
 def _cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):

@@ -29,7 +29,7 @@ from megatrain.shapes import ModelShape
 from megatrain.io import write_json
 from megatrain.data import make_source
 from megatrain.distributed import Ranks, check as check_ranks
-from megatrain.metrics import environment, matmul_tflops, model_flops
+from megatrain.metrics import environment, link_gbps, matmul_tflops, model_flops
 from suite import timing
 from suite.spec import RunSpec
 from megatrain.memory import DoesNotFit
@@ -68,7 +68,8 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
     flops = spec.model_flops_per_step()
     clock = time.perf_counter()
     env = environment(device)  # the GPU's first touch, NVML, git: part of start_s, timed apart as env_s
-    env["matmul_tflops"] = matmul_tflops(device)  # the yardstick of comparisons across machines
+    env["matmul_tflops"] = matmul_tflops(device)  # the yardsticks of comparisons across machines
+    env.update(link_gbps(device) or {})
     result = {"system": spec.system, "spec": spec.to_dict(), "status": "running", "env": env,
               "params": shape.total_params(), "model_flops_per_step": flops, "steps": [],
               "start_s": since_start(), "imported_s": imported_s, "forked": forked,

@@ -44,6 +44,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
 MATMUL = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "::mm", "addmm", "bmm")
 # flex attention (GPT-OSS's sinks and windows) runs as Triton template kernels (`triton_tem_...`); the
 # engine's other compiled kernels (norms, the MLP's product, the loss) are pointwise and reductions
+TOP = 40  # kernels listed by their time, each with its calls a repetition
 ATTENTION = ("flash", "fmha", "attention", "cudnn", "sdpa", "triton_tem")
 
 
@@ -64,16 +65,18 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
         trainer.engine.layer_ceiling(batch, seq, reps=1)
     totals: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     for e in prof.key_averages():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
         if us <= 0 or (not cuda and e.key.startswith("ProfilerStep")):
             continue
         totals[kind(e.key)] += us
         top[e.key] += us
+        calls[e.key] += e.count
     # two repetitions ran (the ceiling's warm-up and one timed): halve to one
     return {"seconds_by_kind": {k: v / 2e6 for k, v in sorted(totals.items())},
-            "top_kernels": [{"name": k[:120], "seconds": v / 2e6}
-                            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]]}
+            "top_kernels": [{"name": k[:160], "seconds": v / 2e6, "calls": calls[k] // 2}
+                            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP]]}
 
 
 VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},

@@ -223,6 +223,19 @@ def test_suite_run_forks_a_worker_that_trains_on_the_gpu(cuda_only, tmp_path):
     r = json.loads(out.read_text())
     assert done.returncode == 0 and r["status"] == "ok", (done.stderr + r.get("log_tail", ""))[-3000:]
     assert r["forked"] and r["env"]["gpu"] and r["imported_s"] < 0.5
+    # the link's yardsticks beside the matmul's: a PCIe or NVLink-C2C link moves more than 5 GB/s
+    assert r["env"]["h2d_gbps"] > 5 and r["env"]["d2h_gbps"] > 5, r["env"]
+
+
+def test_the_link_measure_leaves_no_memory_behind(cuda_only):
+    """The worker's link measure registers its host buffer and releases it and the device's."""
+    from megatrain.metrics import link_gbps
+    torch.cuda.synchronize()
+    reserved, pinned = torch.cuda.memory_reserved(), torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    rates = link_gbps(torch.device("cuda"))
+    assert set(rates) == {"h2d_gbps", "d2h_gbps"} and min(rates.values()) > 5, rates
+    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == pinned
 
 
 def test_allocator_uses_expandable_segments(cuda_only, monkeypatch):
