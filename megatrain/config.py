@@ -185,6 +185,11 @@ class EngineConfig:
     # (GPT-OSS's clamped one, Qwen3-MoE's and Mixtral's SiLU one: lean_experts.py), with the lean experts only;
     # auto: compiled on a GPU where the MLP is SiLU-gated or the lean experts' gate compiles, else eager
     mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    # the queries' and keys' rotary embedding: eager (the library's ops: five passes each way over
+    # each) or compiled (one fused kernel each way, float32 inside; equal to rounding: rotary.py),
+    # for the families whose rotary is Llama's form (refused for the others); auto: compiled on a
+    # GPU where it applies, else eager
+    rotary_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
     # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
@@ -241,6 +246,7 @@ class EngineSettings:
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: the one pass, for the host tiles with float32 masters
     norm_kernel: Literal["compiled", "eager"]
     mlp_kernel: Literal["compiled", "eager"]
+    rotary_kernel: Literal["compiled", "eager"]
     loss_kernel: Literal["compiled", "eager"]
     experts_kernel: Literal["library", "lean"]
     timeline: bool

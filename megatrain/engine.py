@@ -443,7 +443,7 @@ class Engine:
         """A layer's output, and its router's logits (None without a router)."""
         module = self.arch.template(index).bind(weights)
         kind = self.shape.layer_type(index)
-        with captured() as logits:
+        with captured() as logits, self.arch.running():
             out = module(h, attention_mask=ctx.masks[kind], position_ids=ctx.position_ids,
                          position_embeddings=ctx.position_embeddings[kind])
         return out, (logits[0] if logits else None)

@@ -90,6 +90,14 @@ def _mlp_product(shape: ModelShape, machine: Machine, chosen: dict[str, str]) ->
     return None
 
 
+def _rotary(shape: ModelShape, machine: Machine, chosen: dict[str, str]) -> str | None:
+    from megatrain import rotary
+    if rotary.library_form(shape.modeling):
+        return None
+    return (f"engine.rotary_kernel: compiled computes the Llama form of the rotary embedding; this {shape.family} "
+            f"model's differs (a partial or interleaved rotary): set engine.rotary_kernel: eager")
+
+
 # the host AdamW of float32 masters: one compiled pass (fused_adamw.py) or torch's fused AdamW and
 # passes around it
 OPTIMIZER = Kernel("optimizer_kernel", "compiled", "eager", "optimizer", _host_adamw, on_cpu=True)
@@ -97,5 +105,6 @@ NORM = Kernel("norm_kernel", "compiled", "eager", "norm", _anywhere)  # the deco
 EXPERTS = Kernel("experts_kernel", "lean", "library", "experts", _experts)  # a mixture's experts (lean_experts.py)
 # the gated MLP's product (swiglu.py), or a mixture of experts' gate
 MLP = Kernel("mlp_kernel", "compiled", "eager", "mlp", _mlp_product)
+ROTARY = Kernel("rotary_kernel", "compiled", "eager", "rotary", _rotary)  # the queries' and keys' rotary (rotary.py)
 LOSS = Kernel("loss_kernel", "compiled", "eager", "loss", _anywhere)  # the cross-entropy over each chunk (loss.py)
-KERNELS = (NORM, EXPERTS, MLP, LOSS, OPTIMIZER)
+KERNELS = (NORM, EXPERTS, MLP, ROTARY, LOSS, OPTIMIZER)

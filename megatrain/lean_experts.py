@@ -24,8 +24,11 @@ forward and more backward, and they run again in the recompute. With engine.mlp_
 (the GPU's default) it is one kernel each way (torch.compile), keeping only the projection's output
 for the backward, as swiglu.py does for the dense MLP: GPT-OSS's clamped gate, (clamp(up) + 1) *
 g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE
-and Mixtral, silu(gate) * up over concatenated ones. Inside a kernel the arithmetic stays in float32 where the
-library rounds each step to the compute dtype: equal to rounding, not bit for bit.
+and Mixtral, silu(gate) * up over concatenated ones. With the gate compiled, the rest of the way back is
+too: the router's weighting of the rows and their sum into token order is one kernel that reads
+each row once (the library's product and gather write the rows twice more), its backward one kernel for the rows' gradients and one for the weights', and the tokens' gather's
+backward one kernel. Inside a kernel the arithmetic stays in float32 where the library rounds each
+step to the compute dtype: equal to rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -40,20 +43,68 @@ from transformers.integrations.moe import _grouped_linear
 from megatrain.kernel_build import compiled
 
 
+def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows in expert order -> token order, each token's k rows summed (float32 inside the compiled
+    kernel, as torch's sum accumulates)."""
+    return rows[inv].view(-1, k, rows.shape[-1]).sum(dim=1)
+
+
+def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' rows (expert order) weighted by the router and summed per token: one pass."""
+    k = weights.shape[-1]
+    rows = y[inv].view(-1, k, y.shape[-1]).float()
+    return (rows * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def _combine_grad_rows(grad: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The gradient of each row: its token's, times the row's weight (rows in expert order)."""
+    k = weights.shape[-1]
+    return (grad[perm // k].float() * weights.reshape(-1)[perm].float().unsqueeze(-1)).to(grad.dtype)
+
+
+def _combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """The gradient of each (token, pick) weight: the token's gradient dotted with the pick's row."""
+    rows = y[inv].view(-1, k, y.shape[-1]).float()
+    return (rows * grad.float().unsqueeze(1)).sum(dim=-1)
+
+
+_compiled_gather_sum, _compiled_combine = compiled(_gather_sum), compiled(_combine)
+_compiled_combine_grad_rows, _compiled_combine_grad_weights = compiled(_combine_grad_rows), compiled(_combine_grad_weights)
+
+
 class _ToExperts(torch.autograd.Function):
     """x (tokens, h) -> its rows in expert order, x[perm // k]; back: each token's k rows summed,
-    read through the inverse permutation."""
+    read through the inverse permutation (one compiled pass where `fused`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int, fused: bool) -> torch.Tensor:
         ctx.save_for_backward(inv)
-        ctx.k = k
+        ctx.k, ctx.fused = k, fused
         return x[perm // k]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         inv, = ctx.saved_tensors
-        return grad[inv].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return (_compiled_gather_sum if ctx.fused else _gather_sum)(grad, inv, ctx.k), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The compiled weighting and sum back to token order: y (rows in expert order, h) and the
+    router's weights (tokens, k) -> (tokens, h); back: each row's gradient and each weight's, a
+    pass each. Keeps y and the weights, as the library's product does."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, weights, perm, inv)
+        return _compiled_combine(y, inv, weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, weights, perm, inv = ctx.saved_tensors
+        d_y = _compiled_combine_grad_rows(grad, perm, weights) if ctx.needs_input_grad[0] else None
+        d_w = _compiled_combine_grad_weights(grad, y, inv, weights.shape[-1]).to(weights.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return d_y, d_w, None, None
 
 
 class _FromExperts(torch.autograd.Function):
@@ -64,7 +115,7 @@ class _FromExperts(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(perm)
         ctx.k = k
-        return y[inv].view(-1, k, y.shape[-1]).sum(dim=1)
+        return _gather_sum(y, inv, k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -157,13 +208,15 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     def bias(b):
         return _ExpertBias.apply(b, expert_ids, counts) if self.has_bias else None
 
-    rows = _ToExperts.apply(hidden_states, perm, inv, k)
+    rows = _ToExperts.apply(hidden_states, perm, inv, k, self.megatrain_fused)
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
     out = _grouped_linear(rows, up, offsets, bias=bias(up_bias), is_transposed=self.is_transposed)
     out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
     out = _grouped_linear(out, self.down_proj, offsets, bias=bias(self.down_proj_bias) if self.has_bias else None,
                           is_transposed=self.is_transposed)
+    if self.megatrain_fused:
+        return _Combine.apply(out, top_k_weights, perm, inv).to(hidden_states.dtype)
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     return _FromExperts.apply(out, perm, inv, k).to(hidden_states.dtype)
 
@@ -180,6 +233,7 @@ def make_lean(experts: nn.Module, gate: str | None = None) -> None:
     experts.forward = types.MethodType(_forward, experts)
     constants = (float(experts.limit), float(experts.alpha)) if gate == "clamped" else ()
     experts.megatrain_gate = functools.partial(_compiled_gate, gate, constants) if gate else experts._apply_gate
+    experts.megatrain_fused = gate is not None  # the weighting and sum compiled with the gate
 
 
 def _compiled_gate(kind: str, constants: tuple, gate_up: torch.Tensor) -> torch.Tensor:

@@ -187,24 +187,29 @@ def link_gbps(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> d
     if (err := int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))) != 0:
         return {"link_error": f"cudaHostRegister of {nbytes} bytes failed: {err}"}
     try:
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        rates = {}
-        for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
-            best = float("inf")
-            for i in range(runs + 1):
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize(device)
-                if i:
-                    best = min(best, time.perf_counter() - start)
-            rates[name] = nbytes / best / 1e9
-        return rates
+        return _copy_rates(host, device, runs)
     finally:
         torch.cuda.synchronize(device)
         cudart.cudaHostUnregister(host.data_ptr())
-        dev = None
         torch.cuda.empty_cache()  # the device buffer not left cached beside the point's own memory
+
+
+def _copy_rates(host: torch.Tensor, device: torch.device, runs: int) -> dict[str, float]:
+    """GB/s of the best of `runs` timed copies each way (after one untimed) between `host` and a
+    device buffer of its size, which is dropped on return."""
+    dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+    rates = {}
+    for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
+        best = float("inf")
+        for i in range(runs + 1):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - start)
+        rates[name] = host.numel() / best / 1e9
+    return rates
 
 
 def _cpu_model() -> str:

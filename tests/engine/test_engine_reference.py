@@ -149,6 +149,8 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-qwen3", {"norm_kernel": "compiled"}),  # head norms: a second width
                                             ("tiny-qwen2", {"mlp_kernel": "compiled"}),
                                             ("tiny-qwen2", {"loss_kernel": "compiled"}),
+                                            ("tiny-qwen2", {"rotary_kernel": "compiled"}),
+                                            ("tiny-qwen3-moe", {"rotary_kernel": "compiled"}),  # head norms before it
                                             ("tiny-gpt-oss", {"experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"experts_kernel": "lean"}),
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
@@ -157,17 +159,19 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-gemma2", {"norm_kernel": "compiled"}),  # (1 + weight) norms
                                             ("tiny-gemma2", {"loss_kernel": "compiled"})])  # soft-capped logits
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
-    """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (float32 on the CPU:
+    """engine.norm_kernel, engine.mlp_kernel, engine.rotary_kernel and engine.loss_kernel: compiled (float32 on the CPU:
     the fused kernels' arithmetic in another order), and engine.experts_kernel: lean, its gate
     compiled or not, within the reference's tolerances, kept layers, the norms over token chunks and
     the recompute's unread down projection included."""
     import megatrain.lean_experts as lean_experts
     import megatrain.lean_norm as lean_norm
     import megatrain.loss as loss
+    import megatrain.rotary as rotary
     import megatrain.swiglu as swiglu
     module, names = {"norm_kernel": (lean_norm, ("_compiled_forward", "_compiled_backward")),
                      "mlp_kernel": (swiglu, ("_compiled_product", "_compiled_grads")),
                      "loss_kernel": (loss, ("_compiled_cross_entropy",)),
+                     "rotary_kernel": (rotary, ("_compiled_rotate", "_compiled_rotate_grad")),
                      "experts_kernel": (lean_experts, ("_forward",))}[next(iter(engine))]
     if "experts_kernel" in engine and "mlp_kernel" in engine:  # a mixture of experts' compiled kernel: its gate
         module, names = lean_experts, ("_compiled_gate",)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 SEQ, BATCH, STEPS = 64, 4, 20
 OVERRIDES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32,
              "num_hidden_layers": 4}
-EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager"}  # the library's kernels (the GPU's default compiles them)
+EAGER = {"norm_kernel": "eager", "mlp_kernel": "eager", "loss_kernel": "eager", "rotary_kernel": "eager"}  # the library's kernels (the GPU's default compiles them)
 
 
 def gpu_tree(tmp_path, **engine) -> dict:
@@ -472,9 +472,9 @@ def test_harness_on_two_gpus_tracks_one_gpu(tmp_path, cuda_only, system):
 
 
 @pytest.mark.parametrize("engine", [{**EAGER, "norm_kernel": "compiled"}, {**EAGER, "mlp_kernel": "compiled"},
-                                    {**EAGER, "loss_kernel": "compiled"}])
+                                    {**EAGER, "loss_kernel": "compiled"}, {**EAGER, "rotary_kernel": "compiled"}])
 def test_compiled_kernels_track_eager_kernels(tmp_path, cuda_only, engine):
-    """engine.norm_kernel, engine.mlp_kernel and engine.loss_kernel: compiled (torch.compile's
+    """engine.norm_kernel, engine.mlp_kernel, engine.loss_kernel and engine.rotary_kernel: compiled (torch.compile's
     fused kernels, forward and backward; the GPU's default) against the library's eager ops, in bf16 on the device over
     20 steps: rounding apart (their products stay in float32 where the library's round to bf16),
     within bf16 tolerance."""

@@ -101,6 +101,48 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rotary_is_the_library_rotary_to_rounding(dtype):
+    """engine.rotary_kernel: compiled, on the queries and keys as the library's attention gives them
+    (transposed views, fewer key heads): the library's output and gradients to float32 rounding, and
+    in bf16 to one rounding of the result (the library rounds each product and the sum)."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as library
+    from megatrain import rotary
+    torch.manual_seed(0)
+    B, S, D = 2, 8, 16
+    q = torch.randn(B, S, 4, D, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, 2, D, dtype=dtype).transpose(1, 2).requires_grad_()
+    angles = torch.randn(B, S, D // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grads = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
+    runs = []
+    for fn in (library, rotary.apply_rotary_pos_emb):
+        out = fn(q, k, cos, sin)
+        runs.append((*out, *torch.autograd.grad(out, (q, k), grads)))
+    # |x cos + R(x) sin| <= 2 max|x|, so one rounding of the result is that times the dtype's epsilon
+    ulp = torch.finfo(dtype).eps * 2 * max(q.abs().max().item(), k.abs().max().item(), *(g.abs().max().item() for g in grads))
+    for got, want in zip(runs[1], runs[0]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
+
+
+def test_the_rotary_kernel_stands_in_only_while_a_layer_runs():
+    """rotary.applied swaps the modeling module's function for the block and gives it back, even
+    when the block raises; only the Llama form is taken (Phi-3's partial rotary, GPT-OSS's are not)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers.models.phi3 import modeling_phi3
+    from transformers.models.qwen2 import modeling_qwen2
+    from megatrain import rotary
+    library = modeling_qwen2.apply_rotary_pos_emb
+    with pytest.raises(RuntimeError, match="inside"):
+        with rotary.applied(modeling_qwen2):
+            assert modeling_qwen2.apply_rotary_pos_emb is rotary.apply_rotary_pos_emb
+            raise RuntimeError("inside")
+    assert modeling_qwen2.apply_rotary_pos_emb is library
+    assert rotary.library_form(modeling_qwen2)
+    assert not rotary.library_form(modeling_phi3) and not rotary.library_form(modeling_gpt_oss)
+
+
 def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
     """Dynamo builds a function at most recompile_limit times a process and then runs its library
     ops instead (kernel_build): the norm's and the MLP's kernels see inputs of every rank, with gradients or

@@ -62,7 +62,8 @@ def test_lean_experts_compute_the_library_experts(preset, tokens):
 @pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_compiled_gates_compute_the_library_gates(preset):
     """engine.mlp_kernel: compiled with the lean experts: GPT-OSS's clamped gate and Qwen3-MoE's and
-    Mixtral's SiLU gate as one compiled kernel each way, against the library's experts in float32 within
+    Mixtral's SiLU gate as one compiled kernel each way, and the router's weighting with the sum back
+    to token order (and its gradients, and the gather's) each one compiled pass, against the library's experts in float32 within
     rounding, at weights large enough that GPT-OSS's clamps cut (their gradients masked)."""
     hf, library, lean = _experts(preset)
     for p in library.parameters():
@@ -80,10 +81,13 @@ def test_compiled_gates_compute_the_library_gates(preset):
         assert (up[:, ::2] > library.limit).any() and (up[:, 1::2].abs() > library.limit).any()
     calls = []
     kernel = lean_experts._GATES[kind]
+    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_gather_sum")
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(lean_experts._GATES, kind, tuple(lambda *a, k=k: calls.append(k) or k(*a) for k in kernel))
+        for name in fused:
+            patch.setattr(lean_experts, name, lambda *a, k=getattr(lean_experts, name), n=name: calls.append(n) or k(*a))
         ref, got = _run(library, x, index, weights, grad), _run(lean, x, index, weights, grad)
-    assert len(calls) == 2  # the compiled forward and backward ran
+    assert len(calls) == 6 and set(fused) <= set(calls)  # the compiled gate and weighting, forward and backward
     # at these magnitudes the products cancel: float32 rounding compared over each whole tensor
     for a, b in [(got[0], ref[0]), (got[1], ref[1]), (got[2], ref[2]), *((got[3][n], ref[3][n]) for n in ref[3])]:
         assert (a - b).norm() <= 1e-6 * b.norm()
