@@ -44,31 +44,44 @@ from megatrain.kernel_build import compiled
 
 
 def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows in expert order -> token order, each token's k rows summed (float32 inside the compiled
-    kernel, as torch's sum accumulates)."""
+    """Rows in expert order -> token order, each token's k rows summed (float32 inside torch's sum)."""
     return rows[inv].view(-1, k, rows.shape[-1]).sum(dim=1)
 
 
-def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The experts' rows (expert order) weighted by the router and summed per token: one pass."""
-    k = weights.shape[-1]
-    rows = y[inv].view(-1, k, y.shape[-1]).float()
-    return (rows * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+# The compiled kernels take each token's k picks as k columns of indices made before the call (a
+# loop over the picks: pointwise passes that read each row once; a reduction over the picks, k
+# elements a dynamic shape does not know, ran 10 to 20 times slower on the H200) and the rows'
+# tokens and weights already gathered (an index's division left out of every element).
+
+def _sum_picks(rows: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """Rows in expert order -> token order: sum over j of rows[picks[:, j]], float32 inside."""
+    total = rows[picks[:, 0]].float()
+    for j in range(1, picks.shape[1]):
+        total = total + rows[picks[:, j]].float()
+    return total.to(rows.dtype)
 
 
-def _combine_grad_rows(grad: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The gradient of each row: its token's, times the row's weight (rows in expert order)."""
-    k = weights.shape[-1]
-    return (grad[perm // k].float() * weights.reshape(-1)[perm].float().unsqueeze(-1)).to(grad.dtype)
+def _combine(y: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' rows weighted by the router and summed per token: sum over j of
+    weights[:, j] y[picks[:, j]], float32 inside."""
+    total = y[picks[:, 0]].float() * weights[:, :1].float()
+    for j in range(1, picks.shape[1]):
+        total = total + y[picks[:, j]].float() * weights[:, j:j + 1].float()
+    return total.to(y.dtype)
 
 
-def _combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+def _combine_grad_rows(grad: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """The gradient of each row (expert order): its token's, times the row's weight."""
+    return (grad[tokens].float() * row_weights.float().unsqueeze(-1)).to(grad.dtype)
+
+
+def _combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     """The gradient of each (token, pick) weight: the token's gradient dotted with the pick's row."""
-    rows = y[inv].view(-1, k, y.shape[-1]).float()
-    return (rows * grad.float().unsqueeze(1)).sum(dim=-1)
+    g = grad.float()
+    return torch.stack([(y[picks[:, j]].float() * g).sum(dim=-1) for j in range(picks.shape[1])], dim=-1)
 
 
-_compiled_gather_sum, _compiled_combine = compiled(_gather_sum), compiled(_combine)
+_compiled_sum_picks, _compiled_combine = compiled(_sum_picks), compiled(_combine)
 _compiled_combine_grad_rows, _compiled_combine_grad_weights = compiled(_combine_grad_rows), compiled(_combine_grad_weights)
 
 
@@ -85,7 +98,8 @@ class _ToExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         inv, = ctx.saved_tensors
-        return (_compiled_gather_sum if ctx.fused else _gather_sum)(grad, inv, ctx.k), None, None, None, None
+        summed = _compiled_sum_picks(grad, inv.view(-1, ctx.k)) if ctx.fused else _gather_sum(grad, inv, ctx.k)
+        return summed, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -96,13 +110,15 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y, weights, perm, inv)
-        return _compiled_combine(y, inv, weights)
+        return _compiled_combine(y, inv.view(weights.shape), weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         y, weights, perm, inv = ctx.saved_tensors
-        d_y = _compiled_combine_grad_rows(grad, perm, weights) if ctx.needs_input_grad[0] else None
-        d_w = _compiled_combine_grad_weights(grad, y, inv, weights.shape[-1]).to(weights.dtype) \
+        k = weights.shape[-1]
+        d_y = _compiled_combine_grad_rows(grad, perm // k, weights.reshape(-1)[perm]) \
+            if ctx.needs_input_grad[0] else None
+        d_w = _compiled_combine_grad_weights(grad, y, inv.view(weights.shape)).to(weights.dtype) \
             if ctx.needs_input_grad[1] else None
         return d_y, d_w, None, None
 

@@ -81,7 +81,7 @@ def test_compiled_gates_compute_the_library_gates(preset):
         assert (up[:, ::2] > library.limit).any() and (up[:, 1::2].abs() > library.limit).any()
     calls = []
     kernel = lean_experts._GATES[kind]
-    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_gather_sum")
+    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_sum_picks")
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(lean_experts._GATES, kind, tuple(lambda *a, k=k: calls.append(k) or k(*a) for k in kernel))
         for name in fused:
