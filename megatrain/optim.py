@@ -34,7 +34,7 @@ import torch
 
 from megatrain import fused_adamw
 from megatrain.config import OptimConfig
-from megatrain.store import Tile, join, split
+from megatrain.store import Storage, Tile, join, split
 from megatrain.timeline import Kind, Timeline, Track
 
 CHUNK = 1 << 24  # elements per fused AdamW call (measured on the H100 host: 1 << 20 is 25% slower)
@@ -112,7 +112,7 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
     beta1, beta2 = cfg.betas
     fp32_master = tile.master_dtype == torch.float32
     one_pass = compiled and fp32_master and not tile.on_device
-    if tile.split and scratch is None and not one_pass:
+    if tile.storage is Storage.SPLIT and scratch is None and not one_pass:
         scratch = Scratch()
     if grad_scale != 1.0 and not one_pass:
         grad.mul_(grad_scale)
@@ -123,12 +123,13 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
         if one_pass:
             for a, b, wd in ((a0, min(b0, decay_end), cfg.weight_decay), (max(a0, decay_end), b0, 0.0)):
                 if a < b:
-                    shadow = tile.shadow[a:b] if tile.shadow is not tile.master else None
+                    split_tile = tile.storage is Storage.SPLIT
+                    shadow = None if tile.storage is Storage.MASTER_IS_SHADOW else tile.shadow[a:b]
                     fused_adamw.update(grad[a - lo: b - lo], tile.exp_avg[a:b], tile.exp_avg_sq[a:b], step, lr, wd, cfg,
-                                       grad_scale, master=None if tile.split else tile.master[a:b], shadow=shadow,
-                                       low=tile.low[a:b] if tile.split else None)
+                                       grad_scale, master=None if split_tile else tile.master[a:b], shadow=shadow,
+                                       low=tile.low[a:b] if split_tile else None)
             continue
-        if tile.split:
+        if tile.storage is Storage.SPLIT:
             param = scratch.take(tile, a0, b0)
         else:
             param = tile.master[a0:b0] if fp32_master else tile.master[a0:b0].float()
@@ -140,7 +141,7 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float
                 [param[a - a0: b - a0]], [grad[a - lo: b - lo]], [tile.exp_avg[a:b]], [tile.exp_avg_sq[a:b]],
                 [], [torch.full((), float(step), device=param.device)], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
                 eps=cfg.eps, amsgrad=False, maximize=False, found_inf=found_inf)
-        if tile.split:
+        if tile.storage is Storage.SPLIT:
             split(param, tile.shadow[a0:b0], tile.low[a0:b0], tile.exp_avg_sq[a0:b0])
         elif not fp32_master:
             tile.master[a0:b0].copy_(param)

@@ -16,7 +16,7 @@ import pinned_numerics
 from megatrain import optim
 from megatrain.config import OptimConfig, load_config
 from megatrain.shapes import ParamSpec
-from megatrain.store import Layout, Tile, _ties, join, split
+from megatrain.store import Layout, Storage, Tile, _ties, join, split
 from megatrain.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch, compiled):
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
     split_tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False, split=True)
     whole = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)
-    assert split_tile.split and not whole.split
+    assert split_tile.storage is Storage.SPLIT and whole.storage is not Storage.SPLIT
     n = whole.layout.numel
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(n, generator=gen) * 0.02
@@ -137,7 +137,7 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch, compiled):
         grad = torch.randn(n, generator=gen) * 1e-2
         for lo, hi in ((0, 25_000), (25_000, 241_111), (241_111, n)):
             for tile in (split_tile, whole):
-                optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 1.0, compiled=compiled and tile.split)
+                optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 1.0, compiled=compiled and tile.storage is Storage.SPLIT)
         flagged.append(int((split_tile.exp_avg_sq.view(torch.int32) < 0).sum()))
         with split_tile.plain_state() as state:
             for k in ("master", "exp_avg", "exp_avg_sq"):
