@@ -65,7 +65,7 @@ from megatrain.kernels import LOSS, OPTIMIZER
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
-from megatrain.optim import OptimizerWorker, adamw, clip_scale, lr_at
+from megatrain.optim import Optimizer
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
                                 PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
                                 evaluation_ops, layers_keeping_attention)
@@ -156,11 +156,10 @@ class Engine:
         host_tiles = [t for t in store.tiles if not t.on_device]
         ranks = self.comm.ranks
         self.parts = {t: part(t.layout.numel, ranks.local_world, ranks.local_rank)[:2] for t in host_tiles}
-        self.worker = OptimizerWorker(host_tiles, optim, total_steps, self.timeline, self.parts,
-                                      None if flags is None else (lambda tile: flags.mark(tile.name)),
-                                      OPTIMIZER.runs(settings))
+        self.optimizer = Optimizer(optim, total_steps, device, self.timeline, host_tiles, self.parts,
+                                   None if flags is None else (lambda tile: flags.mark(tile.name)),
+                                   OPTIMIZER.runs(settings))
         self.streamer.peers = flags
-        self._clip_later: list[tuple[Tile, torch.Tensor]] = []  # device tiles' gradients awaiting the norm
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
         self.bytes_d2h = 0
@@ -189,7 +188,7 @@ class Engine:
         targets, n_targets = self._targets(microbatches)  # over every rank: the loss's normaliser
         schedule = self.schedule(len(microbatches))
         self.timeline.begin_step()
-        self.worker.begin_step(self._contributions())
+        self.optimizer.begin_step(self._contributions())
         before = self._counters()
         step = _Step(microbatches, targets, 1.0 / n_targets)
         s = self.shape
@@ -202,10 +201,7 @@ class Engine:
             aux = sum(r.loss() for r in step.routing) if step.routing else 0.0
             self.comm.sum_host(self.sq)  # each rank has the norms of its parts
             self.comm.sum(step.loss)
-            if self._clip_later:
-                self._clip_and_update_device_tiles()
-            self.sq_host.copy_(self.sq, non_blocking=True)
-            self.worker.finish_step(self.sq_host, self.dev.record(self.dev.compute))
+            self.optimizer.finish_step(self.sq, self.sq_host)
         self.dev.synchronize()  # the step boundary: the only host-device sync of a step
         self.timeline.end_step()
         loss = float(step.loss) / n_targets + float(aux)
@@ -216,7 +212,7 @@ class Engine:
                                 f"training stops (the last saved state is as it was)")
         moved = [now - then for now, then in zip(self._counters(), before)]
         lengths = [n for mb in microbatches for n in mb.sequence_lengths()]
-        prev = self.worker.grad_norms.get(self.worker.steps_begun - 2)  # written before this step's forward ended
+        prev = self.optimizer.grad_norms.get(self.optimizer.steps - 2)  # written before this step's forward ended
         return StepResult(loss, n_targets, lengths, time.perf_counter() - start, prev, *moved,
                           [m in step.attention_kept for m in range(len(microbatches))])
 
@@ -243,7 +239,7 @@ class Engine:
         forward only: the step's own loop over
         the evaluation's ops (schedule.evaluation_ops), with no gradient or update. Waits for the
         optimizer first, so the weights are those after the last step."""
-        self.worker.flush()
+        self.optimizer.flush()
         targets = [shift_labels(mb.labels) for mb in microbatches]
         step = _Step(microbatches, targets, 1.0)
         self.timeline.begin_step()
@@ -394,7 +390,7 @@ class Engine:
         is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
         it and the host's updates done (their threads would compete with the launching one). The
         rate layer streaming can at best reach."""
-        self.worker.flush()
+        self.optimizer.flush()
         dev, unit = self.dev, self.layer_units[0]
         self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
         self.streamer.start([unit])
@@ -529,10 +525,7 @@ class Engine:
                 norm_sq = torch.linalg.vector_norm(grad).double().square()
                 if self.comm.ranks.local_rank == 0:
                     self.sq[k] += norm_sq
-                if self.worker.cfg.max_grad_norm is None:
-                    self._update_device_tile(tile, grad, (~torch.isfinite(norm_sq)).float())
-                else:
-                    self._clip_later.append((tile, grad))
+                self.optimizer.device_gradient(tile, grad, norm_sq)
                 continue
             with self._reducing(tile):
                 mine, lo, hi = self.comm.reduce_part(grad)
@@ -545,7 +538,7 @@ class Engine:
                 slab = self.slabs.acquire()
                 host = slab[: b - a]
                 release = partial(self.slabs.release, slab)  # bound now: the loop rebinds `slab`
-                self._to_host(mine[a - lo: b - lo], host, tile.name, lambda event: self.worker.submit_dense(
+                self._to_host(mine[a - lo: b - lo], host, tile.name, lambda event: self.optimizer.submit(
                     tile, a, b, host, event, release, norm_host))
 
     def _norm_to_host(self, index: int, norm_sq: torch.Tensor) -> None:
@@ -558,24 +551,6 @@ class Engine:
         with self.dev.on(stream):
             self.dev.wait(stream, done)
             self.norms_host[index].copy_(norm_sq, non_blocking=True)
-
-    def _update_device_tile(self, tile: Tile, grad: torch.Tensor, found_inf: torch.Tensor) -> None:
-        t = self.worker.steps_begun - 1  # this step's update number
-        with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.UPDATE, tile.name):
-            w = self.worker  # the same settings and schedule as the host tiles' updates
-            adamw(tile, 0, tile.layout.numel, grad, t + 1, lr_at(t, w.cfg, w.total_steps), w.cfg, 1.0, found_inf)
-        tile.version += 1
-        tile.updated = self.dev.record(self.dev.compute)
-
-    def _clip_and_update_device_tiles(self) -> None:
-        """The global norm on the device, as torch's clip_grad_norm_; no host sync."""
-        norm = self.sq.sum().sqrt()
-        scale = clip_scale(self.worker.cfg.max_grad_norm, norm).float()
-        found_inf = (~torch.isfinite(norm)).float()
-        for tile, grad in self._clip_later:
-            grad.mul_(scale)
-            self._update_device_tile(tile, grad, found_inf)
-        self._clip_later.clear()
 
     def _to_host(self, src: torch.Tensor, dst: torch.Tensor, tile_name: str, submit) -> None:
         """D2H on the gradient stream after the backward-done event; hand the slab to the optimizer."""
@@ -590,7 +565,7 @@ class Engine:
             submit(self.dev.record(stream))
         self.bytes_d2h += src.numel() * src.itemsize
         if self.sync_grads:
-            self.worker.flush()  # ablation: the gradient is consumed before compute goes on
+            self.optimizer.flush()  # ablation: the gradient is consumed before compute goes on
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, t: torch.Tensor):
@@ -608,6 +583,6 @@ class Engine:
         return self.streamer.flat.as_strided(shape, stride, slot * self.streamer.numel + offset)
 
     def close(self) -> None:
-        self.worker.flush()
-        self.worker.close()
+        self.optimizer.flush()
+        self.optimizer.close()
 

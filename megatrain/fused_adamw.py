@@ -1,7 +1,7 @@
 """The host AdamW of a tile with float32 masters in one pass over memory, for both layouts
 (`engine.optimizer_kernel: compiled`; the kernel is host_adamw.cpp).
 
-The eager update (optim.adamw) is torch's fused AdamW plus passes around it: with a whole master
+The eager update (adamw.adamw) is torch's fused AdamW plus passes around it: with a whole master
 the bf16 shadow is recast from it in a second pass; with a split master (store.py,
 docs/host-store.md) the master is joined into a float32 scratch, updated there and split back,
 several passes more. The update is bound by memory bandwidth, so here one loop reads each

@@ -16,7 +16,7 @@ from megatrain.config import EngineSettings
 from megatrain.distributed import slab_numel
 from megatrain.kernels import MLP
 from megatrain.shapes import ModelShape
-from megatrain.optim import SCRATCH_BYTES
+from megatrain.adamw import SCRATCH_BYTES
 from megatrain.store import HostStore, Layout, can_split, pinned_bytes
 from megatrain.units import GiB
 

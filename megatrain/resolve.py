@@ -25,7 +25,7 @@ before it settled:
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
                        optimizer can leave more of the last layers' pieces for the next forward to
-                       overlap (optim.py), for a layer's float32 gradient of pinned host memory
+                       overlap (host_executor.py), for a layer's float32 gradient of pinned host memory
                        each
 The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
 and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.

@@ -15,7 +15,7 @@ master exactly halfway between two bf16 values and rounded down, is flagged in t
 `exp_avg_sq`, which AdamW never makes negative.
 
 Gradients are summed over the micro-batches on the device and update a tile straight from the
-pinned slab they return into (see optim.py). Only clipping, whose global norm is known at the
+pinned slab they return into (see host_executor.py). Only clipping, whose global norm is known at the
 step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parameter).
 
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -225,6 +226,15 @@ def join(shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor, out:
     return out
 
 
+class Storage(Enum):
+    """Where a tile keeps its master and what a load streams from: each kind's tensors (None where
+    the kind has none) and its path through the update (adamw.py)."""
+    DEVICE = "device"  # master and moments in device memory; a load casts the master there (no shadow)
+    MASTER_IS_SHADOW = "master is shadow"  # master in the compute dtype, pinned: it streams as it is
+    MASTER_AND_SHADOW = "master and shadow"  # a whole master in the block, recast into the pinned shadow
+    SPLIT = "split"  # float32 master as the bf16 shadow (its high half) and `low` in the block
+
+
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
                  grad: bool, device: torch.device | None = None, alloc: Alloc | None = None, split: bool = False):
@@ -234,28 +244,30 @@ class Tile:
         alloc = alloc or Blocks(register=pinned)  # a tile alone (probes, tests); a store passes its own
         self.name = name
         self.layout = layout
-        self.on_device = device is not None
         self.master_dtype = master
-        self.split = split and not self.on_device and can_split(master, compute)
+        if device is not None:
+            self.storage = Storage.DEVICE
+        elif master == compute:
+            self.storage = Storage.MASTER_IS_SHADOW
+        else:
+            self.storage = Storage.SPLIT if split and can_split(master, compute) else Storage.MASTER_AND_SHADOW
         n = layout.numel
         state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
         self.grad: torch.Tensor | None = None
-        # `master`: the whole master, where one is kept (a split tile has `low` instead)
         self.master: torch.Tensor | None = None
         self.low: torch.Tensor | None = None
-        if self.on_device:  # the step's gradient stays in its device accumulator until the update
+        self.shadow: torch.Tensor | None = None
+        if self.storage is Storage.DEVICE:  # the step's gradient stays in its device accumulator until the update
             self.master = torch.empty(n, dtype=master, device=device)
             self.exp_avg, self.exp_avg_sq = torch.empty(2, n, dtype=torch.float32, device=device)
-            self.shadow = None
-        elif master == compute:
-            # The master streams as it is: it lives in pinned memory and is its own shadow.
+        elif self.storage is Storage.MASTER_IS_SHADOW:
             (self.master,) = _carve(alloc(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
             self.shadow = self.master
             self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state, alloc)
         else:
-            if self.split:
+            if self.storage is Storage.SPLIT:
                 self.low, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [torch.int16, *state], alloc)
-            else:  # a whole master beside its shadow (bf16 masters with float32 compute stream a float32 copy)
+            else:  # bf16 masters with float32 compute stream a float32 copy too
                 self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state], alloc)
             (self.shadow,) = _carve(alloc(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
         if grad and not self.on_device:
@@ -267,6 +279,10 @@ class Tile:
         self.version = 0  # incremented by each optimizer update
         self.read_done = None  # device event: the last H2D copy out of the shadow has finished
         self.updated = None  # device tiles: event after the last update was issued on the compute stream
+
+    @property
+    def on_device(self) -> bool:
+        return self.storage is Storage.DEVICE
 
     @staticmethod
     def _block(n: int, dtypes: list[torch.dtype], alloc: Alloc) -> list[torch.Tensor]:
@@ -280,7 +296,7 @@ class Tile:
 
     def read_master(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of the master in its dtype: a view, or a split tile's, joined (a copy)."""
-        if not self.split:
+        if self.storage is not Storage.SPLIT:
             return self.master[lo:hi]
         return join(self.shadow[lo:hi], self.low[lo:hi], self.exp_avg_sq[lo:hi],
                     torch.empty(self.shadow[lo:hi].numel(), dtype=torch.float32))
@@ -294,7 +310,7 @@ class Tile:
         flags live in `exp_avg_sq`: write the moments first."""
         hi = lo + values.numel()
         values = values.reshape(-1)
-        if self.split:  # through float32 chunks of _DRAW elements: a checkpoint's bf16 tensor is not widened whole
+        if self.storage is Storage.SPLIT:  # through float32 chunks of _DRAW elements: a checkpoint's bf16 tensor is not widened whole
             for a in range(lo, hi, _DRAW):
                 b = min(hi, a + _DRAW)
                 split(values[a - lo: b - lo].to(torch.float32).contiguous(), self.shadow[a:b], self.low[a:b],
@@ -309,7 +325,7 @@ class Tile:
         holds (torch's normal_ does not depend on where the elements sit); the others go through
         one. In place, the store's fill skips a fresh temporary per matrix: on the 2-core machine
         two threads filling 8 x 70 M elements took 1.24 s in place against 1.72-2.31 s through them."""
-        if self.master is not None and self.master.dtype == torch.float32 and not self.on_device and not self.split:
+        if self.master_dtype == torch.float32 and self.storage in (Storage.MASTER_IS_SHADOW, Storage.MASTER_AND_SHADOW):
             self.master[lo:lo + n].normal_(0.0, std, generator=gen)
             self.refresh_shadow(lo, lo + n)
         else:  # in chunks of _DRAW, each a multiple of 16 and the last at least _DRAW long: torch
@@ -323,7 +339,7 @@ class Tile:
 
     def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
         """Recast the shadow of a tile that keeps a whole master in another dtype than the shadow's."""
-        if self.shadow is not None and self.shadow is not self.master and not self.split:
+        if self.storage is Storage.MASTER_AND_SHADOW:
             self.shadow[lo:hi].copy_(self.master[lo:hi])
 
     def reset(self) -> None:
@@ -337,7 +353,7 @@ class Tile:
     def plain_state(self) -> Iterator[dict[str, torch.Tensor]]:
         """Master and moments as a resume saves them, while the block runs: a split tile's master
         joined (one tile's float32 copy), its flags out of `exp_avg_sq` and put back after."""
-        if not self.split:
+        if self.storage is not Storage.SPLIT:
             yield {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
             return
         master = join(self.shadow, self.low, self.exp_avg_sq, torch.empty(self.layout.numel), take=True)

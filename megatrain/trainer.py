@@ -38,7 +38,6 @@ from megatrain.exports import Best, checkpoint_dir, rotate
 from megatrain.io import drop_previous, remove_dir, remove_stale, roll_back, write_json
 from megatrain.kernels import EXPERTS, MLP, NORM, OPTIMIZER, ROTARY
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
-from megatrain.optim import lr_at
 from megatrain.planning import RunPlan, earlier_outputs, plan_run
 from megatrain.progress import bar, say
 from megatrain.runlog import RunLog, perplexity
@@ -156,6 +155,7 @@ class Trainer:
         self.setup_s["fill"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self.engine = Engine(self.arch, self.store, self.device, s, cfg.optim, self.total_steps, self.comm, flags)
+        self.optimizer = self.engine.optimizer
         self.setup_s["engine"] = time.perf_counter() - clock
         self.sampler = PeakSampler(gpu_index=self.device.torch.index if self.device.is_cuda else None)
         self.step = 0
@@ -196,7 +196,7 @@ class Trainer:
         return {
             "step": self.step,
             "loss": r.loss,
-            "lr": lr_at(self.step - 1, self.cfg.optim, self.total_steps),
+            "lr": self.optimizer.lr(self.step - 1),
             "prev_grad_norm": r.prev_grad_norm,
             "tokens": sum(lengths),
             "target_tokens": r.target_tokens,
@@ -209,7 +209,7 @@ class Trainer:
             "peak_host_bytes": self.sampler.peak_host_bytes,
             "bytes_h2d": r.bytes_h2d,
             "bytes_d2h": r.bytes_d2h,
-            "optimizer_busy_s": self.engine.worker.busy_s,
+            "optimizer_busy_s": self.optimizer.busy_s,
             "wait_update_s": r.wait_update_s,
             "wait_slab_s": r.wait_slab_s,
             **({"exposed": self.engine.timeline.summary()} if self.settings.timeline else {}),
@@ -224,7 +224,7 @@ class Trainer:
         optimizer updates, which run on after the step returns, are done and in it."""
         if not self.settings.timeline:
             raise ValueError("write_trace needs engine.timeline: true")
-        self.engine.worker.flush()
+        self.optimizer.flush()
         write_json(path, self.engine.timeline.chrome_trace())
 
     def next_microbatches(self) -> list[Batch]:
@@ -259,8 +259,8 @@ class Trainer:
             nonlocal pending
             if pending is not None:
                 if not norm_known:  # read after waiting for the optimizer
-                    self.engine.worker.flush()
-                    pending["grad_norm"] = self.engine.worker.grad_norms.get(pending["step"] - 1)
+                    self.optimizer.flush()
+                    pending["grad_norm"] = self.optimizer.grad_norms.get(pending["step"] - 1)
                 runlog.step({k: v for k, v in pending.items() if k != "prev_grad_norm"})
                 pending = None
 
@@ -326,7 +326,7 @@ class Trainer:
             finally:
                 runlog.close()
         for m in history:  # the records the log got, norms included
-            m.setdefault("grad_norm", self.engine.worker.grad_norms.get(m["step"] - 1))
+            m.setdefault("grad_norm", self.optimizer.grad_norms.get(m["step"] - 1))
         return history
 
     def evaluate(self) -> dict:
@@ -380,7 +380,7 @@ class Trainer:
     def _all_updated(self) -> bool:
         """Wait until every rank's updates are written; True on the rank that writes (the store is
         whole on every host, so it gathers nothing)."""
-        self.engine.worker.flush()
+        self.optimizer.flush()
         self.comm.barrier()
         return self.ranks.rank == 0
 
@@ -396,7 +396,7 @@ class Trainer:
         """`keep_previous`: the state replaced is kept until the caller drops or rolls back to it."""
         if not self._all_updated():
             return
-        meta = {"step": self.step, "updates_done": self.engine.worker.updates_done,
+        meta = {"step": self.step, "updates_done": self.optimizer.steps,
                 "data_position": self.data.position, "config": dataclasses.asdict(self.cfg),
                 "settings": dataclasses.asdict(self.settings), "best": self.best.state() if self.best else None}
         with bar(f"saving the training state to {path}", self._params(), self.progress) as advance:
@@ -405,14 +405,14 @@ class Trainer:
     def load_state(self, path: str | Path) -> None:
         """Every rank reads the step and data position; a shared store is read once per host
         (device tiles by every rank), then every rank waits for it."""
-        self.engine.worker.flush()
+        self.optimizer.flush()
         self.comm.barrier()
         tiles = None if self.ranks.local_rank == 0 else [t for t in self.store.tiles if t.on_device]
         with bar("loading the training state", self._params(), self.progress and tiles is None) as advance:
             meta = checkpoint.load_state(self.store, path, tiles, advance)
         self.comm.barrier()
         self.step = meta["step"]
-        self.engine.worker.updates_done = self.engine.worker.steps_begun = meta["updates_done"]
+        self.optimizer.steps = meta["updates_done"]
         self.data.position = meta["data_position"]
         if self.best is not None:  # a state saved without a best model (an earlier run's) starts afresh
             self.best.restore(meta.get("best"))

@@ -93,7 +93,7 @@ class Reference:
 
 
 def store_params(trainer) -> dict[str, torch.Tensor]:
-    trainer.engine.worker.flush()
+    trainer.optimizer.flush()
     out = {}
     for tile in trainer.store.tiles:
         for name, view in zip(trainer.shape.hf_names(tile.name), tile.master_views()):

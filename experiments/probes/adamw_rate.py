@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from megatrain import fused_adamw, optim
+from megatrain import adamw, fused_adamw
 from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
@@ -93,7 +93,7 @@ def main() -> None:
                                     False, False, split=layout == "split")
         tile.reset()
         tile.write_master(torch.randn(n, generator=gen) * 0.02)
-    scratch = optim.Scratch()  # the worker keeps one
+    scratch = adamw.Scratch()  # the host executor keeps one
     params = torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02)
     params.grad = grad
     torch_adamw = torch.optim.AdamW([params], lr=lr, weight_decay=0.1, fused=True)
@@ -103,7 +103,7 @@ def main() -> None:
     def tile_update(layout: str, compiled: bool):
         def run():
             step["k"] += 1
-            optim.adamw(tiles[layout], 0, n, grad, step["k"], lr, cfg, 1.0, scratch=scratch, compiled=compiled)
+            adamw.adamw(tiles[layout], 0, n, grad, adamw.Update(step["k"], lr, cfg), scratch=scratch, compiled=compiled)
         return run
 
     paths = {"one_pass_whole": tile_update("whole", True), "one_pass_split": tile_update("split", True),

@@ -1,5 +1,5 @@
 """Probe: CPU AdamW throughput of one host tile (float32 masters split into the bf16 shadow and the
-low halves, docs/host-store.md) on this host, as the optimizer worker runs it, and its parts.
+low halves, docs/host-store.md) on this host, as the host executor runs it, and its parts.
 Prints G elements/s per variant. Usage: python experiments/probes/cpu_adam.py [ELEMENTS]
 (default: one 7B layer, 233 M; torch's default thread count unless OMP_NUM_THREADS says)."""
 import sys
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from megatrain import optim
+from megatrain import adamw
 from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile, join, split
@@ -21,7 +21,7 @@ tile = Tile("layer", Layout.of([ParamSpec("w", (N // 64, 64))]), torch.float32, 
 tile.reset()
 tile.write_master(torch.randn(N) * 0.02)
 grad = torch.randn(N, pin_memory=pinned) * 1e-3
-scratch = optim.Scratch()
+scratch = adamw.Scratch()
 print("threads main", torch.get_num_threads())
 
 
@@ -42,14 +42,14 @@ def in_thread(fn):
 
 
 def update():
-    optim.adamw(tile, 0, N, grad, 1, 1e-5, cfg, 1.0, scratch=scratch)
+    adamw.adamw(tile, 0, N, grad, adamw.Update(1, 1e-5, cfg), scratch=scratch)
 
 
 t = timed(update)
 t2, n2 = in_thread(update)
 print(f"adamw, split tile: main {N / t / 1e9:.3f} G/s, worker thread ({n2} threads) {N / t2 / 1e9:.3f} G/s")
 # the parts of one chunk
-n = min(N, optim.CHUNK)
+n = min(N, adamw.CHUNK)
 p, wide = torch.empty(n), torch.empty(n, dtype=torch.int32)
 m, v = tile.exp_avg[:n], tile.exp_avg_sq[:n]
 step = torch.tensor(1.0)

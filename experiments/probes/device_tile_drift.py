@@ -41,7 +41,7 @@ def run(engine: dict, steps: int, lr: float, device: str) -> list[dict]:
                 ids = torch.randint(0, trainer.shape.vocab, (4, 64), generator=gen)
                 mbs.append(Batch(ids, ids.clone()))
             loss = trainer.train_step(mbs)["loss"]
-            trainer.engine.worker.flush()
+            trainer.optimizer.flush()
             out.append({"loss": loss, "masters": {t.name: t.read_master().detach().float().cpu().clone()
                                                   for t in trainer.store.tiles}})
     finally:

@@ -55,14 +55,14 @@ def main(spec_path: str) -> None:
             losses, reduce_s = [m["loss"] for m in steps], steps[-1]["exposed"]["reduce_s"]
         else:
             losses = [m["loss"] for m in trainer.fit(log=open("/dev/null", "w"), progress=False)]
-        trainer.engine.worker.flush()
+        trainer.optimizer.flush()
         trainer.comm.barrier()  # every rank's updates written before the weights are read
         r, e = trainer.ranks, trainer.engine
         layers = {t.name for t in e.store.layers}
         slabs = {"slab_numel": e.slab_numel, "layer_numel": max(t.layout.numel for t in e.store.layers),
                  "largest_layer_part": max(hi - lo for t, (lo, hi) in e.parts.items() if t.name in layers)}
         report = {"rank": r.rank, "node": r.node, "losses": losses, "reduce_s": reduce_s, **slabs,
-                  "grad_norms": [trainer.engine.worker.grad_norms[k] for k in sorted(trainer.engine.worker.grad_norms)],
+                  "grad_norms": [trainer.optimizer.grad_norms[k] for k in sorted(trainer.optimizer.grad_norms)],
                   "store_bytes": trainer.arena.nbytes if trainer.arena else None, **store_mapping()}
         (out / f"rank{r.rank}.json").write_text(json.dumps(report))
         if r.local_rank == 0:

@@ -47,8 +47,8 @@ def one_rank(tmp_path, tree: dict, batches) -> tuple[list[float], list[float], d
     trainer = Trainer(load_config(base=tree))
     try:
         losses = [trainer.train_step(mbs)["loss"] for mbs in batches]
-        trainer.engine.worker.flush()
-        norms = [trainer.engine.worker.grad_norms[k] for k in range(len(batches))]
+        trainer.optimizer.flush()
+        norms = [trainer.optimizer.grad_norms[k] for k in range(len(batches))]
         return losses, norms, store_params(trainer)
     finally:
         trainer.close()

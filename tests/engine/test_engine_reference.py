@@ -204,8 +204,8 @@ def train_and_compare(tmp_path, preset, overrides, K, accum, clip, pad, engine, 
             ref_loss, ref_norm = reference.step(mbs)
             torch.testing.assert_close(metrics["loss"], ref_loss, rtol=1e-5, atol=0)
             ref_norms.append(ref_norm)
-            trainer.engine.worker.flush()
-            norms.append(trainer.engine.worker.grad_norms[step])
+            trainer.optimizer.flush()
+            norms.append(trainer.optimizer.grad_norms[step])
         torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
         params = store_params(trainer)
         for name, ref in reference.model.state_dict().items():
@@ -240,7 +240,7 @@ def test_gradients_match_reference(tmp_path):
         mbs = random_batches(1, 2, BATCH, SEQ, trainer.shape.vocab, pad=True)[0]
         trainer.train_step(mbs)
         reference.step(mbs)
-        trainer.engine.worker.flush()
+        trainer.optimizer.flush()
         for tile in trainer.store.tiles:
             views = tile.layout.views(tile.grad)
             for name, grad in zip(trainer.shape.hf_names(tile.name), views):

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from helpers import random_batches, store_params, tiny_checkpoint
-from megatrain import fused_adamw, optim
+from megatrain import adamw as tile_adamw
+from megatrain import fused_adamw, host_executor
+from megatrain.adamw import Update
 from megatrain.config import OptimConfig, load_config
 from megatrain.kernel_build import compiled
 from megatrain.shapes import ParamSpec
@@ -72,7 +74,7 @@ def test_one_pass_update_is_torchs_adamw(split, beta1):
     for step in range(1, 6):
         grad = torch.randn(n, generator=gen) * 1e-2
         scale = 0.37 if step % 2 else 1.0
-        optim.adamw(tile, 0, n, grad.clone(), step, 1e-3, cfg, scale, compiled=True)
+        tile_adamw.adamw(tile, 0, n, grad.clone(), Update(step, 1e-3, cfg), scale, compiled=True)
         for pieces, adamw in references:
             for p, (a, b) in zip(pieces, ((0, decay_end), (decay_end, n))):
                 p.grad = grad[a:b] * scale
@@ -96,11 +98,11 @@ def test_one_pass_update_is_torchs_adamw(split, beta1):
 @pytest.mark.parametrize("split", [False, True])
 def test_one_pass_update_is_the_eager_one_in_pieces(monkeypatch, split, tail):
     """The tile's update in the pieces the worker gives it (slab ranges that start and end off the
-    vector width, across the decayed and undecayed parts) and in chunks of optim.CHUNK: the one
+    vector width, across the decayed and undecayed parts) and in chunks of adamw.CHUNK: the one
     pass leaves every bit of the eager update, the split's flags and low halves included; a bf16
     gradient is its float32 widening. `torch`: as where no scalar form of the kernel is torch's,
     the elements past each call's last full vector updated by torch's own fused AdamW."""
-    monkeypatch.setattr(optim, "CHUNK", 4096)
+    monkeypatch.setattr(tile_adamw, "CHUNK", 4096)
     if tail == "torch":
         monkeypatch.setattr(fused_adamw, "_build", dataclasses.replace(fused_adamw.build(), scalar_tail=False))
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
@@ -111,8 +113,9 @@ def test_one_pass_update_is_the_eager_one_in_pieces(monkeypatch, split, tail):
     for step in range(1, 4):
         grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16 if step == 3 else torch.float32)
         for lo, hi in ((0, 25_000), (25_000, 241_111), (241_111, n)):
-            optim.adamw(eager, lo, hi, grad[lo:hi].to(torch.float32, copy=True), step, 1e-3, cfg, 0.5)
-            optim.adamw(one_pass, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 0.5, compiled=True)
+            update = Update(step, 1e-3, cfg)
+            tile_adamw.adamw(eager, lo, hi, grad[lo:hi].to(torch.float32, copy=True), update, 0.5)
+            tile_adamw.adamw(one_pass, lo, hi, grad[lo:hi].clone(), update, 0.5, compiled=True)
     names = ["shadow", "exp_avg", "exp_avg_sq"] + (["low"] if split else ["master"])
     for name in names:
         assert torch.equal(getattr(one_pass, name).view(torch.int16 if name in ("shadow", "low") else torch.int32),
@@ -309,7 +312,7 @@ def test_an_update_that_fails_names_its_cause_on_the_main_thread(tmp_path, monke
     def broken(*args, **kwargs):
         time.sleep(late)
         raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
-    monkeypatch.setattr(optim, "adamw", broken)
+    monkeypatch.setattr(host_executor, "adamw", broken)
     base = tree(tmp_path, "eager")
     for section, values in settings.items():
         base[section] = {**base[section], **values}

@@ -33,7 +33,7 @@ def test_memory_plan_counts_bytes_per_parameter():
     with pytest.raises(ValueError, match="engine.split_masters: true .* no float32 masters to split"):
         per_param("bfloat16", False, SPLIT)  # asked for where it can do nothing: refused, not ignored
     # the fixed part: the optimizer's scratch for a split tile's chunk (docs/host-store.md), only where split
-    from megatrain.optim import SCRATCH_BYTES
+    from megatrain.adamw import SCRATCH_BYTES
     assert SCRATCH_BYTES == 1 << 27
     for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", None, 0), ("bfloat16", None, 0)):
         assert plan(arch, settings(arch, engine, master=master)).detail["optimizer_scratch"] == scratch

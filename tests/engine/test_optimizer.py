@@ -1,4 +1,4 @@
-"""The CPU optimizer (megatrain/optim.py): its AdamW applied range by range equals torch.optim.AdamW,
+"""The CPU optimizer (megatrain/host_executor.py, adamw.py): its AdamW applied range by range equals torch.optim.AdamW,
 and its order: of the gradient pieces waiting, the one the next forward reads first."""
 import threading
 
@@ -6,7 +6,8 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.device import Device
-from megatrain.optim import OptimizerWorker
+from megatrain.adamw import Update
+from megatrain.host_executor import HostExecutor
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 from megatrain.timeline import Timeline
@@ -42,15 +43,14 @@ def test_waiting_pieces_go_in_the_next_forwards_order():
         if tile.name == "layer.3":  # layer 2's copy lands only now, after the others were chosen
             late.landed.set()
 
-    worker = OptimizerWorker(tiles, OptimConfig(max_grad_norm=None), 10, Timeline(Device("cpu"), False),
-                             published=published)
+    worker = HostExecutor(tiles, Timeline(Device("cpu"), False), None, published=published)
     try:
-        worker.begin_step({tile: 1 for tile in tiles})
+        worker.begin_step({tile: 1 for tile in tiles}, Update(1, 1e-3, OptimConfig(max_grad_norm=None)))
         norm = torch.zeros((), dtype=torch.float64)
-        worker.submit_dense(tiles[4], 0, 8, torch.ones(8), first, lambda: None, norm)
+        worker.submit(tiles[4], 0, 8, torch.ones(8), first, lambda: None, norm)
         assert first.waited_on.wait(10)  # the worker holds layer 4's piece
         for k, event in [(3, held), (1, held), (2, late), (0, held)]:
-            worker.submit_dense(tiles[k], 0, 8, torch.ones(8), event, lambda: None, norm)
+            worker.submit(tiles[k], 0, 8, torch.ones(8), event, lambda: None, norm)
         held.landed.set()
         first.landed.set()
         worker.flush()
@@ -63,9 +63,9 @@ def test_waiting_pieces_go_in_the_next_forwards_order():
 def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):
     """A tile updated range by range, in small chunks, with decayed and undecayed parts, equals
     torch.optim.AdamW on the same parameters."""
-    from megatrain import optim
+    from megatrain import adamw
     from megatrain.shapes import ParamSpec
-    monkeypatch.setattr(optim, "CHUNK", 100)
+    monkeypatch.setattr(adamw, "CHUNK", 100)
     specs = [ParamSpec("w", (30, 20)), ParamSpec("norm", (70,))]
     tile = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)
     gen = torch.Generator().manual_seed(0)
@@ -82,6 +82,6 @@ def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):
             r.grad = view.clone()
         opt.step()
         for lo, hi in ((0, 250), (250, 640), (640, tile.layout.numel)):  # pieces cut across both parameters
-            optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-2, cfg, 1.0)
+            adamw.adamw(tile, lo, hi, grad[lo:hi].clone(), adamw.Update(step, 1e-2, cfg))
     for r, view in zip(ref, tile.master_views()):
         torch.testing.assert_close(view, r.detach(), rtol=1e-6, atol=1e-7)

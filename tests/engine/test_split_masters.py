@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import pinned_numerics
-from megatrain import optim
+from megatrain import adamw
 from megatrain.config import OptimConfig, load_config
 from megatrain.shapes import ParamSpec
-from megatrain.store import Layout, Tile, _ties, join, split
+from megatrain.store import Layout, Storage, Tile, _ties, join, split
 from megatrain.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,11 +118,11 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch, compiled):
     """AdamW on a split tile, in pieces and chunks across the decayed and undecayed parts, leaves
     the master and moments bit for bit those of a whole float32 master, the shadow its cast;
     `compiled`: the split tile's update is the one pass (fused_adamw.py), the whole one eager."""
-    monkeypatch.setattr(optim, "CHUNK", 4096)
+    monkeypatch.setattr(adamw, "CHUNK", 4096)
     specs = [ParamSpec("w", (600, 400)), ParamSpec("norm", (7000,))]
     split_tile = Tile("t", Layout.of(specs), torch.float32, torch.bfloat16, pinned=False, grad=False, split=True)
     whole = Tile("t", Layout.of(specs), torch.float32, torch.float32, pinned=False, grad=False)
-    assert split_tile.split and not whole.split
+    assert split_tile.storage is Storage.SPLIT and whole.storage is not Storage.SPLIT
     n = whole.layout.numel
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(n, generator=gen) * 0.02
@@ -137,7 +137,8 @@ def test_a_split_tile_updates_as_a_whole_float32_master(monkeypatch, compiled):
         grad = torch.randn(n, generator=gen) * 1e-2
         for lo, hi in ((0, 25_000), (25_000, 241_111), (241_111, n)):
             for tile in (split_tile, whole):
-                optim.adamw(tile, lo, hi, grad[lo:hi].clone(), step, 1e-3, cfg, 1.0, compiled=compiled and tile.split)
+                adamw.adamw(tile, lo, hi, grad[lo:hi].clone(), adamw.Update(step, 1e-3, cfg), 1.0,
+                            compiled=compiled and tile.storage is Storage.SPLIT)
         flagged.append(int((split_tile.exp_avg_sq.view(torch.int32) < 0).sum()))
         with split_tile.plain_state() as state:
             for k in ("master", "exp_avg", "exp_avg_sq"):
@@ -170,7 +171,7 @@ def bf16_run(overrides: list[str]) -> dict:
                                   ["engine.device=cpu", "engine.compute_dtype=bfloat16", *overrides]))
     try:
         losses = [trainer.train_step(trainer.next_microbatches())["loss"] for _ in range(trainer.total_steps)]
-        trainer.engine.worker.flush()
+        trainer.optimizer.flush()
         return {"losses": losses, "sha256": digest(trainer)}
     finally:
         trainer.close()

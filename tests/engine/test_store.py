@@ -10,7 +10,7 @@ from helpers import settings, shape_of
 from megatrain.config import EngineConfig
 import megatrain.store as store_module
 from megatrain.shapes import ParamSpec
-from megatrain.store import ALIGN, PAGE, HostStore, Layout, Tile
+from megatrain.store import ALIGN, PAGE, HostStore, Layout, Storage, Tile
 
 SPLIT = EngineConfig(split_masters=True)
 
@@ -21,10 +21,10 @@ def test_layout_is_aligned_and_decay_first():
     assert all(o % ALIGN == 0 for o in layout.offsets)
     for spec, offset in zip(layout.specs, layout.offsets):
         assert (offset < layout.decay_numel) == spec.decay
-    assert not HostStore(arch, settings(arch)).layers[0].split  # auto, with the host to spare: whole masters
+    assert HostStore(arch, settings(arch)).layers[0].storage is not Storage.SPLIT  # auto, with the host to spare: whole masters
     store = HostStore(arch, settings(arch, SPLIT, clipping=True))
     tile = store.layers[0]
-    assert tile.split and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
+    assert tile.storage is Storage.SPLIT and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
     for t in (tile.low, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
     # one layer-contiguous block: the low halves, moments and gradient buffer follow each other
@@ -42,7 +42,7 @@ def test_host_bytes_per_parameter(split):
     for clipping, per_param in ((False, 14 - 2 * split), (True, 18 - 2 * split)):
         store = HostStore(arch, settings(arch, engine, clipping=clipping))
         layer = store.layers[0]
-        assert layer.split == split and (layer.master is None) == split
+        assert (layer.storage is Storage.SPLIT) == split and (layer.master is None) == split
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
         per_layer = HostStore.nbytes(arch, settings(arch, engine, clipping=clipping))[0]
         deeper = shape_of("tiny-llama", num_hidden_layers=16)

@@ -106,7 +106,7 @@ def test_a_save_killed_at_any_point_leaves_a_complete_state(tmp_path, monkeypatc
         trainer.save_state(pristine)
         first = {k: v.clone() for k, v in store_params(trainer).items()}
         trainer.train_step(random_batches(1, 2, 2, 16, 256, pad=True, seed=2)[0])
-        trainer.engine.worker.flush()
+        trainer.optimizer.flush()
         second = store_params(trainer)
         real_replace, real_rmtree = os.replace, shutil.rmtree
         point, killed = 0, True

@@ -71,7 +71,7 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the save raises no deprecation warning
             history = trainer.fit(progress=False)
-        norms = dict(trainer.engine.worker.grad_norms)
+        norms = dict(trainer.optimizer.grad_norms)
     finally:
         trainer.close()
     store = weakref.ref(trainer.store)
