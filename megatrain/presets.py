@@ -1,5 +1,5 @@
 """Named model shapes: the paper's Qwen2.5 models, Phi-3-mini, Gemma 2 9B, GPT-OSS, Qwen3-MoE and
-Mixtral, and tiny configs of every supported family.
+Mixtral, and tiny configs of every supported family (DeepSeek's too).
 
 Each entry is a `transformers` config dict (random init: only the shape matters for speed); the
 mixtures of experts carry their published config.json's values.
@@ -100,6 +100,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-gemma3": {**_TINY_GEMMA, "model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16,
                     "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                     "tie_word_embeddings": True},
+    # DeepSeek: latent attention (q and kv LoRA projections and their norms, rotary on 8 of each head's
+    # 24 query-key dimensions, values of 16), layer 0 dense (first_k_dense_replace) and the others 8
+    # routed experts, 2 per token from the best 2 of 4 groups, beside a shared expert; V3's sigmoid
+    # routing with its correction bias and scaling, V2's softmax routing limited to groups
+    "tiny-deepseek-v3": {**_TINY, "model_type": "deepseek_v3", "num_hidden_layers": 4, "num_key_value_heads": 4,
+                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                         "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "q_lora_rank": 32,
+                         "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "tie_word_embeddings": False},
+    "tiny-deepseek-v2": {**_TINY, "model_type": "deepseek_v2", "num_hidden_layers": 4, "num_key_value_heads": 4,
+                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                         "topk_group": 2, "topk_method": "group_limited_greedy", "n_shared_experts": 1,
+                         "moe_intermediate_size": 32, "q_lora_rank": None, "kv_lora_rank": 16,
+                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                         "routed_scaling_factor": 1.0, "tie_word_embeddings": True},
     "tiny-mixtral": {**_TINY, "model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
                      "tie_word_embeddings": False},

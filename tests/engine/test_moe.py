@@ -177,8 +177,6 @@ def test_a_plan_for_a_gpu_machine_counts_no_eager_scores(capsys):
 def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="model.attn_implementation: gpt_oss has no SDPA"):
         load_hf_config(ModelConfig(preset="tiny-gpt-oss", attn_implementation="sdpa"))
-    with pytest.raises(ValueError, match="overrides.mlp_only_layers"):
-        shape_of("tiny-qwen3-moe", mlp_only_layers=[1])
     with pytest.raises(ValueError, match=r"router_jitter_noise > 0 is not supported \(set overrides.router_jitter_noise: 0\)"):
         shape_of("tiny-mixtral", router_jitter_noise=0.01)
     from megatrain.templates import Architecture
