@@ -168,6 +168,8 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
                                             ("tiny-mixtral", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-deepseek-v3", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-deepseek-v3", {"norm_kernel": "compiled"}),  # MLA's LoRA norms
                                             ("tiny-gemma2", {"norm_kernel": "compiled"}),  # (1 + weight) norms
                                             ("tiny-gemma2", {"loss_kernel": "compiled"})])  # soft-capped logits
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
