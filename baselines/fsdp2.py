@@ -88,7 +88,7 @@ def device_need(spec, accumulate: str) -> tuple[int, str]:
     p = shape.total_params()
     tokens = spec.batch_size // spec.gpus * spec.seq_len
     layer = sum(s.numel for s in shape.layer_specs)
-    root = p - shape.num_layers * layer
+    root = p - sum(s.numel for _, specs in shape.units()[1:-1] for s in specs)  # embedding and head
     parts = {"the loss's logits": tokens * shape.vocab * LOSS_BYTES_PER_LOGIT,
              "checkpoints": shape.num_layers * tokens * shape.hidden * 2,
              "the root's bf16 weights": 2 * root, "a layer's gathered bf16 weights": 2 * layer}

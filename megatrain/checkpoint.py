@@ -51,16 +51,22 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
             files.append((file, list(shard)))
             shard.clear()
 
+        def add(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+            nonlocal size, total
+            nbytes = tensor.numel() * dtype.itemsize
+            if shard and size + nbytes > SHARD_BYTES:
+                flush()
+                size = 0
+            shard[name] = tensor.to("cpu", dtype).contiguous()
+            size += nbytes
+            total += nbytes
+
         for tile in store.tiles:
             for name, view in shape.checkpoint_tensors(tile.name, tile.master_views()):
-                nbytes = view.numel() * dtype.itemsize
-                if shard and size + nbytes > SHARD_BYTES:
-                    flush()
-                    size = 0
-                shard[name] = view.to("cpu", dtype).contiguous()
-                size += nbytes
-                total += nbytes
+                add(name, view, dtype)
                 advance(view.numel())
+        for name, buffer in store.named_buffers():  # float32 whatever `dtype`, as the library saves them
+            add(name, buffer, torch.float32)
         flush()
         if len(files) == 1:
             os.replace(files[0][0], tmp / "model.safetensors")
@@ -75,6 +81,7 @@ def save_pretrained(store: HostStore, shape: ModelShape, path: str | Path, dtype
 
 
 _STATE = ("master", "exp_avg", "exp_avg_sq")
+BUFFERS = "buffers.safetensors"  # the layers' buffers (store.HostStore.buffers), where the model has any
 
 
 def save_state(store: HostStore, path: str | Path, meta: dict, advance: Advance = nothing,
@@ -86,6 +93,8 @@ def save_state(store: HostStore, path: str | Path, meta: dict, advance: Advance 
             with tile.plain_state() as state:
                 save_file({k: state[k].cpu() for k in _STATE}, tmp / f"{tile.name}.safetensors")
             advance(tile.layout.params)
+        if buffers := store.named_buffers():
+            save_file({name: b.cpu() for name, b in buffers}, tmp / BUFFERS)
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -124,6 +133,18 @@ def check_state(shape: ModelShape, path: Path) -> dict:
         if any(found.get(k) != (numel,) for k in _STATE):
             raise ValueError(f"resume: {file} holds {found}, where this model's {name} holds {_STATE} of ({numel},): "
                              f"a state of another model, or a damaged one")
+    buffers = {n: b.shape for i in range(shape.num_layers)
+               for n, b in zip(shape.buffer_names(i), shape.buffer_specs(i), strict=True)}
+    if buffers:
+        file = path / BUFFERS
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:  # missing, truncated or garbage
+            raise ValueError(f"resume: {file} is not a readable safetensors file ({e}): "
+                             f"the saved state is damaged or incomplete") from None
+        if found != buffers:
+            raise ValueError(f"resume: {file} does not hold this model's layer buffers: a state of another model")
     return meta
 
 
@@ -153,4 +174,8 @@ def load_state(store: HostStore, path: str | Path, only: list | None = None, adv
         tile.version += 1
         tile.ready.set()
         advance(tile.layout.params)
+    if buffers := store.named_buffers():  # every rank's own
+        with safe_open(str(path / BUFFERS), framework="pt") as f:
+            for name, buffer in buffers:
+                buffer.copy_(f.get_tensor(name))
     return json.loads((path / "state.json").read_text())

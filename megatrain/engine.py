@@ -69,7 +69,7 @@ from megatrain.optim import Optimizer
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
                                 PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
                                 evaluation_ops, layers_keeping_attention)
-from megatrain.store import HostStore, Layout, Tile
+from megatrain.store import HostStore, Tile
 from megatrain.templates import Architecture
 from megatrain.timeline import Kind, Timeline, Track
 from megatrain.unread_mlp import output_unused
@@ -145,9 +145,9 @@ class Engine:
         self.timeline = Timeline(device, settings.timeline)
         self.streamer = WeightStreamer(device, settings.weight_buffers, numel, self.dtype, self.timeline)
         pinned = device.is_cuda
-        # a slab carries this rank's part of a layer's gradient (the whole layer on one rank); bigger
-        # tiles (embedding, LM head) return in pieces
-        self.slab_numel = slab_numel(Layout.of(self.shape.layer_specs).numel, self.comm.ranks.local_world)
+        # a slab carries this rank's part of the largest layer's gradient (the whole layer on one
+        # rank); bigger tiles (embedding, LM head) return in pieces
+        self.slab_numel = slab_numel(max(u.numel for u in self.layer_units), self.comm.ranks.local_world)
         self.slabs = SlabPool(max(1, settings.grad_slabs), self.slab_numel, pinned, self.timeline)
         self.sync_grads = settings.grad_slabs == 0
         self.max_tokens = settings.tokens
@@ -295,7 +295,8 @@ class Engine:
                 outs = [self._layer(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
             st.hs = [out for out, _ in outs]
             for routing, (_, logits) in zip(st.routing or [], outs):
-                routing.add(logits)
+                if logits is not None:  # a dense layer among sparse ones routes nothing (Qwen3-MoE's mlp_only_layers)
+                    routing.add(logits)
 
     def _head(self, st: _Step, op: Head, w: list[torch.Tensor]) -> None:
         """The loss, its gradient, and the gradient flowing into the last layer."""
@@ -361,7 +362,7 @@ class Engine:
         unit = self.layer_units[i]
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.BACKWARD, f"L{i}"):
             roots, droots = [out], [st.dhs[m]]
-            if st.routing:  # the router's loss through this layer's probabilities
+            if st.routing and logits is not None:  # the router's loss through this layer's probabilities
                 probs, dprobs = st.routing[m].root(logits)
                 roots.append(probs)
                 droots.append(dprobs)
@@ -437,7 +438,7 @@ class Engine:
     def _layer(self, index: int, weights: list[torch.Tensor], h: torch.Tensor,
                ctx: _Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer's output, and its router's logits (None without a router)."""
-        module = self.arch.template(index).bind(weights)
+        module = self.arch.template(index).bind(weights, self.store.buffers[index])
         kind = self.shape.layer_type(index)
         with captured() as logits, self.arch.running():
             out = module(h, attention_mask=ctx.masks[kind], position_ids=ctx.position_ids,

@@ -185,7 +185,7 @@ def config(shape: ModelShape) -> PretrainedConfig:
 
 
 def kept_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
-    """Device bytes one layer's attention keeps for one micro-batch of `tokens`: its output and the
-    float32 log-sum-exp per head and token."""
+    """Device bytes one layer's attention keeps for one micro-batch of `tokens`: its output (the
+    values' width: MLA's v_head_dim) and the float32 log-sum-exp per head and token."""
     heads = shape.config.num_attention_heads
-    return tokens * heads * shape.head_dim * dtype_bytes + heads * tokens * 4
+    return tokens * heads * shape.v_head_dim * dtype_bytes + heads * tokens * 4

@@ -205,7 +205,7 @@ def gate_kind(family: str, hidden_act: str | None) -> str | None:
     SiLU one; None where there is none (another activation)."""
     if family == "gpt_oss":
         return "clamped"
-    return "silu" if family in ("qwen3_moe", "mixtral") and hidden_act == "silu" else None
+    return "silu" if family in ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3") and hidden_act == "silu" else None
 
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -76,7 +76,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     c = 2 if s.compute_dtype == "bfloat16" else 4
     M, tokens, pinned = s.microbatches, s.tokens, s.pinned
     h, v, L = shape.hidden, shape.vocab, shape.num_layers
-    layer = Layout.of(shape.layer_specs).numel
+    layer = max(Layout.of(specs).numel for specs in shape.layer_layouts)  # the largest layer (DeepSeek's MoE ones)
     head = Layout.of(shape.head_specs).numel + (v * h if shape.tied else 0)
     unit = max(layer, head)
     # per token, what a layer's MLP (or router and experts) keeps for its backward; the compiled
@@ -132,8 +132,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         "workspace": DEVICE_WORKSPACE,
         # data-parallel ranks: the summed part of the unit being reduced (distributed.Comm.reduce_part)
         "gradient_reduction": -(-unit // s.local_ranks) * 4 if s.ranks > 1 else 0,
-        # master and moments of the device tiles; with clipping their layers' step gradients wait
-        # for the global norm
+        # master and moments of the device tiles, and the layers' float32 buffers (HostStore.buffers);
+        # with clipping the device tiles' step gradients wait for the global norm
         "device_tiles": store_device + (max(0, T - 1) * layer * 4 if s.clipping else 0),
     }
     return MemoryPlan(sum(host.values()), sum(device.values()),

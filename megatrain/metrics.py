@@ -5,7 +5,8 @@ docs/harness.md), per token of a sequence of s tokens: 6*N + 12 * sum over layer
   N    the matmul weights a token multiplies by: the decoder layers' (attention, MLP; for a mixture
        of experts the router and the top-k experts' matrices, not all of them) plus the LM head; the
        embedding lookup, norms, biases and attention sinks excluded;
-  a_l  layer l's attention width (heads x head_dim: the hidden size in the paper's models);
+  a_l  layer l's attention width (heads x head_dim: the hidden size in the paper's models; DeepSeek's
+       latent attention heads x (qk_head_dim + v_head_dim) / 2, its q k^T and v widths apart);
   k_l  the keys a query of layer l is counted against: s, or min(s, window) for a sliding-window
        layer (12*L*h*s when every layer is full and heads x head_dim = h).
 Causal masking is not halved: causal attention counts as the whole square, twice what its kernels

@@ -1,5 +1,5 @@
-"""Named model shapes: the paper's Qwen2.5 models, Phi-3-mini, Gemma 2 9B, GPT-OSS, Qwen3-MoE and
-Mixtral, and tiny configs of every supported family.
+"""Named model shapes: the paper's Qwen2.5 models, Phi-3-mini, Gemma 2 9B, GPT-OSS, Qwen3-MoE,
+Mixtral, DeepSeek-V3 and DeepSeek-V2-Lite, and tiny configs of every supported family.
 
 Each entry is a `transformers` config dict (random init: only the shape matters for speed); the
 mixtures of experts carry their published config.json's values.
@@ -53,6 +53,26 @@ _GEMMA2_9B = dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, inte
                   final_logit_softcapping=30.0, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
                   hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
                   eos_token_id=1)
+# deepseek-ai/DeepSeek-V3 config.json (its multi-token-prediction layer, num_nextn_predict_layers,
+# is no layer of the library's causal LM: not trained) and DeepSeek-V2-Lite's; YaRN rotary to 163840
+_DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "original_max_position_embeddings": 4096}
+_DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                    n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0,
+                    rope_scaling={**_DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+                    max_position_embeddings=163840, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
+                    bos_token_id=0, eos_token_id=1)
+_DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                         moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                         num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+                         topk_method="greedy", routed_scaling_factor=1.0, first_k_dense_replace=1, q_lora_rank=None,
+                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         rope_theta=10000.0, rope_scaling={**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+                         max_position_embeddings=163840, rms_norm_eps=1e-6, hidden_act="silu",
+                         tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001)
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu")
@@ -73,6 +93,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "mixtral-8x7b": _MIXTRAL_8X7B,
+    "deepseek-v3": _DEEPSEEK_V3,
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
     "tiny-llama": {**_TINY, "model_type": "llama", "tie_word_embeddings": False},
     "tiny-qwen2": {**_TINY, "model_type": "qwen2", "tie_word_embeddings": True},
     "tiny-qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
@@ -100,6 +122,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-gemma3": {**_TINY_GEMMA, "model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16,
                     "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                     "tie_word_embeddings": True},
+    # DeepSeek: latent attention (q and kv LoRA projections and their norms, rotary on 8 of each head's
+    # 24 query-key dimensions, values of 16), layer 0 dense (first_k_dense_replace) and the others 8
+    # routed experts, 2 per token from the best 2 of 4 groups, beside a shared expert; V3's sigmoid
+    # routing with its correction bias and scaling, V2's softmax routing limited to groups
+    "tiny-deepseek-v3": {**_TINY, "model_type": "deepseek_v3", "num_hidden_layers": 4, "num_key_value_heads": 4,
+                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                         "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "q_lora_rank": 32,
+                         "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "tie_word_embeddings": False},
+    "tiny-deepseek-v2": {**_TINY, "model_type": "deepseek_v2", "num_hidden_layers": 4, "num_key_value_heads": 4,
+                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                         "topk_group": 2, "topk_method": "group_limited_greedy", "n_shared_experts": 1,
+                         "moe_intermediate_size": 32, "q_lora_rank": None, "kv_lora_rank": 16,
+                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                         "routed_scaling_factor": 1.0, "tie_word_embeddings": True},
     "tiny-mixtral": {**_TINY, "model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1,
                      "tie_word_embeddings": False},

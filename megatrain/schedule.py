@@ -209,7 +209,7 @@ class Schedule:
         (`kept_lengths`: by the engine's StepResult.attention_kept; a micro-batch with a mask did not)."""
         R = self.recomputed_layers  # the first R layers: the last no_recompute_layers keep their graphs
         flops = model_flops(shape.matmul_params(), shape.attention(), seq_lengths)
-        flops += recompute_flops(shape.layer_matmul_params() * R, shape.attention(range(R)), seq_lengths)
+        flops += recompute_flops(sum(shape.layer_matmul_params(i) for i in range(R)), shape.attention(range(R)), seq_lengths)
         flops -= attention_flops(shape.attention(self.attention_kept), list(kept_lengths))
         mlp = shape.mlp_matmul_params()
         unread = mlp if mlp_chunk else (mlp // 3 if shape.gated_mlp else 0)

@@ -24,11 +24,13 @@ from megatrain.presets import preset
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type> (<type> as _MODULES
 # names it where it differs); in each but Gemma's, a decoder layer's MLP output feeds only its
 # residual sum (unread_mlp.output_unused relies on it: ModelShape.gated_mlp). The mixtures of
-# experts (moe.py) replace the MLP by a router and stacked experts. Phi-3 fuses q, k and v into one
-# projection and gate and up into another: its modules stored as they are.
+# experts (moe.py) replace the MLP by a router and stacked experts; DeepSeek's beside shared experts,
+# its first layers dense (first_k_dense_replace: layers of two layouts), its attention latent (MLA).
+# Phi-3 fuses q, k and v into one projection and gate and up into another: its modules stored as they are.
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
             "gemma2": "Gemma2", "gemma3_text": "Gemma3",
-            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+            "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+            "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
 _MODULES = {"gemma3_text": "gemma3"}  # Gemma 3's text model lives beside its multimodal one
 # families whose every layer attends over the config's sliding_window when it is set (no layer_types)
 _SLIDING_ALL = ("mistral", "qwen3_moe", "mixtral", "phi3")
@@ -45,8 +47,9 @@ def modeling(model_type: str) -> ModuleType:
 
 # per-expert checkpoint names of the families whose checkpoints store each expert's projections apart
 # (ModelShape.checkpoint_tensors): the MLP module's name there and each projection's
+_QWEN_EXPERTS = {"mlp": ".mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _EXPERT_NAMES = {
-    "qwen3_moe": {"mlp": ".mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "qwen3_moe": _QWEN_EXPERTS, "deepseek_v2": _QWEN_EXPERTS, "deepseek_v3": _QWEN_EXPERTS,
     "mixtral": {"mlp": ".block_sparse_moe.", "gate": "w1", "up": "w3", "down": "w2"},
 }
 
@@ -217,29 +220,54 @@ class ModelShape:
         self.top_k = getattr(c, "num_experts_per_tok", 0) if self.experts else 0
         self.router_aux_coef = (float(c.router_aux_loss_coef)
                                 if self.experts and getattr(c, "output_router_logits", False) else 0.0)
-        if self.experts and (getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1):
-            raise ValueError("model: a mixture of experts with dense layers among its sparse ones (mlp_only_layers, "
-                             "decoder_sparse_step != 1) has layers of two shapes; one tile layout serves every "
-                             "layer here: set overrides.mlp_only_layers: [] and overrides.decoder_sparse_step: 1")
-        # the MLP's width a token's activations have: its top-k experts' for a mixture of experts
-        expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
-        self.ffn = self.top_k * expert_ffn if self.experts else getattr(c, "intermediate_size", 4 * c.hidden_size)
-        # what the MLP keeps per token for its backward, in elements: gate's and up's outputs, the
-        # activation and their product for a dense one; a mixture of experts' grouped experts keep,
-        # per pick, the gathered input and the output (2 h) and about 7 of the expert's width
-        # (saved-tensor hooks on GPT-OSS and Qwen3-MoE layers; docs/moe.md)
-        self.mlp_kept = self.top_k * (2 * c.hidden_size + 7 * expert_ffn) if self.experts else 4 * self.ffn
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.attn_width = c.num_attention_heads * self.head_dim  # queries' and attention output's width
+        # queries' and keys' width per head, and the values' and attention output's: head_dim both but
+        # in DeepSeek's latent attention (MLA), whose head_dim is the rotary part alone; q k^T and the
+        # product with v count a token (qk + v) / 2 of width each (the FLOPs formula's a_l)
+        qk_head_dim = getattr(c, "qk_head_dim", None) or self.head_dim
+        self.v_head_dim = getattr(c, "v_head_dim", None) or self.head_dim
+        self.attn_width = c.num_attention_heads * (qk_head_dim + self.v_head_dim) // 2
+        # every layer built on the meta device: DeepSeek's first first_k_dense_replace layers have a dense
+        # MLP where the others have a router and experts. Each distinct layout once (`layer_layouts`, by
+        # first layer), and which one each layer has (`layout_of`); a layer's persistent buffers (the
+        # DeepSeek-V3 router's e_score_correction_bias) apart from its parameters: never trained
         with torch.device("meta"):
-            probe = self.layer_class(c, 0)
-        norms = {n for n, m in probe.named_modules() if type(m).__name__.endswith("RMSNorm")}
-        self.layer_specs = [ParamSpec(n, tuple(p.shape), gemma and n.rpartition(".")[0] in norms)
-                            for n, p in probe.named_parameters()]
+            probes = [self.layer_class(c, i) for i in range(self.num_layers)]
+        layouts: dict[tuple, int] = {}
+        kinds = []  # a layer of each layout
+        self.layout_of: list[int] = []
+        for probe in probes:
+            norms = {n for n, m in probe.named_modules() if type(m).__name__.endswith("RMSNorm")}
+            specs = tuple(ParamSpec(n, tuple(p.shape), gemma and n.rpartition(".")[0] in norms)
+                          for n, p in probe.named_parameters())
+            key = (specs, tuple(ParamSpec(n, tuple(b.shape)) for n, b in probe.named_buffers()))
+            if key not in layouts:
+                layouts[key] = len(layouts)
+                kinds.append(probe)
+            self.layout_of.append(layouts[key])
+        self.layer_layouts = [list(specs) for specs, _ in layouts]
+        self._buffer_layouts = [list(buffers) for _, buffers in layouts]
+        # the largest layer's specs (every layer's where all have one layout): what holds any layer is sized by
+        self.layer_specs = max(self.layer_layouts, key=lambda specs: sum(s.numel for s in specs))
         # a gated MLP (down(act(gate(x)) * up(x))) whose output feeds only the residual sum can run in
         # chunks and skip its unread output; Gemma's passes through post_feedforward_layernorm, whose
         # backward reads it
-        self.gated_mlp = chunkable(probe.mlp, self.hidden_act) and not gemma
+        self.gated_mlp = all(chunkable(probe.mlp, self.hidden_act) for probe in kinds) and not gemma
+        # the MLP's width a token's activations have, and what it keeps per token for its backward, in
+        # elements, of the widest layer: gate's and up's outputs, the activation and their product for a
+        # dense one; a mixture of experts' grouped experts keep, per pick, the gathered input and the
+        # output (2 h) and about 7 of the expert's width (saved-tensor hooks on GPT-OSS and Qwen3-MoE
+        # layers; docs/moe.md), DeepSeek's shared experts (a dense MLP) beside them
+        expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+        shared = (getattr(c, "n_shared_experts", None) or 0) * expert_ffn if self.experts else 0
+
+        def mlp(specs: list[ParamSpec]) -> tuple[int, int]:
+            if not any(s.expert for s in specs):
+                ffn = getattr(c, "intermediate_size", 4 * c.hidden_size)
+                return ffn, 4 * ffn
+            return self.top_k * expert_ffn + shared, self.top_k * (2 * c.hidden_size + 7 * expert_ffn) + 4 * shared
+        widths = [mlp(specs) for specs in self.layer_layouts]
+        self.ffn, self.mlp_kept = max(ffn for ffn, _ in widths), max(kept for _, kept in widths)
         self.embed_specs = [ParamSpec("weight", (self.vocab, self.hidden))]
         self.head_specs = [ParamSpec("norm.weight", (self.hidden,), gemma)]
         if not self.tied:
@@ -249,9 +277,18 @@ class ModelShape:
     def layer_class(self) -> type:
         return getattr(self.modeling, f"{self.prefix}DecoderLayer")
 
+    def specs(self, index: int) -> list[ParamSpec]:
+        """Layer `index`'s parameter specs."""
+        return self.layer_layouts[self.layout_of[index]]
+
+    def buffer_specs(self, index: int) -> list[ParamSpec]:
+        """Layer `index`'s persistent buffers, in the module's order: none but DeepSeek-V3's router's
+        e_score_correction_bias, which the library keeps in float32 and never trains (docs/moe.md)."""
+        return self._buffer_layouts[self.layout_of[index]]
+
     def units(self) -> list[tuple[str, list[ParamSpec]]]:
         """The store's tiles in order, each by name ('embed', 'layer.N', 'head') with its parameter specs."""
-        return [("embed", self.embed_specs), *((f"layer.{i}", self.layer_specs) for i in range(self.num_layers)),
+        return [("embed", self.embed_specs), *((f"layer.{i}", self.specs(i)) for i in range(self.num_layers)),
                 ("head", self.head_specs)]
 
     # ---- names in a `transformers` checkpoint ----
@@ -262,7 +299,11 @@ class ModelShape:
         if tile == "head":
             return ["model.norm.weight"] + ([] if self.tied else ["lm_head.weight"])
         index = int(tile.split(".")[1])
-        return [f"model.layers.{index}.{s.name}" for s in self.layer_specs]
+        return [f"model.layers.{index}.{s.name}" for s in self.specs(index)]
+
+    def buffer_names(self, index: int) -> list[str]:
+        """Names of layer `index`'s buffers in the library's model (and its checkpoints), in spec order."""
+        return [f"model.layers.{index}.{s.name}" for s in self.buffer_specs(index)]
 
     def checkpoint_tensors(self, tile: str, views: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The tensors a published checkpoint stores for a tile, each a view of the tile's parameter
@@ -313,11 +354,12 @@ class ModelShape:
         return self.config.sliding_window if self.layer_type(index) == "sliding_attention" else None
 
     # ---- sizes ----
-    def layer_matmul_params(self, active: bool = True) -> int:
-        """Matmul weights of one decoder layer: all of them, or (`active`) those one token multiplies
-        by: of stacked experts' matrices, top-k of the experts."""
-        dense = sum(s.numel for s in self.layer_specs if s.matmul and not s.expert)
-        experts = sum(s.numel for s in self.layer_specs if s.matmul and s.expert)
+    def layer_matmul_params(self, index: int = 0, active: bool = True) -> int:
+        """Matmul weights of decoder layer `index`: all of them, or (`active`) those one token multiplies
+        by: of stacked experts' matrices, top-k of the experts (DeepSeek's shared experts all)."""
+        specs = self.specs(index)
+        dense = sum(s.numel for s in specs if s.matmul and not s.expert)
+        experts = sum(s.numel for s in specs if s.matmul and s.expert)
         return dense + (experts * self.top_k // self.experts if active and self.experts else experts)
 
     def mlp_matmul_params(self) -> int:
@@ -327,7 +369,7 @@ class ModelShape:
     def matmul_params(self, active: bool = True) -> int:
         """Matmul weights of the decoder layers plus the LM head, all of them or (`active`) those a
         token multiplies by (the FLOPs formula's N; the same for a dense model)."""
-        return self.layer_matmul_params(active) * self.num_layers + self.vocab * self.hidden
+        return sum(self.layer_matmul_params(i, active) for i in range(self.num_layers)) + self.vocab * self.hidden
 
     def attention(self, layers: Iterable[int] | None = None) -> list[tuple[int, int | None]]:
         """(attention width, window) of each decoder layer (of `layers`): the FLOPs formula's
@@ -335,6 +377,6 @@ class ModelShape:
         return [(self.attn_width, self.window(i)) for i in (range(self.num_layers) if layers is None else layers)]
 
     def total_params(self) -> int:
-        per_layer = sum(s.numel for s in self.layer_specs)
+        layers = sum(s.numel for i in range(self.num_layers) for s in self.specs(i))
         head = sum(s.numel for s in self.head_specs)
-        return per_layer * self.num_layers + self.vocab * self.hidden + head
+        return layers + self.vocab * self.hidden + head

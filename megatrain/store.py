@@ -31,6 +31,7 @@ milliseconds. Such a tile has no host memory and no shadow: a load casts its mas
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -375,6 +376,16 @@ class HostStore:
         where = [device if k < s.device_tiles else None for k in range(shape.num_layers + 1)] + [None]  # the head's on the host
         self.embed, *self.layers, self.head = [Tile(name, Layout.of(specs), master, compute, pinned, clipping, at, alloc, split)
                                               for (name, specs), at in zip(shape.units(), where, strict=True)]
+        # each layer's persistent buffers, float32 on the compute device as the library keeps them
+        # (DeepSeek-V3's e_score_correction_bias: _keep_in_fp32_modules_strict), never trained: no tile
+        # holds them, so no update, weight decay or bf16 shadow reaches them; every rank has its own
+        self.buffers = [[torch.zeros(b.shape, dtype=torch.float32, device=device) for b in shape.buffer_specs(i)]
+                        for i in range(shape.num_layers)]
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Every layer's buffers by their names in the library's checkpoints."""
+        return [pair for i, buffers in enumerate(self.buffers)
+                for pair in zip(self.shape.buffer_names(i), buffers, strict=True)]
 
     @property
     def tiles(self) -> list[Tile]:
@@ -383,9 +394,10 @@ class HostStore:
 
     @staticmethod
     def nbytes(shape: ModelShape, s: EngineSettings) -> tuple[int, int]:
-        """(host bytes, device bytes) of the store, by the same arithmetic as its allocation."""
-        host = device = 0
-        for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
+        """(host bytes, device bytes: the device tiles' and the layers' buffers) of the store, by the
+        same arithmetic as its allocation."""
+        host, device = 0, sum(4 * b.numel for i in range(shape.num_layers) for b in shape.buffer_specs(i))
+        for k, (_, specs) in enumerate(shape.units()):
             numel = Layout.of(specs).numel
             if k < s.device_tiles:
                 device += numel * (s.master.itemsize + 8)
@@ -406,8 +418,11 @@ class HostStore:
         the tiles are filled in parallel (`in_parallel`): one thread's draws run at about 0.2 G
         numbers per second, minutes for a 30B model; `only`: these tiles (a shared store's other
         ranks fill their device tiles alone); `advance(n)` as each tile's n parameters are filled.
+        The layers' buffers are zeros, as the library initialises DeepSeek-V3's correction bias.
         """
         std = getattr(self.shape.config, "initializer_range", 0.02)
+        for _, buffer in self.named_buffers():
+            buffer.zero_()
 
         def fill(index: int, tile: Tile) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -422,10 +437,11 @@ class HostStore:
 
     def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None, advance: Advance = nothing) -> None:
         """Copy a local safetensors checkpoint (check_pretrained: its names and shapes are the
-        config's) into the tiles (`only`: these), one tensor at a time; `advance(n)` as each tensor's
-        n parameters are in."""
+        config's) into the tiles (`only`: these; the layers' buffers on every rank), one tensor at a
+        time; `advance(n)` as each tensor's n parameters are in."""
         files = check_pretrained(self.shape, Path(directory))
         tiles = self.tiles if only is None else only
+        buffers = dict(self.named_buffers())
         where = {}  # name -> (tile, offset): a contiguous range of the tile
         for tile in tiles:
             layout = torch.empty(tile.layout.numel, device="meta")  # views that know their offsets
@@ -436,7 +452,9 @@ class HostStore:
         for file in files:
             with _shard(file) as f:
                 for name in f.keys():
-                    if name in where:
+                    if name in buffers:
+                        buffers[name].copy_(f.get_tensor(name))
+                    elif name in where:
                         tensor = f.get_tensor(name)
                         tile, offset = where[name]
                         tile.write_master(tensor, offset)
@@ -478,6 +496,8 @@ def checkpoint_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         layout = Layout.of(specs)
         views = layout.views(torch.empty(layout.numel, device="meta"))
         out.update((n, tuple(v.shape)) for n, v in shape.checkpoint_tensors(name, views))
+    for i in range(shape.num_layers):
+        out.update((n, b.shape) for n, b in zip(shape.buffer_names(i), shape.buffer_specs(i), strict=True))
     return out
 
 
@@ -492,8 +512,11 @@ def check_pretrained(shape: ModelShape, directory: Path) -> list[Path]:
         with _shard(file) as f:
             found.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
     missing = sorted(set(expected) - set(found))
+    # what the library's model skips on loading too (DeepSeek-V3's multi-token-prediction layer 61)
+    ignored = getattr(shape.modeling, f"{shape.prefix}PreTrainedModel")._keys_to_ignore_on_load_unexpected or []
     unexpected = sorted(n for n in set(found) - set(expected)
-                        if not (shape.tied and n == "lm_head.weight") and "rotary_emb" not in n)
+                        if not (shape.tied and n == "lm_head.weight") and "rotary_emb" not in n
+                        and not any(re.search(pattern, n) for pattern in ignored))
     if any(n.endswith(("_blocks", "_scales")) for n in unexpected):  # the published GPT-OSS weights
         raise ValueError(
             f"model.pretrained: {directory} holds MXFP4-quantized experts ({unexpected[0]}, ...); the engine "

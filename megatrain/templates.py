@@ -3,7 +3,8 @@
 A template is the library's own decoder-layer module with every parameter removed: it holds the
 kernels (attention, MLP or router and experts, norms) and the per-layer behaviour that is not a
 weight (layer type, sliding window), never a weight. `Template.bind` points its weight slots at zero-copy views into
-a streaming buffer, so running layer i is: bind(views of buffer), call.
+a streaming buffer, so running layer i is: bind(views of buffer), call. A layer's persistent buffers
+(DeepSeek-V3's router's e_score_correction_bias) are slots too, bound to the store's float32 copy.
 """
 from __future__ import annotations
 
@@ -25,20 +26,24 @@ class Template:
     """A decoder layer (or the final norm) with its parameters replaced by bindable slots."""
 
     def __init__(self, module: nn.Module):
-        if list(module.buffers()):
-            raise ValueError(f"{type(module).__name__} holds buffers; the template adapter does not support it")
         self.module = module
-        self.slots: list[tuple[nn.Module, str]] = []
-        for name, _ in list(module.named_parameters()):
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            del owner._parameters[attr]
-            owner.__dict__[attr] = None
-            self.slots.append((owner, attr))
+        self.slots = self._slots("_parameters", module.named_parameters())
+        self.buffer_slots = self._slots("_buffers", module.named_buffers())
 
-    def bind(self, views: list[torch.Tensor]) -> nn.Module:
-        """Zero-copy Bind: each weight slot becomes the given view of the streaming buffer."""
-        for (owner, attr), view in zip(self.slots, views, strict=True):
+    def _slots(self, kind: str, named) -> list[tuple[nn.Module, str]]:
+        slots = []
+        for name, _ in list(named):
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(owner_name)
+            del getattr(owner, kind)[attr]
+            owner.__dict__[attr] = None
+            slots.append((owner, attr))
+        return slots
+
+    def bind(self, views: list[torch.Tensor], buffers: list[torch.Tensor] = ()) -> nn.Module:
+        """Zero-copy Bind: each weight slot becomes the given view of the streaming buffer, each buffer
+        slot the given tensor."""
+        for (owner, attr), view in zip(self.slots + self.buffer_slots, [*views, *buffers], strict=True):
             owner.__dict__[attr] = view
         return self.module
 
@@ -63,13 +68,14 @@ class Architecture:
         if mlp_chunk:
             with torch.device("meta"):  # refuses a family it cannot chunk before anything runs
                 chunk_tokens(shape.layer_class(shape.config, 0).mlp, mlp_chunk, shape.hidden_act)
-        self._templates: dict[str, Template] = {}
+        self._templates: dict[tuple[str, int], Template] = {}
         self._norm_template: Template | None = None
 
     def template(self, index: int) -> Template:
-        """The template for layer `index`: one per layer type, re-labelled with the layer's index."""
+        """The template for layer `index`: one per layer type and layout (DeepSeek's dense and MoE
+        layers: ModelShape.layout_of), re-labelled with the layer's index."""
         s = self.shape
-        kind = s.layer_type(index)
+        kind = (s.layer_type(index), s.layout_of[index])
         if kind not in self._templates:
             with torch.device("meta"):
                 module = s.layer_class(self._config, index)

@@ -156,7 +156,7 @@ def _rounded_shadows(shape: ModelShape, s) -> int:
     a power of two, before the store registered them at their exact size (store.Blocks): how the
     points measured until then were allocated (a 14B layer's 550 MB shadow took 1 GiB)."""
     total = 0
-    for k, specs in enumerate([shape.embed_specs, *[shape.layer_specs] * shape.num_layers, shape.head_specs]):
+    for k, (_, specs) in enumerate(shape.units()):
         if k >= s.device_tiles:
             seg = -(-Layout.of(specs).numel * s.compute.itemsize // PAGE) * PAGE
             total += pinned_bytes(seg, True) - seg

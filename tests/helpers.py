@@ -25,10 +25,16 @@ ROOT = TESTS.parent  # the repository
 
 
 def tiny_checkpoint(path, preset: str, overrides: dict | None = None, seed: int = 0):
-    """Save a seeded, float32, randomly initialised tiny model; return it."""
+    """Save a seeded, float32, randomly initialised tiny model; return it. DeepSeek-V3's routers'
+    correction biases, which the library initialises to zero, are drawn as a trained model's are not
+    (N(0, 0.1): about the spread of the sigmoid scores they are added to), so that routing depends on them."""
     torch.manual_seed(seed)
     hf = load_hf_config(ModelConfig(preset=preset, overrides=overrides or {}))
     model = AutoModelForCausalLM.from_config(hf).float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model
 
@@ -98,6 +104,8 @@ def store_params(trainer) -> dict[str, torch.Tensor]:
     for tile in trainer.store.tiles:
         for name, view in zip(trainer.shape.hf_names(tile.name), tile.master_views()):
             out[name] = view.to("cpu", torch.float32)
+    for name, buffer in trainer.store.named_buffers():
+        out[name] = buffer.to("cpu")
     return out
 
 

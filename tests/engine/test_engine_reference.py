@@ -62,11 +62,25 @@ CASES = {
     "qwen3-moe-tied-K2-of-3-accum-clip-pad": ("tiny-qwen3-moe", {}, 2, 2, 0.5, True, {}),
     "qwen3-moe-sliding-K3-divides-kept-noclip": ("tiny-qwen3-moe", {"use_sliding_window": True, "sliding_window": 6},
                                                  3, 1, None, True, {"no_recompute_layers": 1}),
+    # dense layers among the sparse ones (two tile layouts): the router's loss over the sparse layers alone
+    "qwen3-moe-mlp-only-layers-K2-accum-clip": ("tiny-qwen3-moe", {"mlp_only_layers": [1]}, 2, 2, 0.5, True, {}),
+    "qwen3-moe-sparse-step-K1-kept-device-tiles": ("tiny-qwen3-moe", {"decoder_sparse_step": 2}, 1, 1, None, True,
+                                                   {"no_recompute_layers": 1, "device_tiles": 2}),
     # Mixtral: Qwen3-MoE's routing with the top-k weights renormalised always, untied, sliding on
     # every layer when the config sets a window
     "mixtral-K2-of-3-accum-clip-pad": ("tiny-mixtral", {}, 2, 2, 0.5, True, {}),
     "mixtral-sliding-no-aux-K1-kept-device-tiles": ("tiny-mixtral", {"sliding_window": 6, "output_router_logits": False},
                                                     1, 1, None, True, {"no_recompute_layers": 1, "device_tiles": 2}),
+    # DeepSeek: latent attention, a dense layer before 3 MoE layers (two tile layouts, and templates),
+    # 8 routed experts (2 per token, group-limited) beside a shared one; V3's sigmoid routing with its
+    # correction bias (a float32 buffer, never trained) and scaling factor, V2's softmax routing (tied)
+    "deepseek-v3-K2-of-4-accum-clip-pad": ("tiny-deepseek-v3", {}, 2, 2, 0.5, True, {}),
+    "deepseek-v3-K3-of-4-kept-device-tiles-offloaded-noclip": ("tiny-deepseek-v3", {}, 3, 2, None, True,
+                                                                {"no_recompute_layers": 1, "device_tiles": 3,
+                                                                 "offload_checkpoints": True}),
+    "deepseek-v3-one-buffer-sync-grads-K1": ("tiny-deepseek-v3", {}, 1, 1, 0.5, True,
+                                            {"weight_buffers": 1, "grad_slabs": 0}),
+    "deepseek-v2-tied-K2-of-4-accum-clip-pad": ("tiny-deepseek-v2", {}, 2, 2, 0.5, True, {}),
     # Phi-3: fused qkv and gate-up projections, partial rotary (tiny-phi3: 12 of 16 dimensions)
     "phi3-tied-K2-of-3-accum-clip-pad": ("tiny-phi3", {}, 2, 2, 0.5, True, {}),
     # Phi-3-128K's longrope: past original_max_position_embeddings (8 here) the long factors, scaled
@@ -156,6 +170,8 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
                                             ("tiny-mixtral", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-deepseek-v3", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
+                                            ("tiny-deepseek-v3", {"norm_kernel": "compiled"}),  # MLA's LoRA norms
                                             ("tiny-gemma2", {"norm_kernel": "compiled"}),  # (1 + weight) norms
                                             ("tiny-gemma2", {"loss_kernel": "compiled"})])  # soft-capped logits
 def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):

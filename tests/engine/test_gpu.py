@@ -309,7 +309,11 @@ MOE = {"tiny-gpt-oss": {"hidden_size": 128, "intermediate_size": 64, "num_local_
        "tiny-qwen3-moe": {"hidden_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "head_dim": 32,
                           "num_hidden_layers": 4},
        "tiny-mixtral": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32,
-                        "num_hidden_layers": 4}}
+                        "num_hidden_layers": 4},
+       # a dense layer and 3 MoE ones (8 experts, a shared one); V3's correction biases (drawn nonzero)
+       # float32 beside the bf16 weights, as the library's bf16 model keeps them
+       "tiny-deepseek-v3": {"hidden_size": 128, "moe_intermediate_size": 64},
+       "tiny-deepseek-v2": {"hidden_size": 128, "moe_intermediate_size": 64}}
 
 
 @pytest.mark.parametrize("preset", list(MOE))

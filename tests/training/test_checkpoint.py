@@ -51,13 +51,15 @@ def test_save_pretrained_round_trip_of_each_dense_family(tmp_path, preset, name)
 @pytest.mark.parametrize("preset, engine", [("tiny-qwen2", {}), ("tiny-qwen2", {"device_tiles": 2}),
                                             ("tiny-qwen2", {"compute_dtype": "bfloat16", "split_masters": True}),
                                             ("tiny-gpt-oss", {}), ("tiny-qwen3-moe", {"device_tiles": 2}),
-                                            ("tiny-mixtral", {}), ("tiny-phi3", {}), ("tiny-gemma3", {})],
+                                            ("tiny-mixtral", {}), ("tiny-phi3", {}), ("tiny-gemma3", {}),
+                                            ("tiny-deepseek-v3", {"device_tiles": 2})],
                          ids=["host", "device-tiles", "split-masters", "gpt-oss", "qwen3-moe-device-tiles", "mixtral",
-                              "phi3", "gemma3"])
+                              "phi3", "gemma3", "deepseek-v3-device-tiles"])
 def test_resume_equals_uninterrupted(tmp_path, preset, engine):
     """Device tiles' master and moments go through the saved state like the host tiles'; split
     masters (engine.split_masters) are saved joined, with plain moments, and split again on resume;
-    mixtures of experts (their router loss on) resume as the dense models do."""
+    mixtures of experts (their router loss on) resume as the dense models do, DeepSeek-V3's layer
+    buffers saved beside the tiles."""
     tiny_checkpoint(tmp_path / "init", preset)
     whole = Trainer(config(tmp_path, 4, engine, output_dir=str(tmp_path / "a")))
     try:
