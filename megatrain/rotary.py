@@ -5,7 +5,8 @@ The library applies it as `(q * cos) + (rotate_half(q) * sin)`, rotate_half(x) b
 cat(-x2, x1) of x's halves: a negation, a concatenation, two products with a broadcast (which run
 torch's generic, unvectorised kernel) and a sum, each a pass over the queries and again over the
 keys, in the forward, in the recompute and, mirrored, in the backward. On the H200 at 8 x 4096
-tokens those passes took about 6 ms of the 7B layer's 106 (docs/decisions.md, "The compiled rotary").
+tokens those passes took about 6 ms of the 7B layer's 106 (docs/decisions.md, "The compiled rotary and the
+lean experts' compiled weighting").
 Here each tensor is one pass each way: y = x cos + R(x) sin forward, and back, R being
 x -> cat(-x2, x1), dx = g cos + R^T(g sin) with R^T(y) = cat(y2, -y1). The arithmetic stays in
 float32 and is rounded once, where the library rounds each product and the sum to the compute
