@@ -24,11 +24,12 @@ forward and more backward, and they run again in the recompute. With engine.mlp_
 (the GPU's default) it is one kernel each way (torch.compile), keeping only the projection's output
 for the backward, as swiglu.py does for the dense MLP: GPT-OSS's clamped gate, (clamp(up) + 1) *
 g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE
-and Mixtral, silu(gate) * up over concatenated ones. With the gate compiled, the rest of the way back is
-too: the router's weighting of the rows and their sum into token order is one kernel that reads
-each row once (the library's product and gather write the rows twice more), its backward one kernel for the rows' gradients and one for the weights', and the tokens' gather's
-backward one kernel. Inside a kernel the arithmetic stays in float32 where the library rounds each
-step to the compute dtype: equal to rounding, not bit for bit.
+and Mixtral, silu(gate) * up over concatenated ones. With the gate compiled, the rest of the way
+back is too: the router's weighting of the rows and their sum into token order is one kernel that
+reads each row once (the library's product and gather write the rows twice more), its backward one
+kernel for the rows' gradients and one for the weights', and the tokens' gather's backward one
+kernel. Inside a kernel the arithmetic stays in float32 where the library rounds each step to the
+compute dtype: equal to rounding, not bit for bit.
 """
 from __future__ import annotations
 
