@@ -182,7 +182,8 @@ class EngineConfig:
     # the SiLU-gated MLP's silu(gate) * up: eager (the library's) or compiled (one fused kernel each
     # way, gate and up kept: swiglu.py); the whole MLP only (a chunked MLP runs its own), refused
     # for other MLPs; for a mixture of experts, the gate between the experts' projections
-    # (GPT-OSS's clamped one, Qwen3-MoE's and Mixtral's SiLU one: lean_experts.py), with the lean experts only;
+    # (GPT-OSS's clamped one, the SiLU one of the others) and the router's weighting and sum back
+    # to tokens (lean_experts.py), with the lean experts only;
     # auto: compiled on a GPU where the MLP is SiLU-gated or the lean experts' gate compiles, else eager
     mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the queries' and keys' rotary embedding: eager (the library's ops: five passes each way over
