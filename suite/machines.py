@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def gpu(name: str) -> Gpu:
 
 def load(path: Path) -> MachineModel:
     """A machine's description with its constants read from the probe files it names."""
-    named_in = str(path.relative_to(ROOT))
+    named_in = os.path.relpath(path, ROOT)
     desc = _yaml(path)
     g = gpu(_need(desc, "gpu", named_in))
     (tflops, shape), host, device = g.layer, _need(desc, "host_gib", named_in), _need(desc, "device_gib", named_in)
