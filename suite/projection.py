@@ -19,9 +19,11 @@ the update that the next step waits for:
              less the device tiles' backward that hides it
 
 Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
-model is checked against; `check` compares the model with every measured one-GPU point (it models
-one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine of
-the paper's has assumed constants, named as such.
+model is checked against: a machine is described once in machines/<name>.yaml, its GPU's layer
+probes in machines/gpus/<gpu>.yaml, and suite/machines.py reads the figures from the committed probe
+files they name when it loads. `check` compares the model with every measured one-GPU point (it
+models one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine
+of the paper's has assumed link and host-copy rates, named as such in its description.
 """
 from __future__ import annotations
 
