@@ -121,7 +121,7 @@ class Gpu:
     layer: tuple[float, Shape]
     compiled_saving: tuple[float, Shape] | None
     moe_layers: dict[str, dict[str, tuple[float, Shape]]]
-    layer_file: str
+    layer_file: str  # the layer rate's probe, named in the machines' sources
 
 
 @functools.cache
@@ -136,7 +136,7 @@ def gpu(name: str) -> Gpu:
     moe = {family: {variant: _layer_rate(ref, named_in) for variant, ref in variants.items()}
            for family, variants in (desc.get("moe_layers") or {}).items()}
     return Gpu(_need(desc, "env", named_in), _layer_rate(layer, named_in),
-               saving and _saving(saving, named_in), moe, layer.get("result") or layer["probe"])
+               _saving(saving, named_in) if saving else None, moe, layer.get("result") or layer.get("probe"))
 
 
 def load(path: Path) -> MachineModel:
