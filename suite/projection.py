@@ -19,9 +19,11 @@ the update that the next step waits for:
              less the device tiles' backward that hides it
 
 Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
-model is checked against; `check` compares the model with every measured one-GPU point (it models
-one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine of
-the paper's has assumed constants, named as such.
+model is checked against: a machine is described once in machines/<name>.yaml, its GPU's layer
+probes in machines/gpus/<gpu>.yaml, and suite/machines.py reads the figures from the committed probe
+files they name when it loads. `check` compares the model with every measured one-GPU point (it
+models one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine
+of the paper's has assumed link and host-copy rates, named as such in its description.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import functools
 import itertools
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain import memory
@@ -41,6 +43,7 @@ from megatrain.schedule import Schedule, layers_keeping_attention
 from megatrain.shapes import ModelShape
 from megatrain.store import PAGE, Layout, pinned_bytes
 from megatrain.units import GiB
+from suite.machines import MACHINES, MachineModel
 from suite.spec import RunSpec
 
 # AdamW per parameter on the host: read the gradient, master and both moments (4 B each), write the
@@ -63,82 +66,10 @@ POOLED = {"layer_kernels/7b_16seq_kernels_compiled.json": 16, "kernel_build/7b_1
 COMPILE_WORKER = 0.4 * GiB
 
 
-@dataclass(frozen=True)
-class MachineModel:
-    name: str
-    device_gib: float  # free device memory at the start of a run
-    host_gib: float  # host memory the run may use
-    h2d_gbps: float  # pinned, large chunks
-    d2h_gbps: float
-    host_copy_gbps: float  # memcpy, bytes read + written
-    layer_tflops: float  # the single-layer probe, model FLOP/s
-    probe: tuple[str, int, int]  # its shape: (preset, batch, seq), checkpoint every layer
-    source: str  # where the constants come from
-    match: tuple[str, int] | None = None  # (GPU name, host cores) of a result's env run on it
-    # a mixture of experts' layer, per family and experts' variant (`experts_variant`): its probe's
-    # model TFLOP/s and shape, as `probe` (with the library's experts an MoE layer runs at about half
-    # a dense layer's rate: docs/moe.md); a family without one is timed at the dense layer's rate
-    moe_layers: dict = field(default_factory=dict)
-    # seconds the compiled norms and MLP product save in the layer probe's forward, recompute and
-    # backward, and its shape; None: a machine without the pair of probes, timed eager
-    compiled_saving: tuple[float, tuple[str, int, int]] | None = None
-
-
-# The MoE layers' probes on the H200 (experiments/probes/layer_kernels.py, the compiled norms), for
-# every machine with that GPU: the library's experts on the four-GPU host's
-# (results/h200x4/probes/moe_layers), the lean ones, without and with their compiled gate, on the
-# one-GPU machine's (results/h200/probes/moe_layers; the library's there: 235.7 and 201.6)
-H200_MOE = {"qwen3_moe": {"library": (236.1, ("qwen3-30b-a3b", 8, 4096)), "lean": (300.6, ("qwen3-30b-a3b", 8, 4096)),
-                          "lean_gate": (302.0, ("qwen3-30b-a3b", 8, 4096))},
-            "gpt_oss": {"library": (199.1, ("gpt-oss-20b", 8, 4096)), "lean": (248.8, ("gpt-oss-20b", 8, 4096)),
-                        "lean_gate": (295.8, ("gpt-oss-20b", 8, 4096))}}
-
-
 def experts_variant(s) -> str:
     """A run's experts as the MoE layer probe names its variants: the library's, the lean ones, the
     lean ones with their gate compiled (engine.experts_kernel, engine.mlp_kernel)."""
     return "lean_gate" if EXPERTS.runs(s) and MLP.runs(s) else "lean" if EXPERTS.runs(s) else "library"
-
-# The compiled norms and MLP product against the eager ones in one dense layer: the H100's 7B layer
-# (results/h100/probes/layer_kernels/layer_7b_b8.json: 121.7 -> 105.6 ms), the H200's 14B layer
-# (results/h200/probes/compiled_saving: 143.3 -> 125.8 ms; its 7B layer saved 11.6 ms at
-# 8 x 4096 and 11.5 at 1 x 32768, 0.95x and 0.94x of the 14B's a token and hidden unit)
-H100_SAVING = (0.0162, ("qwen2.5-7b", 8, 4096))
-H200_SAVING = (0.0175, ("qwen2.5-14b", 8, 4096))
-
-# Probes of the lent machines (the bandwidth probe, a memcpy, Engine.layer_ceiling), 2026-11.
-MACHINES = {m.name: m for m in (
-    MachineModel("h100", 78.5, 124.0, 54.5, 55.0, 74.0, 421.6, ("qwen2.5-7b", 8, 4096),
-                 "nvidia-h100-x1: bandwidth probe 54-55 GB/s pinned each way, memcpy 74 GB/s, "
-                 "the 7B layer probe at 8 x 4096 (results/h100/probes/guard_ab/after.json)",
-                 ("NVIDIA H100 80GB HBM3", 16), compiled_saving=H100_SAVING),
-    MachineModel("h100x2", 78.5, 250.0, 50.9, 54.9, 99.7, 421.6, ("qwen2.5-7b", 8, 4096),
-                 "one H100 of nvidia-h100-x2 (32 cores, 256 GiB): bandwidth probe 50.9/54.9 GB/s pinned, "
-                 "memcpy 99.7 GB/s (results/h100x2/probes/bandwidth.json); the layer rate of the H100 x1 "
-                 "machine's probe (the same GPU)", ("NVIDIA H100 80GB HBM3", 32), compiled_saving=H100_SAVING),
-    MachineModel("h200-single", 139.2, 124.0, 55.4, 55.3, 72.0, 435.1, ("qwen2.5-14b", 8, 4096),
-                 "nvidia-h200 (one H200, 16 cores, 126 GiB): 55.4/55.3 GB/s pinned, memcpy 72 GB/s; the "
-                 "layer rate of the x2 host's H200; MoE layers the H200's", ("NVIDIA H200", 16), H200_MOE, H200_SAVING),
-    MachineModel("h200", 139.2, 250.0, 55.5, 55.3, 105.9, 435.1, ("qwen2.5-14b", 8, 4096),
-                 "one H200 of nvidia-h200-x2: bandwidth probe 55.5/55.3 GB/s pinned, memcpy 105.9 GB/s "
-                 "(results/h200/probes/bandwidth_x2.json); the 14B layer probe at 8 x 4096 (eager: 435.1, "
-                 "results/h200/probes/compiled_saving/14b.json); MoE layers the H200's", ("NVIDIA H200", 32), H200_MOE, H200_SAVING),
-    MachineModel("h200x4", 139.2, 500.0, 55.5, 55.4, 144.0, 438.0, ("qwen2.5-14b", 4, 4096),
-                 "one H200 of nvidia-h200-x4: 55.5/55.4 GB/s pinned, memcpy 144 GB/s, the 14B layer "
-                 "(eager) at 4 x 4096: 438; the library's MoE layers at 8 x 4096: Qwen3-30B-A3B's 236.1, "
-                 "GPT-OSS-20B's 199.1 (the lean ones: the one-GPU machine's H200)",
-                 ("NVIDIA H200", 64), H200_MOE, H200_SAVING),
-    # The paper's machines: assumed, not probed here.
-    MachineModel("gh200-paper", 94.0, 447.0, 450.0, 450.0, 400.0, 421.6, ("qwen2.5-7b", 8, 4096),
-                 "assumed: NVLink-C2C at its 450 GB/s per direction, LPDDR5X memcpy 400 GB/s, the "
-                 "H100 machine's layer rate and compiled kernels' saving (its GPU is an H100 with HBM3)",
-                 compiled_saving=H100_SAVING),
-    MachineModel("h200-paper", 139.2, 1397.0, 27.0, 27.0, 144.0, 435.1, ("qwen2.5-14b", 8, 4096),
-                 "assumed: PCIe Gen4 (half the Gen5 links measured here), the x4 host's memcpy, "
-                 "the H200's 14B layer rate, compiled kernels' saving and MoE layers' rates", moe_layers=H200_MOE,
-                 compiled_saving=H200_SAVING),
-)}
-
 
 @dataclass(frozen=True)
 class Projection:

@@ -60,7 +60,7 @@ def test_moe_layers_run_at_their_probes_rate():
                    batch_size=8, grad_accum=4, options={"engine": {"checkpoint_every": 1}})
     m = MACHINES["h200x4"]
     moe, dense = project(spec, m).terms["gpu"], project(spec, replace(m, moe_layers={})).terms["gpu"]
-    assert 1.6 < moe / dense < 2.2  # 438 against 236.1 model TFLOP/s, each probe's FLOPs executed apart
+    assert 1.6 < moe / dense < 2.2  # 435.1 against 236.1 model TFLOP/s, each probe's FLOPs executed apart
     assert not MACHINES["h100"].moe_layers
     # a run with the lean experts and their gate compiled at that variant's probe rate (302.0)
     lean = project(spec, m, {**EAGER, "experts_kernel": "lean", "mlp_kernel": "compiled"}).terms["gpu"]
