@@ -351,7 +351,7 @@ def test_moe_streaming_switches_keep_numerics(request, tmp_path, cuda_only, pres
     bit for bit, with the GPU's defaults (the compiled norms, the lean experts and their compiled
     gate)."""
     if preset == "tiny-deepseek-v2" and "weight_buffers" not in engine:
-        # on the H200 (session 52, twice alike): one element of the embedding 1.9e-9 (one float32
+        # on the H200 (two runs alike): one element of the embedding 1.9e-9 (one float32
         # rounding) apart after K = 1 or kept layers; its cause not found
         request.applymarker(pytest.mark.xfail(strict=True, reason="DeepSeek-V2: one embedding element a float32 rounding apart"))
     tiny_checkpoint(tmp_path / "init", preset, MOE[preset])
