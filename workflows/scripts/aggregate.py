@@ -539,12 +539,9 @@ def predicted(results: list[str | Path]) -> list[str]:
            "machines, whose constants the model assumes where they were not probed (see "
            "results/projection/projection.md). A dense layer is timed at the machine's eager layer probe less the "
            "time its probes measured the compiled norms and MLP product to save; an MoE layer at its family's layer "
-           "probe on the H200 with the lean experts (Qwen3-30B-A3B's and GPT-OSS-20B's layers 1.28x and 1.47x the "
-           "library's experts, which run at about half a dense layer's rate and made the `moe` tables' earlier "
-           "steps); GPT-OSS-120B stays bound by the CPU's AdamW. "
-           "That AdamW runs over split masters, which the model times at 0.41 of the whole masters' rate; on the "
-           "four-GPU host's 64 cores they ran at about 0.26, and the model's step for its 12-layer GPT-OSS-120B run "
-           "was 34% short of the measured one (results/projection/README.md): that row's step is likely too short.",
+           "probe on the H200 with the lean experts (the library's experts run at about half a dense layer's rate "
+           "and made the `moe` tables' earlier steps). The column `bound` names what binds each row; how far the model is from each measured point, "
+           "the table after this one.",
            "", "| machine | model | fits | host GiB | device GiB | step s | model TFLOP/s | bound | paper TFLOP/s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for p in predictions():
