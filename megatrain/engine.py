@@ -385,12 +385,14 @@ class Engine:
         self._offload(self.embed_unit, st.embed_acc)
 
     # ------------------------------------------------------------------ the compute ceiling
-    def layer_ceiling(self, batch_size: int, seq_len: int, reps: int = 5) -> dict:
+    def layer_ceiling(self, batch_size: int, seq_len: int, reps: int = 5, keep_attention: bool = False) -> dict:
         """One decoder layer's forward, recompute and backward on one micro-batch of random hidden
         states, its weights resident: the step's own graph (saved-tensor hooks; at K = 1 the recompute
         is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
         it and the host's updates done (their threads would compete with the launching one). The
-        rate layer streaming can at best reach."""
+        rate layer streaming can at best reach. `keep_attention`: the forward keeps the attention's
+        output and the recompute reuses it, as a layer that keeps its attention does (where this
+        run's layers can: keep_attention_layers > 0)."""
         self.optimizer.flush()
         dev, unit = self.dev, self.layer_units[0]
         self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
@@ -407,9 +409,11 @@ class Engine:
             for _ in range(reps + 1):
                 dev.synchronize()
                 start = time.perf_counter()
-                with torch.no_grad():
+                keeping = kept_attention.keeping() if keep_attention else contextlib.nullcontext([])
+                with torch.no_grad(), keeping as kept:
                     self._layer(0, w, x0, ctx)
-                x, leaves, out, _ = self._graph(0, w, x0, ctx, root_only=root_only)
+                with kept_attention.reusing(kept[0] if kept else None):
+                    x, leaves, out, _ = self._graph(0, w, x0, ctx, root_only=root_only)
                 torch.autograd.grad(out, [x, *leaves], dy)
                 del x, leaves, out
                 dev.synchronize()

@@ -10,11 +10,14 @@ before it settled:
                        MLP_CHUNKS that makes it fit (chunking recomputes part of the MLP)
   device_tiles         the most tiles, in forward order, whose optimizer state the device holds
                        beside everything else (their updates are the ones the next step waits for
-                       on the host; recompute is not exposed time, so tiles come first)
+                       on the host), first, but where recomputing the attention costs the step more
+                       than those updates (long sequences: _attention_first); then last
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
   keep_attention_layers  the most recomputed layers, from the last that can (kept_attention.py),
                        whose attention output the device holds from the forward to the backward:
                        after the graphs, which save the whole recompute of a layer, not a part
+                       (where the attention comes first, also before them: a kept attention saves
+                       most of a long sequence's recompute in a small part of its graph's bytes)
   split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
                        the 14-byte plan does not fit the host and the 12-byte one does: the eager
                        split update is 2-4x slower on the CPU (docs/host-store.md; the one-pass
@@ -39,7 +42,7 @@ import os
 import psutil
 import torch
 
-from megatrain import fused_adamw, memory, schedule
+from megatrain import fused_adamw, memory, metrics, schedule
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
 from megatrain.distributed import Ranks, check as check_ranks
 from megatrain.kernels import KERNELS, OPTIMIZER
@@ -49,6 +52,9 @@ from megatrain.units import GiB
 MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
 GRAD_SLABS = (8, 4, 2)
 HOST_MEMORY_ENV = "MEGATRAIN_HOST_MEMORY_GB"
+# GPU FLOPs in the time the host's AdamW updates one parameter: a 7B layer's 505 TFLOP/s against the
+# one-pass update's 3.5 G parameters a second, both on the lent one-GPU H200 (docs/log.md)
+DEVICE_FLOPS_PER_HOST_UPDATE = 1.5e5
 
 
 def host_available_bytes(stated_gb: float | None = None) -> int:
@@ -132,21 +138,43 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     bound = machine.device_free
     if engine.mlp_chunk_tokens == "auto" and shape.gated_mlp:
         s = replace(s, mlp_chunk_tokens=_mlp_chunk(shape, s, bound))
-    if engine.device_tiles == "auto":
+    attention_first = bound is not None and _attention_first(shape, s)
+    if engine.device_tiles == "auto" and not attention_first:
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
+    if attention_first and engine.keep_attention_layers == "auto":
+        s = _keep_attention(engine, shape, s, bound)
     if engine.no_recompute_layers == "auto":
         s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
-    keepable = len(schedule.layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, shape.num_layers))
-    if engine.keep_attention_layers == "auto":
-        s = replace(s, keep_attention_layers=_most_that_fit(shape, s, "keep_attention_layers", keepable, bound))
-    else:
-        s = replace(s, keep_attention_layers=min(engine.keep_attention_layers, keepable))
+    s = _keep_attention(engine, shape, s, bound)
+    if engine.device_tiles == "auto" and attention_first:
+        s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
         s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes,
                                                    engine.grad_slabs == "auto"))
     if engine.grad_slabs == "auto":
         s = replace(s, grad_slabs=_slabs(shape, s, machine.host_available, data_bytes))
     return s
+
+
+def _keep_attention(engine: EngineConfig, shape: ModelShape, s: EngineSettings, bound: int | None) -> EngineSettings:
+    """keep_attention_layers: as many as fit (auto) or as asked, at most the recomputed layers that can."""
+    keepable = len(schedule.layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, shape.num_layers))
+    if engine.keep_attention_layers == "auto":
+        return replace(s, keep_attention_layers=_most_that_fit(shape, s, "keep_attention_layers", keepable, bound))
+    return replace(s, keep_attention_layers=min(engine.keep_attention_layers, keepable))
+
+
+def _attention_first(shape: ModelShape, s: EngineSettings) -> bool:
+    """Whether the device's room goes to kept attention before device tiles: where recomputing the
+    attention of every layer that can keep it costs more GPU time than the host's update of the
+    first two tiles (the embedding and layer 0), the part of the update a step's end waits for once
+    the backward hides the rest, which is all that device tiles can save. Long sequences: the
+    attention grows with the square of their length, the update not at all."""
+    keepable = schedule.layers_keeping_attention(shape, s.seq_len, 0, shape.num_layers)
+    lengths = [s.seq_len] * (s.tokens // s.seq_len) * s.microbatches
+    recompute = metrics.attention_flops(shape.attention(keepable), lengths) / 2  # causal: half the scores
+    first_tiles = sum(spec.numel for _, specs in shape.units()[:2] for spec in specs)
+    return recompute > first_tiles * DEVICE_FLOPS_PER_HOST_UPDATE
 
 
 def _check_against_shape(engine: EngineConfig, shape: ModelShape) -> None:

@@ -102,14 +102,17 @@ def config(args, kernels: dict):
         "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
 
 
-def measure(args, kernels: dict, backends: list[str]) -> dict:
-    """The ceilings (each SDPA backend's of `backends` too) and the kernel breakdown of one layer
-    built with `kernels`."""
+def measure(args, kernels: dict, backends: list[str] | None) -> dict:
+    """The ceilings and the kernel breakdown of one layer built with `kernels`; for the first variant
+    (`backends` not None) also each SDPA backend's of `backends` and, where the layer can keep its
+    attention (on a GPU), the ceiling of the layer that does (keep_attention)."""
     trainer = Trainer(config(args, kernels), progress=False)
     rows = {}
     try:
         rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
-        for name in backends:
+        if backends is not None and trainer.settings.keep_attention_layers:  # the policy's ceiling too
+            rows["keep_attention"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, keep_attention=True)
+        for name in backends or []:
             try:
                 with sdpa_kernel([BACKENDS[name]]):
                     rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
@@ -163,7 +166,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
     for i, v in enumerate(variants):  # written after each: a run cut short keeps what it measured
-        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else [])
+        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else None)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for kernel, run in runs.items():

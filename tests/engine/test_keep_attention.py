@@ -144,6 +144,26 @@ def test_the_plan_keeps_attention_where_the_device_has_room():
                    Machine(False, None, 2**50)).keep_attention_layers == 0
 
 
+def test_long_sequences_keep_attention_before_device_tiles():
+    """auto on a 7B with an H200's room: at 8 x 4096 tokens (2 micro-batches) the device tiles take
+    the room first (the attention's recompute, 5.4e13 FLOPs, costs less than the host's update of the
+    embedding and layer 0, 7.8e8 parameters); at one sequence of 131072 tokens (3.4e15 FLOPs) every
+    layer keeps its attention and the tiles take what is left."""
+    shape = shape_of("qwen2.5-7b", max_position_embeddings=131072)
+    machine = Machine(True, 139 * 2**30, 2**50)  # an H200 free
+
+    def resolved(seq_len, batch_size, grad_accum):
+        return resolve(EngineConfig(compute_dtype="bfloat16"), DataConfig(seq_len=seq_len, batch_size=batch_size,
+                       grad_accum=grad_accum), OptimConfig(), shape, machine)
+    short, long = resolved(4096, 8, 2), resolved(131072, 1, 1)
+    assert short.device_tiles > 20 and short.keep_attention_layers < 28
+    assert long.keep_attention_layers == 28
+    tiles_first = resolve(EngineConfig(compute_dtype="bfloat16", keep_attention_layers=0), DataConfig(
+        seq_len=131072, batch_size=1), OptimConfig(), shape, machine)
+    assert long.device_tiles < tiles_first.device_tiles
+    assert memory.plan(shape, long).device_bytes + memory.DEVICE_WORKSPACE <= machine.device_free
+
+
 def test_the_memory_plan_counts_every_kept_attention():
     """Per layer and micro-batch: the output (tokens x heads x head_dim, bf16) and the float32
     log-sum-exp (heads x tokens), held from the forward to the backward: 7B at 8 x 4096 tokens,

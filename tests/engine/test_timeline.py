@@ -97,16 +97,24 @@ def test_timeline_step_holds_only_its_own_spans():
     assert not long, long[:3]
 
 
-def test_the_layer_ceiling_runs_before_and_after_steps():
+def test_the_layer_ceiling_runs_before_and_after_steps(monkeypatch):
     """Engine.layer_ceiling (the suite's `ceiling` option, the layer-kernel probe) times one layer's
-    forward, recompute and backward whether or not a step has run: it opens its own timeline step."""
-    cfg = load_config(base={"model": {"preset": "tiny-qwen2"}, "engine": {"device": "cpu"},
+    forward, recompute and backward whether or not a step has run: it opens its own timeline step.
+    With keep_attention, the recompute reuses the forward's attention once a repetition."""
+    import megatrain.kept_attention as kept_attention
+    reused = []
+    forward = kept_attention._Reused.forward
+    monkeypatch.setattr(kept_attention._Reused, "forward", staticmethod(lambda *a: reused.append(1) or forward(*a)))
+    cfg = load_config(base={"model": {"preset": "tiny-qwen2"}, "engine": {"device": "cpu", "keep_attention_layers": 2},
                             "data": {"source": "synthetic", "seq_len": 16, "batch_size": 2}, "steps": 1})
     trainer = Trainer(cfg)
     try:
         before = trainer.engine.layer_ceiling(2, 16, reps=1)
+        assert not reused
         trainer.train_step(random_batches(1, 1, 2, 16, trainer.shape.vocab, pad=False)[0])
-        after = trainer.engine.layer_ceiling(2, 16, reps=1)
+        reused.clear()
+        after = trainer.engine.layer_ceiling(2, 16, reps=1, keep_attention=True)
+        assert len(reused) == 2  # the warm-up and the one repetition
     finally:
         trainer.close()
     for row in (before, after):
