@@ -118,9 +118,11 @@ run: $(STAMP)
 	exit $$status
 
 # The CPU workflow is forced (--forceall): its outputs from an earlier run would otherwise pass
-# untested (the profiles rerun on mtime only).
+# untested (the profiles rerun on mtime only). The tests run on two workers (pytest-xdist), then
+# those marked `alone` one at a time.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --timeout 900
+	$(PY) -m pytest -q --timeout 900 -n 2 -m "not alone"
+	$(PY) -m pytest -q --timeout 900 -m alone
 	$(PY) -m snakemake --lint
 	$(PY) -m snakemake --profile profiles/cpu --forceall

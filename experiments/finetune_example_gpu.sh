@@ -7,6 +7,8 @@
 # generate) on the exported model; writes under ${OUT:-out}: the example, the plan, the metrics and
 # a table last.
 #   experiments/finetune_example_gpu.sh [PRESET] [extra settings ...]
+# The 7B's saves need 98 GiB of disk (its training state 85, the model 14: the plan refuses a smaller
+# disk); on the lent one-GPU H200's 64 GiB disk, PRESET qwen2.5-3b (40 GiB).
 # On the CPU, a check of the script itself:
 #   experiments/finetune_example_gpu.sh tiny-qwen2 model.overrides.vocab_size=512 \
 #       model.overrides.max_position_embeddings=2048 epochs=1

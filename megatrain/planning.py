@@ -3,8 +3,8 @@
 `plan_run` makes every check and decision a run makes before it allocates anything, in the order
 in which a refusal costs least: the model's shape (the sequence it allows, a checkpoint's tensors),
 output_dir, the machine, the settings with every `auto` decided (resolve.py), the memory plan of
-the model alone, then the data and the plan with its bytes. A bad setting, file or output_dir
-raises ValueError. A run that does not fit is still a plan: its `refusal` is the DoesNotFit that
+the model alone, the disk its saves need, then the data and the plan with its bytes. A bad
+setting, file or output_dir (or one whose disk cannot hold the saves) raises ValueError. A run that does not fit is still a plan: its `refusal` is the DoesNotFit that
 `train` raises (`RunPlan.check`) and that `plan` prints after the report. The trainer builds from
 the plan and derives none of it again.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,8 +116,9 @@ class RunPlan:
         extra = ([f"{out}/checkpoint-N every {cfg.save_every} steps"
                   + (f" (the last {cfg.save_total_limit} kept)" if cfg.save_total_limit else "")] if cfg.save_every else []) \
             + ([f"{out}/best (by eval {cfg.metric_for_best_model})"] if cfg.metric_for_best_model else [])
+        need = sum(save_bytes(cfg, shape).values()) / GiB
         lines.append(", ".join([f"outputs: {out}/metrics.jsonl", f"{out}/state", f"{out}/model", *extra])
-                     if out else "outputs: none (no output_dir)")
+                     + f" (at least {need:.1f} GiB of disk)" if out else "outputs: none (no output_dir)")
         return "\n".join(lines)
 
 
@@ -156,6 +158,8 @@ def plan_run(cfg: TrainConfig, ranks: Ranks = Ranks(), elsewhere: bool = False) 
     # change only the host's choices (split masters, gradient slabs), decided again with them.
     s, p, refusal = settle(0)
     data = held_out = None
+    if refusal is None and cfg.output_dir:  # a run that fits the machine: its saves, the disk
+        _check_disk(cfg, shape, Path(cfg.output_dir))
     if refusal is None:
         data, held_out = make_sources(cfg.data, shape.vocab, cfg.model.pretrained)
         if data_bytes := data.nbytes + (held_out.nbytes if held_out else 0):
@@ -222,6 +226,33 @@ def check_output_dir(cfg: TrainConfig, shape: ModelShape) -> None:
         if changes and not cfg.resume_changes:
             raise ValueError(f"resume=true: this run's settings differ from the saved run's in {'; '.join(changes)}; "
                              f"set resume_changes=true to resume with them anyway")
+
+
+def save_bytes(cfg: TrainConfig, shape: ModelShape) -> dict[str, int]:
+    """The least disk the run's saves need in output_dir at their fullest: the training state
+    (masters in engine.master_dtype, both moments in float32), twice where a run saves it more than
+    once (a save writes the new state before it drops the old: io.atomic_dir), and the model in
+    save_dtype, once more for each checkpoint-N kept (one where save_total_limit leaves them all)."""
+    params = shape.total_params()
+    state = params * ((4 if cfg.engine.master_dtype == "float32" else 2) + 8)
+    model = params * (4 if cfg.save_dtype == "float32" else 2)
+    repeated = cfg.save_every is not None
+    return {"state": state * (2 if repeated else 1), "model": model * (1 + ((cfg.save_total_limit or 1) if repeated else 0))}
+
+
+def _check_disk(cfg: TrainConfig, shape: ModelShape, out: Path) -> None:
+    """Refuse a run whose saves cannot fit output_dir's disk, before it trains (a 7B's state is 91 GB)."""
+    need = save_bytes(cfg, shape)
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if cfg.overwrite:  # removed before the run starts
+        free += sum(f.stat().st_size for p in earlier_outputs(out)
+                    for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    if sum(need.values()) > free:
+        raise ValueError(f"output_dir {out}: the run's saves need at least {sum(need.values()) / GiB:.1f} GiB "
+                         f"(training state {need['state'] / GiB:.1f}, model {need['model'] / GiB:.1f} in "
+                         f"{cfg.save_dtype}), and its disk has {free / GiB:.1f} GiB free: name an output_dir on a "
+                         f"larger disk" + (", or save less often (save_every, save_total_limit)" if cfg.save_every else ""))
 
 
 def _stated_gpu_machine(engine, gpus: int) -> Machine:

@@ -172,6 +172,35 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "init"]  # its probe removed, nothing made yet
 
 
+def test_saves_the_disk_cannot_hold_are_refused_before_training(tmp_path, monkeypatch):
+    """planning.save_bytes counts what a run's saves write (the state and the model's weights, their
+    files' headers and the model's config aside), and a run whose output_dir's disk has less free is
+    refused by name before anything is made; a save_every run needs a second state and its
+    checkpoint's model."""
+    from megatrain import planning
+    tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    out = tmp_path / "run"
+    trainer = Trainer(config(tmp_path, 2, output_dir=str(out), save_dtype="bfloat16"))
+    need = planning.save_bytes(trainer.cfg, trainer.shape)
+    trainer.fit(progress=False)
+    trainer.close()
+    written = {name: sum(f.stat().st_size for f in (out / name).rglob("*.safetensors")) for name in need}
+    for name in need:
+        assert need[name] <= written[name] <= need[name] * 1.01 + 2**16, name
+    every = planning.save_bytes(config(tmp_path, 2, output_dir=str(out), save_every=1, save_total_limit=3,
+                                       save_dtype="bfloat16"),
+                                trainer.shape)
+    assert every == {"state": 2 * need["state"], "model": 4 * need["model"]}
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(planning.shutil, "disk_usage", lambda _: usage._replace(free=sum(need.values()) - 1))
+    with pytest.raises(ValueError, match=r"output_dir \S+/other: the run's saves need at least 0.0 GiB \(training "
+                                         r"state 0.0, model 0.0 in bfloat16\), and its disk has 0.0 GiB free"):
+        Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "other"), save_dtype="bfloat16"))
+    assert not (tmp_path / "other").exists()
+    monkeypatch.setattr(planning.shutil, "disk_usage", lambda _: usage._replace(free=sum(need.values())))
+    Trainer(config(tmp_path, 2, output_dir=str(tmp_path / "other"), save_dtype="bfloat16")).close()
+
+
 def test_a_rerun_never_replaces_an_earlier_run_unasked(tmp_path):
     """A second run into an output_dir that holds a run's outputs is refused, naming them, with
     nothing changed; overwrite=true removes them before writing its own; resume with it is refused;

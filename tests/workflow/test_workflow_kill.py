@@ -19,6 +19,7 @@ pytest.importorskip("snakemake")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.alone  # its kill must land while the point trains, which another test's load can delay past
 def test_a_killed_workflow_stops_its_points_and_resumes(tmp_path):
     """SIGKILL of `snakemake --profile profiles/cpu` while a point trains: the point's harness and worker end
     too (no job tree outlives the workflow); the README's recovery command (unlock, then the same
