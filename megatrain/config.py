@@ -149,8 +149,9 @@ class EngineConfig:
     grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as
-    # many as the memory plan leaves device room for (resolve.py), none on the CPU; 0: every
-    # update on the host, as the paper's system does
+    # many as the memory plan leaves device room for (resolve.py), none on the CPU, after the kept
+    # attention where its recompute costs more than the host's update of the first two tiles (long
+    # sequences); 0: every update on the host, as the paper's system does
     device_tiles: int | Literal["auto"] = "auto"
     loss_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk
     # tokens per MLP chunk, forward and backward (long contexts); null: whole; auto: whole when the
@@ -165,8 +166,9 @@ class EngineConfig:
     # FLOPs formula, more as sequences grow), for tokens x heads x head_dim x 2 (bf16) + heads x
     # tokens x 4 bytes of device memory per layer and micro-batch (kept_attention.py); the same
     # gradients as recomputing it, which a micro-batch with padding or packed rows does. auto: as
-    # many as the memory plan leaves device room for after device_tiles and no_recompute_layers (none
-    # on the CPU); 0: none; more than can keep it: all that can
+    # many as the memory plan leaves device room for after device_tiles and no_recompute_layers, or
+    # before both where the attention's recompute costs more than the first two tiles' host update
+    # (long sequences) (none on the CPU); 0: none; more than can keep it: all that can
     keep_attention_layers: int | Literal["auto"] = "auto"
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
