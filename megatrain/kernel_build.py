@@ -27,15 +27,15 @@ the 7B's 522.7 -> 530.7 (docs/log.md, session 53).
 
 Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
 whether a tensor requires gradients, a float's value, a fixed width), at most recompile_limit (8)
-times a process, and past that runs the function's library ops, silently: a process that trains several models (the
-GPU tests' did) then computes some calls by the kernel and others by the library ops, which agree
-to rounding only (on the H200 a test's two runs that match bit for bit stopped matching). So each
-kernel sees one form: its inputs detached here (every caller differentiates by hand) and, the
-norms' and the MLP's, as rows; a process then builds one per dtype and constant (eps, GPT-OSS's
-float32 scale) and, the norms', per row width (lean_norm says why). A model's norms have one or two
-widths, but a process that trains several models sees more forms than a model does, so the first
-kernel's build raises the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made
-only for a form that comes).
+times a process, and past that runs the function's library ops, silently: a process that trains
+several models (the GPU tests' did) then computes some calls by the kernel and others by the
+library ops, which agree to rounding only (on the H200 a test's two runs that match bit for bit
+stopped matching). So each kernel sees few forms: its inputs detached here (every caller
+differentiates by hand) and, the norms' and the MLP's, as rows; a process then builds one per
+dtype, constant (eps, GPT-OSS's float32 scale) and width. A model has a few widths, but a process
+that trains several models sees more forms than a model does, so the first kernel's build raises
+the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made only for a form that
+comes).
 
 While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
 a compiled function called from another thread meanwhile refuses to run ("Detected that you are
@@ -63,9 +63,10 @@ _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 def compiled(fn: Callable, **options) -> Callable:
     """`fn` built by torch.compile (free rows, fixed widths: _rows_free; inductor's deterministic
-    mode and `options`) in this process. torch.compile is asked at the first call, not here: dynamo and inductor
-    take about a second to import (the 2-core CPU machine), which a process that never calls a
-    kernel (the workflow's planning, a harness's parent, a baseline's worker) then does not pay."""
+    mode and `options`) in this process. torch.compile is asked at the first call, not here: dynamo
+    and inductor take about a second to import (the 2-core CPU machine), which a process that never
+    calls a kernel (the workflow's planning, a harness's parent, a baseline's worker) then does not
+    pay."""
     made = None  # the compiled function and inductor's config, once the first call made them
     lock = threading.Lock()
 

@@ -4,9 +4,10 @@
 in which a refusal costs least: the model's shape (the sequence it allows, a checkpoint's tensors),
 output_dir, the machine, the settings with every `auto` decided (resolve.py), the memory plan of
 the model alone, the disk its saves need, then the data and the plan with its bytes. A bad
-setting, file or output_dir (or one whose disk cannot hold the saves) raises ValueError. A run that does not fit is still a plan: its `refusal` is the DoesNotFit that
-`train` raises (`RunPlan.check`) and that `plan` prints after the report. The trainer builds from
-the plan and derives none of it again.
+setting, file or output_dir (or one whose disk cannot hold the saves) raises ValueError. A run that
+does not fit is still a plan: its `refusal` is the DoesNotFit that `train` raises (`RunPlan.check`)
+and that `plan` prints after the report. The trainer builds from the plan and derives none of it
+again.
 """
 from __future__ import annotations
 
@@ -237,7 +238,8 @@ def save_bytes(cfg: TrainConfig, shape: ModelShape) -> dict[str, int]:
     state = params * ((4 if cfg.engine.master_dtype == "float32" else 2) + 8)
     model = params * (4 if cfg.save_dtype == "float32" else 2)
     repeated = cfg.save_every is not None
-    return {"state": state * (2 if repeated else 1), "model": model * (1 + ((cfg.save_total_limit or 1) if repeated else 0))}
+    return {"state": state * (2 if repeated else 1),
+            "model": model * (1 + ((cfg.save_total_limit or 1) if repeated else 0))}
 
 
 def _check_disk(cfg: TrainConfig, shape: ModelShape, out: Path) -> None:
