@@ -23,7 +23,7 @@ dimension of each input): the rows vary between calls (padded batches, the loss'
 widths only between models, and a fixed width spares each kernel index arithmetic and loops over a
 width only known at run time. On the H200 the layer probe with every size fixed against every size
 free: Qwen3-30B-A3B's layer 347.3 -> 428.0 model TFLOP/s (its elementwise kernels 17.3 -> 9.1 ms),
-the 7B's 522.7 -> 530.7 (docs/log.md, session 53).
+the 7B's 522.7 -> 530.7 (docs/decisions.md, "Kernels built for fixed widths").
 
 Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
 whether a tensor requires gradients, a float's value, a fixed width), at most recompile_limit (8)

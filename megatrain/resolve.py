@@ -53,7 +53,8 @@ MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
 GRAD_SLABS = (8, 4, 2)
 HOST_MEMORY_ENV = "MEGATRAIN_HOST_MEMORY_GB"
 # GPU FLOPs in the time the host's AdamW updates one parameter: a 7B layer's 505 TFLOP/s against the
-# one-pass update's 3.5 G parameters a second, both on the lent one-GPU H200 (docs/log.md)
+# one-pass update's 3.5 G parameters a second, both on the lent one-GPU H200 (docs/decisions.md,
+# "Kept attention before device tiles on long sequences")
 DEVICE_FLOPS_PER_HOST_UPDATE = 1.5e5
 
 
