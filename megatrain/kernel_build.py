@@ -18,17 +18,24 @@ could differ between a run and its resumption; the heuristic's does not. Measure
 7B step with both against the timed, pooled build: 466.2 against 464.0 model TFLOP/s
 (docs/decisions.md, "Kernels built in-process").
 
+Each kernel is built for any number of rows and for the widths it is called with (the last
+dimension of each input): the rows vary between calls (padded batches, the loss's last chunk), the
+widths only between models, and a fixed width spares each kernel index arithmetic and loops over a
+width only known at run time. On the H200 the layer probe with every size fixed against every size
+free: Qwen3-30B-A3B's layer 347.3 -> 428.0 model TFLOP/s (its elementwise kernels 17.3 -> 9.1 ms),
+the 7B's 522.7 -> 530.7 (docs/decisions.md, "Kernels built for fixed widths").
+
 Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
-whether a tensor requires gradients, a float's value), at most recompile_limit (8) times a process,
-and past that runs the function's library ops, silently: a process that trains several models (the
-GPU tests' did) then computes some calls by the kernel and others by the library ops, which agree
-to rounding only (on the H200 a test's two runs that match bit for bit stopped matching). So each
-kernel sees one form: its inputs detached here (every caller differentiates by hand) and, the
-norms' and the MLP's, as rows; a process then builds one per dtype and constant (eps, GPT-OSS's
-float32 scale) and, the norms', per row width (lean_norm says why). A model's norms have one or two
-widths, but a process that trains several models sees more forms than a model does, so the first
-kernel's build raises the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made
-only for a form that comes).
+whether a tensor requires gradients, a float's value, a fixed width), at most recompile_limit (8)
+times a process, and past that runs the function's library ops, silently: a process that trains
+several models (the GPU tests' did) then computes some calls by the kernel and others by the
+library ops, which agree to rounding only (on the H200 a test's two runs that match bit for bit
+stopped matching). So each kernel sees few forms: its inputs detached here (every caller
+differentiates by hand) and, the norms' and the MLP's, as rows; a process then builds one per
+dtype, constant (eps, GPT-OSS's float32 scale) and width. A model has a few widths, but a process
+that trains several models sees more forms than a model does, so the first kernel's build raises
+the process's limit to RECOMPILE_LIMIT (a limit, not a cost: a build is made only for a form that
+comes).
 
 While one thread builds a kernel, torch's flag that FX is tracing is set for the whole process, and
 a compiled function called from another thread meanwhile refuses to run ("Detected that you are
@@ -55,10 +62,11 @@ _tracing = getattr(fx_trace, "is_fx_symbolic_tracing", fx_trace.is_fx_tracing)
 
 
 def compiled(fn: Callable, **options) -> Callable:
-    """`fn` built by torch.compile (dynamic shapes, inductor's deterministic mode and `options`)
-    in this process. torch.compile is asked at the first call, not here: dynamo and inductor
-    take about a second to import (the 2-core CPU machine), which a process that never calls a
-    kernel (the workflow's planning, a harness's parent, a baseline's worker) then does not pay."""
+    """`fn` built by torch.compile (free rows, fixed widths: _rows_free; inductor's deterministic
+    mode and `options`) in this process. torch.compile is asked at the first call, not here: dynamo
+    and inductor take about a second to import (the 2-core CPU machine), which a process that never
+    calls a kernel (the workflow's planning, a harness's parent, a baseline's worker) then does not
+    pay."""
     made = None  # the compiled function and inductor's config, once the first call made them
     lock = threading.Lock()
 
@@ -71,11 +79,11 @@ def compiled(fn: Callable, **options) -> Callable:
                     import torch._dynamo.config as dynamo
                     import torch._inductor.config as inductor
                     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-                    made = torch.compile(fn, dynamic=True, options={"deterministic": True, **options}), inductor
+                    made = torch.compile(fn, dynamic=False, options={"deterministic": True, **options}), inductor
         kernel, inductor = made
         # every caller differentiates by hand (an autograd.Function's forward and backward, the
         # optimizer's update): detached, whether an input requires gradients is not one more form
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(_rows_free(a.detach()) if isinstance(a, torch.Tensor) else a for a in args)
         inductor.compile_threads = 1
         while True:
             while _tracing():  # another thread is building a kernel
@@ -86,3 +94,13 @@ def compiled(fn: Callable, **options) -> Callable:
                 if not _tracing():  # not the refusal: a failure of this kernel
                     raise
     return run
+
+
+def _rows_free(t: torch.Tensor) -> torch.Tensor:
+    """`t` with every dimension but the last free in the kernel's build (a vector's one too): the
+    rows (tokens, batch, sequence, heads, the loss's chunk) vary between calls, the last dimension
+    (hidden, head, vocabulary width, the router's picks) only between models. Weakly: a length the
+    kernel ties to a fixed width (a norm's weight) is fixed with it."""
+    for dim in range(t.dim() - 1 if t.dim() > 1 else t.dim()):
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    return t

@@ -164,6 +164,21 @@ def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():
     assert max(built) <= 1, built
 
 
+def test_kernels_are_built_for_their_widths_and_any_rows():
+    """kernel_build: each input's last dimension fixed in a build, the others free (a vector's one
+    too): the MLP's product and the loss (logits by a chunk's tokens, a target per token) build once
+    for any number of rows, and once more at another width."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    from megatrain import loss, swiglu
+    kernels = (swiglu._product, loss._cross_entropy_and_grad)
+    before = [len(entries(k.__code__)) for k in kernels]
+    scale = torch.ones(())
+    for rows, width in ((5, 13), (9, 13), (300, 13), (5, 29), (17, 29)):  # widths no other test builds
+        swiglu.swiglu(torch.randn(rows, width), torch.randn(rows, width))
+        loss._compiled_cross_entropy(torch.randn(rows, width), torch.randint(0, width, (rows,)), scale)
+    assert [len(entries(k.__code__)) - b for k, b in zip(kernels, before)] == [2, 2]
+
+
 def test_norm_kernels_are_built_once_a_row_width():
     """A norm kernel's reduction is configured at its build for the width it was built at (lean_norm):
     Qwen3's head norms (128 wide) beside its hidden-size norms get a kernel of their own, and more
