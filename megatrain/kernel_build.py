@@ -21,9 +21,9 @@ could differ between a run and its resumption; the heuristic's does not. Measure
 Each kernel is built for any number of rows and for the widths it is called with (the last
 dimension of each input): the rows vary between calls (padded batches, the loss's last chunk), the
 widths only between models, and a fixed width spares each kernel index arithmetic and loops over a
-width only known at run time. On the H200 the layer probe with every size fixed against every size
-free: Qwen3-30B-A3B's layer 347.3 -> 428.0 model TFLOP/s (its elementwise kernels 17.3 -> 9.1 ms),
-the 7B's 522.7 -> 530.7 (docs/decisions.md, "Kernels built for fixed widths").
+width only known at run time. On the H200 the layer probe, every size free against fixed widths:
+Qwen3-30B-A3B's layer 329.7 -> 419.4 model TFLOP/s (its other kernels 17.2 -> 9.4 ms), GPT-OSS-20B's
+303.7 -> 319.6, the 7B's 515.3 -> 520.0 (docs/decisions.md, "Kernels built for fixed widths").
 
 Dynamo builds a function anew for each form of its inputs its guards tell apart (rank, dtype,
 whether a tensor requires gradients, a float's value, a fixed width), at most recompile_limit (8)

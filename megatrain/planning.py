@@ -98,10 +98,11 @@ class RunPlan:
             epochs = self.total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()
             lines.append(f"step: {d.grad_accum} x {d.batch_size} {rows} of at most {d.seq_len} tokens: up to "
                          f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens per step; {self.total_steps} steps "
-                         f"({epochs:.2f} epochs)")
+                         f"({epochs:.2f} epochs)" + self._short_of_warmup())
         else:
             lines.append(f"data: synthetic; step: {d.grad_accum} x {d.batch_size} x {d.seq_len} = "
-                         f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {self.total_steps} steps")
+                         f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens; {self.total_steps} steps"
+                         + self._short_of_warmup())
         lines.append(f"engine: {s.device}, {s.compute_dtype} compute, {s.master_dtype} masters"
                      f"{' (split: shadow + low halves)' if s.split_masters else ''}, checkpoint every "
                      f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
@@ -121,6 +122,15 @@ class RunPlan:
         lines.append(", ".join([f"outputs: {out}/metrics.jsonl", f"{out}/state", f"{out}/model", *extra])
                      + f" (at least {need:.1f} GiB of disk)" if out else "outputs: none (no output_dir)")
         return "\n".join(lines)
+
+    def _short_of_warmup(self) -> str:
+        """The summary's word where the run ends inside its warm-up: its learning rate never reaches
+        optim.lr (a run of one step takes lr 0: the warm-up's first update is at 0)."""
+        warmup, total = self.cfg.optim.warmup_steps, self.total_steps
+        if total is None or warmup < total:
+            return ""
+        return (f"; WARNING: optim.warmup_steps {warmup} is not shorter than the run's {total} steps: the "
+                f"learning rate never reaches optim.lr")
 
 
 def plan_run(cfg: TrainConfig, ranks: Ranks = Ranks(), elsewhere: bool = False) -> RunPlan:

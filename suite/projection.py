@@ -383,10 +383,11 @@ def write_report(roots: list[Path], out: Path) -> str:
               "| machine | model | fits | host GiB | device GiB | step s (band) | model TFLOP/s (band) | bound | band of | paper |",
               "|---" * 10 + "|"]
     for p in preds:
+        step, rate = (f"({p['step_s_band'][0]:.1f}-{p['step_s_band'][1]:.1f})",
+                      f"({p['model_tflops_band'][0]:.0f}-{p['model_tflops_band'][1]:.0f})") if "band_basis" in p else ("", "")
         lines.append(f"| {p['machine']} | {p['preset']} | {p['fits']} | {p['host_GiB']:.0f} | {p['device_GiB']:.0f} "
-                     f"| {p['step_s']:.1f} ({p['step_s_band'][0]:.1f}-{p['step_s_band'][1]:.1f}) "
-                     f"| {p['model_tflops']:.0f} ({p['model_tflops_band'][0]:.0f}-{p['model_tflops_band'][1]:.0f}) "
-                     f"| {p['bound']} | {p['band_basis']} | {p['paper_tflops'] or 'not printed'} |")
+                     f"| {p['step_s']:.1f} {step} | {p['model_tflops']:.0f} {rate} "
+                     f"| {p['bound']} | {p.get('band_basis', 'no measured runs')} | {p['paper_tflops'] or 'not printed'} |")
     text = "\n".join(lines) + "\n"
     write_json(out / "projection.json", {"machines": {m.name: m.__dict__ for m in MACHINES.values()},
                                          "check": rows, "step_errors": errors, "predictions": preds})

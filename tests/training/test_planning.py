@@ -108,3 +108,13 @@ def test_plan_exit_status(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "exit 2, with train's message, where train would refuse the run" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("steps, warmup, warned", [(1, 1, True), (3, 5, True), (2, 1, False), (1, 0, False)])
+def test_plan_says_when_the_run_ends_inside_its_warmup(capsys, steps, warmup, warned):
+    """A run no longer than its warm-up never trains at optim.lr (one step of a warm-up: at lr 0): the
+    plan's step line says so, and the run is still planned."""
+    args = [a for a in TINY if not a.startswith("steps=")]
+    assert main(["plan", *args, f"steps={steps}", f"optim.warmup_steps={warmup}"]) == 0
+    report = capsys.readouterr().out
+    assert (f"optim.warmup_steps {warmup} is not shorter than the run's {steps} steps" in report) == warned
