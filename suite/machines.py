@@ -2,7 +2,8 @@
 
 `machines/<name>.yaml` says what a machine is: its GPU, how many the host holds, its cores, the host
 and device memory a run may use, the lent kind, its results folder and Snakemake profile, and the
-committed bandwidth probe that gives its link each way and its host copy. `machines/gpus/<gpu>.yaml`
+committed bandwidth probe that gives its link each way and its host copy, and where it has one, the
+host AdamW probe that gives the host kernel's rate over each master layout. `machines/gpus/<gpu>.yaml`
 names the probes of what runs on the GPU alone (one decoder layer's rate and shape, the compiled
 kernels' saving, the MoE layers), shared by every machine with that GPU. The constants are read
 from those JSON files when this module loads, so no probed number is written in code; a missing file
@@ -46,6 +47,10 @@ class MachineModel:
     # seconds the compiled norms and MLP product save in the layer probe's forward, recompute and
     # backward, and its shape; None: a machine without the pair of probes, timed eager
     compiled_saving: tuple[float, Shape] | None = None
+    # the host kernel's AdamW, G parameters/s over whole and split masters on all the host's cores
+    # (experiments/probes/adamw_rate.py: one_pass_whole, one_pass_split); None: a machine without the
+    # probe, whose update is timed by its host copy
+    adamw_gps: dict[str, float] | None = None
 
 
 class Probe:
@@ -74,6 +79,10 @@ class Probe:
     def layer(self, variant: str, key: str = "model_tflops") -> float:
         """A layer probe's (experiments/probes/layer_kernels.py) figure of one variant."""
         return self.get("variants", variant, "ceilings", "default", key)
+
+    def adamw(self) -> dict[str, float]:
+        """A host AdamW probe's (experiments/probes/adamw_rate.py) median rates of the host kernel."""
+        return {layout: self.get("report", f"one_pass_{layout}", "median_g_params_per_s") for layout in ("whole", "split")}
 
     def layer_shape(self) -> Shape:
         return self.get("preset"), self.get("batch"), self.get("seq")
@@ -145,6 +154,7 @@ def load(path: Path) -> MachineModel:
     desc = _yaml(path)
     g = gpu(_need(desc, "gpu", named_in))
     (tflops, shape), host, device = g.layer, _need(desc, "host_gib", named_in), _need(desc, "device_gib", named_in)
+    adamw = None
     if "assumed" in desc:
         a = desc["assumed"]
         rates = [_need(a, k, named_in) for k in ("h2d_gbps", "d2h_gbps", "host_copy_gbps")]
@@ -155,12 +165,17 @@ def load(path: Path) -> MachineModel:
         cores = _need(desc, "cores", named_in)
         saving = f", compiled saving {1e3 * g.compiled_saving[0]:.1f} ms" if g.compiled_saving else ""
         moe = f", MoE layers of {', '.join(g.moe_layers)}" if g.moe_layers else ""
+        if desc.get("adamw"):
+            adamw = Probe(desc["adamw"], named_in).adamw()
+            optimizer = f"; AdamW {adamw['whole']:.2f} / {adamw['split']:.2f} G params/s whole / split ({desc['adamw']})"
         source = (f"{_need(desc, 'lent', named_in)} ({_need(desc, 'gpus', named_in)} x {g.env}, {cores} cores): "
-                  f"pinned {rates[0]:.1f}/{rates[1]:.1f} GB/s, host copy {rates[2]:.1f} GB/s ({bandwidth.path}); "
+                  f"pinned {rates[0]:.1f}/{rates[1]:.1f} GB/s, host copy {rates[2]:.1f} GB/s ({bandwidth.path})"
+                  f"{optimizer if adamw else ''}; "
                   f"the layer {tflops:.1f} model TFLOP/s at {shape[0]} {shape[1]} x {shape[2]} ({g.layer_file})"
                   f"{saving}{moe} (machines/gpus/{desc['gpu']}.yaml)")
         match = (g.env, cores)
-    return MachineModel(path.stem, device, host, *rates, tflops, shape, source, match, g.moe_layers, g.compiled_saving)
+    return MachineModel(path.stem, device, host, *rates, tflops, shape, source, match, g.moe_layers, g.compiled_saving,
+                        adamw)
 
 
 # the probed machines first, then the assumed ones

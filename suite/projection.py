@@ -13,8 +13,9 @@ the update that the next step waits for:
              token's and a hidden unit's, measured by a pair of probes (MachineModel.compiled_saving)
   H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
              plus offloaded checkpoints, at the probe's pinned link bandwidth
-  CPU        AdamW over the host tiles: OPTIMIZER_BYTES per parameter at the host's memcpy rate
-             (split masters: SPLIT_RATE of it, by the host kernel)
+  CPU        AdamW over the host tiles: by the host kernel, at its rate over the layout on the
+             machine's AdamW probe where it has one; else OPTIMIZER_BYTES per parameter at the
+             host's memcpy rate (split masters: SPLIT_RATE of it); torch's ops likewise
   tail       the first host tile's update (its gradient arrives last, its weights are read first)
              less the device tiles' backward that hides it
 
@@ -53,7 +54,8 @@ OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
 # kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 3.77 over
 # 3.50 G params/s on the one-GPU H200 host's 16 threads (results/h200/probes/adamw_rate); torch's
 # ops, the only path of split tiles before it, 0.41 on the 2-core CPU machine (0.55 on that H200
-# host, 0.26 on the four-GPU host's 64 cores: a rate of the machine's, which it does not yet carry)
+# host, 0.26 on the four-GPU host's 64 cores): for a machine without a host AdamW probe of its own
+# (`adamw:` in its description), whose rates then time the host kernel (_update_s_per_param)
 SPLIT_RATE = {"compiled": 1.08, "eager": 0.41}
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
@@ -191,7 +193,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
-    rate = OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE[s.optimizer_kernel] if s.split_masters else 1.0)
+    rate = _update_s_per_param(m, s)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
     executed, dense = _causal(hw, shape, L, again, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
@@ -344,6 +346,14 @@ def predictions(errors: dict[str, list[float]] | None = None) -> list[dict]:
                     "model_tflops_band": (pr.model_tflops * (1 + lo), pr.model_tflops * (1 + hi)), "band_basis": basis}
         rows.append(row)
     return rows
+
+
+def _update_s_per_param(m: MachineModel, s) -> float:
+    """The host's AdamW, seconds a parameter: the machine's probed rate of the host kernel over the
+    run's master layout, or its host copy's."""
+    if m.adamw_gps and s.optimizer_kernel == "compiled":
+        return 1 / (m.adamw_gps["split" if s.split_masters else "whole"] * 1e9)
+    return OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE[s.optimizer_kernel] if s.split_masters else 1.0)
 
 
 def _pct(x: float | None) -> str:
