@@ -19,6 +19,8 @@ seconds from the step's start, and `summary()` the exposed-time breakdown:
   idle_while_issuing_s  the part of it during which the main thread was inside an op's issuing and
                      not in a recorded wait: the launches fell behind the GPU, or the thread could
                      not run (another thread holding the GIL did this, docs/decisions.md, "The host AdamW")
+  layer_s.L<i>       decoder layer i's forward, recompute and backward spans on the compute stream,
+                     every micro-batch's (against its single-layer ceiling: suite/worker.py)
 """
 from __future__ import annotations
 
@@ -147,6 +149,10 @@ class Timeline:
 
         def total(track: Track, kind: Kind | None = None) -> float:
             return sum(s.end_s - s.start_s for s in spans if s.track == track and kind in (None, s.kind))
+        layers: dict[str, float] = {}
+        for s in spans:
+            if s.track == Track.COMPUTE and s.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD):
+                layers[s.label] = layers.get(s.label, 0.0) + s.end_s - s.start_s
         return {
             "step_s": step,
             "gpu_busy_s": _length(busy),
@@ -160,6 +166,7 @@ class Timeline:
             "h2d_busy_s": total(Track.H2D),
             "d2h_busy_s": total(Track.D2H),
             "optimizer_busy_s": total(Track.OPTIMIZER),
+            **{f"layer_s.{label}": seconds for label, seconds in layers.items()},
         }
 
     def chrome_trace(self) -> dict:

@@ -54,6 +54,16 @@ def medians(rows: list[dict]) -> dict:
     return out
 
 
+def layer_ratios(result: dict, spec: RunSpec) -> dict[str, float]:
+    """Each decoder layer's rate in the step over its ceiling's: the ceiling's seconds (one layer's
+    forward, recompute and backward of one micro-batch, alone on the device) times the micro-batches,
+    over the median step's spans of that layer (the timeline's `layer_s.L<i>`); none where the system
+    keeps no timeline."""
+    ceiling = spec.grad_accum * result["info"]["ceiling"]["seconds"]
+    spans = (result["median"].get("exposed") or {}).items()
+    return {key.removeprefix("layer_s."): ceiling / s for key, s in spans if key.startswith("layer_s.") and s}
+
+
 def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked: bool = False) -> dict:
     """Under torchrun (spec.gpus > 1) every rank runs this, on the GPU of its LOCAL_RANK, given the
     same global micro-batches; the first rank alone writes the result."""
@@ -127,6 +137,7 @@ def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked:
             result["saved_to"] = spec.save_to
         if "ceiling" in result["info"]:
             result["ratio_to_ceiling"] = result["median"]["model_tflops"] / result["info"]["ceiling"]["model_tflops"]
+            result["layer_ratio_to_ceiling"] = layer_ratios(result, spec)
         result["status"] = "ok"
     except Unsupported as e:
         result.update(status="unsupported", reason=str(e))

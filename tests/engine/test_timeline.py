@@ -49,6 +49,10 @@ def test_timeline_breakdown_and_trace(tmp_path):
             m = trainer.train_step(trainer.next_microbatches())
         e = m["exposed"]
         assert 0 < e["gpu_busy_frac"] <= 1 and e["optimizer_busy_s"] > 0 and e["h2d_busy_s"] >= 0
+        # each layer's passes, every micro-batch's: within the compute stream's busy time
+        per_layer = {k: v for k, v in e.items() if k.startswith("layer_s.")}
+        assert set(per_layer) == {f"layer_s.L{i}" for i in range(trainer.shape.num_layers)}
+        assert min(per_layer.values()) > 0 and sum(per_layer.values()) <= e["gpu_busy_s"] + 1e-9
         trainer.write_trace(tmp_path / "trace.json")
     finally:
         trainer.close()

@@ -612,3 +612,14 @@ def test_the_environment_names_the_tracked_files_that_differ_from_the_commit(mon
     answers["status"] = ""
     env = metrics.environment()
     assert not env["git_dirty"] and env["git_dirty_paths"] == []
+
+
+def test_each_layers_rate_against_its_ceiling():
+    """suite.worker.layer_ratios (a point with `ceiling`): the ceiling's seconds, one micro-batch's,
+    times the step's micro-batches, over each layer's passes in the median step (the timeline's)."""
+    from suite.worker import layer_ratios
+    spec = RunSpec(system="megatrain", model={"preset": "tiny-qwen2"}, seq_len=32, batch_size=2, grad_accum=4)
+    result = {"info": {"ceiling": {"seconds": 0.5}},
+              "median": {"exposed": {"gpu_busy_s": 9.0, "layer_s.L0": 2.5, "layer_s.L1": 2.0}}}
+    assert layer_ratios(result, spec) == pytest.approx({"L0": 0.8, "L1": 1.0})
+    assert layer_ratios({**result, "median": {}}, spec) == {}  # a system without a timeline
