@@ -24,3 +24,10 @@ def compiled_kernels_never_fall_back():
     import torch._dynamo.config as dynamo
     with dynamo.patch(fail_on_recompile_limit_hit=True):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked `slow` first, each file's own order kept (a stable sort): `make test`'s two
+    workers (pytest-xdist) then end on the quick tests, not on one worker's minutes-long workflow run
+    while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -11,6 +11,8 @@ nothing here turns them into jobs.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import shlex
 from pathlib import Path
@@ -30,14 +32,21 @@ def load(path: str | Path, _including: tuple[str, ...] = ()) -> dict:
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
         raise ValueError(f"grid {path}: no such file" + (f" (beside it: {', '.join(known)})" if known else ""))
-    from megatrain.config import load_yaml
     try:
-        grid = load_yaml(path.read_text(encoding="utf-8"))
+        grid = copy.deepcopy(_parse(path.read_text(encoding="utf-8")))
     except yaml.YAMLError as e:
         raise ValueError(f"grid {path} is not valid YAML: {e}") from None
     for name in grid.get("include", []):
         _merge(grid, load(path.parent / f"{name}.yaml", (*_including, path.stem)))
     return grid
+
+
+# A grid's text parsed once per process (the checks load the same grids many times; PyYAML reads
+# a large grid in a fraction of a second); each load gets its own copy to change.
+@functools.cache
+def _parse(text: str) -> dict:
+    from megatrain.config import load_yaml
+    return load_yaml(text)
 
 
 def _merge(grid: dict, other: dict) -> None:
@@ -148,9 +157,17 @@ def model(point: dict[str, Any]) -> dict[str, Any]:
 
 def params(point: dict[str, Any]) -> int:
     """Parameters of the point's model."""
+    return _params(json.dumps(model(point), sort_keys=True))
+
+
+# Counted once per model and process: a grid's load sizes each of its megatrain points, and the
+# checks load the same grids again and again, while a ModelShape builds every layer on the meta
+# device (seconds for a deep model).
+@functools.cache
+def _params(model_json: str) -> int:
     from megatrain.shapes import ModelShape, load_hf_config
     from megatrain.config import ModelConfig
-    return ModelShape(load_hf_config(ModelConfig(**model(point)))).total_params()
+    return ModelShape(load_hf_config(ModelConfig(**json.loads(model_json)))).total_params()
 
 
 def host_need_gib(point: dict[str, Any]) -> float:
