@@ -154,7 +154,7 @@ def load(path: Path) -> MachineModel:
     desc = _yaml(path)
     g = gpu(_need(desc, "gpu", named_in))
     (tflops, shape), host, device = g.layer, _need(desc, "host_gib", named_in), _need(desc, "device_gib", named_in)
-    adamw = None
+    adamw, optimizer = None, ""
     if "assumed" in desc:
         a = desc["assumed"]
         rates = [_need(a, k, named_in) for k in ("h2d_gbps", "d2h_gbps", "host_copy_gbps")]
@@ -170,7 +170,7 @@ def load(path: Path) -> MachineModel:
             optimizer = f"; AdamW {adamw['whole']:.2f} / {adamw['split']:.2f} G params/s whole / split ({desc['adamw']})"
         source = (f"{_need(desc, 'lent', named_in)} ({_need(desc, 'gpus', named_in)} x {g.env}, {cores} cores): "
                   f"pinned {rates[0]:.1f}/{rates[1]:.1f} GB/s, host copy {rates[2]:.1f} GB/s ({bandwidth.path})"
-                  f"{optimizer if adamw else ''}; "
+                  f"{optimizer}; "
                   f"the layer {tflops:.1f} model TFLOP/s at {shape[0]} {shape[1]} x {shape[2]} ({g.layer_file})"
                   f"{saving}{moe} (machines/gpus/{desc['gpu']}.yaml)")
         match = (g.env, cores)

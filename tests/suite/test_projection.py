@@ -22,7 +22,7 @@ def test_a_blocks_backward_reuses_its_recomputes_weights():
 # points whose host peak the plan misses, each with what is known: asserted to miss still, so that a
 # fix (or a measurement again) removes its entry
 HOST_MISSES = {
-    # session 54, one-GPU H200: GPT-OSS runs 6.25 GiB above the plan at 2 and at 6 layers, with the
+    # the one-GPU H200: GPT-OSS runs 6.25 GiB above the plan at 2 and at 6 layers, with the
     # lean or the library's experts; the Qwen3-30B-A3B and 7B runs of the same calls and the earlier
     # GPT-OSS points within it. Cause not found (docs/moe.md)
     "results/h200/probes/moe_120b/120b_L2_a8.json": 6.25,
