@@ -376,6 +376,10 @@ class DataConfig:
     # (train_on_prompt)
     targets: Literal["assistant", "last_turn", "all"] = "assistant"
     packing: bool = False  # several examples per row, attention and positions kept apart
+    # each batch padded to a multiple of this many tokens (at most seq_len): a handful of widths, not
+    # one per batch; each new width costs the GPU's attention a plan built anew (cuDNN's: 0.05-1 s a
+    # width on the H200, docs/architecture.md "Data"); null: padded to the longest row only
+    pad_to_multiple_of: int | None = 64
     batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0  # the examples' order each epoch, the eval_fraction split, synthetic data's tokens
@@ -423,6 +427,9 @@ class DataConfig:
         for name, low in (("seq_len", 2), ("batch_size", 1), ("grad_accum", 1)):  # a token predicts the next
             if getattr(self, name) < low:
                 raise ValueError(f"data.{name} must be at least {low}, not {getattr(self, name)}")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"data.pad_to_multiple_of must be at least 1, or null (padded to the longest row), "
+                             f"not {self.pad_to_multiple_of}")
         held = [f"data.{k}" for k in ("eval_path", "eval_fraction", "eval_split") if getattr(self, k)]
         if len(held) > 1:
             raise ValueError(f"data: give one of data.eval_path, data.eval_fraction, data.eval_split, not {' and '.join(held)}")

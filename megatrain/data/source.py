@@ -1,5 +1,6 @@
 """Batches from tokenised examples: one seeded permutation per epoch, rows padded to the longest
-of their batch, or several examples packed into one row.
+of their batch (rounded up to data.pad_to_multiple_of, at most seq_len), or several examples packed
+into one row.
 
 Packed rows keep examples apart by their positions: each example's position_ids restart at 0 and
 no attention mask is given, which is how `transformers` (masking_utils.find_packed_sequence_indices)
@@ -73,7 +74,7 @@ class FileSource:
         b = self.cfg.batch_size
         rows = [self._row(self.position * b + j) for j in range(b)]
         self.position += 1
-        return collate(self.examples, rows, self.pad_id, self.cfg.packing)
+        return collate(self.examples, rows, self.pad_id, self.cfg.packing, width_of(self.cfg))
 
 
 class EvalSource:
@@ -92,7 +93,7 @@ class EvalSource:
     def batches(self):
         b = self.cfg.batch_size
         for lo in range(0, len(self.rows), b):
-            yield collate(self.examples, self.rows[lo: lo + b], self.pad_id, self.cfg.packing)
+            yield collate(self.examples, self.rows[lo: lo + b], self.pad_id, self.cfg.packing, width_of(self.cfg))
 
 
 def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -108,16 +109,23 @@ def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-def collate(ex: Examples, rows: list[np.ndarray], pad_id: int, packed: bool) -> Batch:
-    """Rows of examples as one micro-batch [B, S], padded to its longest row. Vectorised: every
-    token's source in the flat arrays and destination in the batch are computed at once."""
+def width_of(cfg: DataConfig):
+    """The width a batch whose longest row has n tokens is padded to: n rounded up to
+    data.pad_to_multiple_of, at most data.seq_len (no row is longer)."""
+    m = cfg.pad_to_multiple_of
+    return lambda n: n if m is None else max(n, min(-(-n // m) * m, cfg.seq_len))
+
+
+def collate(ex: Examples, rows: list[np.ndarray], pad_id: int, packed: bool, width_for=lambda n: n) -> Batch:
+    """Rows of examples as one micro-batch [B, S], padded to `width_for` its longest row. Vectorised:
+    every token's source in the flat arrays and destination in the batch are computed at once."""
     order = np.concatenate(rows)  # the examples, row after row
     n = ex.lengths[order].astype(np.int64)
     row_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
     begin = np.cumsum(n) - n  # where each example begins among all the batch's tokens
     first = np.cumsum([0] + [len(r) for r in rows[:-1]])  # each row's first example
     within = begin - begin[first][row_of]  # where each example begins in its row
-    width = int((within + n).max())
+    width = width_for(int((within + n).max()))
     at = np.arange(int(n.sum())) - np.repeat(begin, n)  # each token's position in its example
     src = np.repeat(ex.starts[order], n) + at
     dst = np.repeat(row_of * width + within, n) + at

@@ -170,7 +170,8 @@ def test_sharegpt_layout(tmp_path):
     assert row(out, 0) == expected_tokens(tok, EXPECTED["qwen3", False])
     assert "'from' must be one of" in out["problem"][1]
     path = write(tmp_path, [{"conversations": [{"from": "system", "value": "You are terse."}, *turns]}])
-    src, _ = make_sources(DataConfig(source="file", path=path, format="sharegpt", seq_len=256), 300, save(tmp_path, tok))
+    src, _ = make_sources(DataConfig(source="file", path=path, format="sharegpt", seq_len=256, pad_to_multiple_of=None),
+                          300, save(tmp_path, tok))
     b = src.next()
     assert (b.input_ids[0].tolist(), b.labels[0].ne(-100).long().tolist()) == expected_tokens(tok, EXPECTED["qwen3", True])
 
@@ -228,7 +229,8 @@ def test_pipeline_is_compact_cached_and_accepts_folders(tmp_path, monkeypatch):
 def test_batches_padded_to_their_longest_one_permutation_per_epoch(tmp_path):
     tok_dir = save(tmp_path, byte_tokenizer())
     rows = [{"prompt": "p" * k, "response": "r"} for k in range(1, 8)]  # 7 examples of 5..11 tokens
-    cfg = DataConfig(source="file", path=write(tmp_path, rows), format="instruction", seq_len=64, batch_size=3, seed=5)
+    cfg = DataConfig(source="file", path=write(tmp_path, rows), format="instruction", seq_len=64, batch_size=3, seed=5,
+                     pad_to_multiple_of=None)
     src, _ = make_sources(cfg, 300, tok_dir)
     seen = []
     for _ in range(7):  # 21 rows: three epochs of 7
@@ -242,6 +244,23 @@ def test_batches_padded_to_their_longest_one_permutation_per_epoch(tmp_path):
     again, _ = make_sources(cfg, 300, tok_dir)
     again.position = src.position = 4  # a resumed run draws the same batches
     assert torch.equal(again.next().input_ids, src.next().input_ids)
+
+
+def test_batch_widths_rounded_up_to_the_multiple_at_most_seq_len(tmp_path):
+    """Each batch is padded to its longest row rounded up to data.pad_to_multiple_of, never past
+    data.seq_len: a run meets a handful of widths, not one per batch."""
+    tok_dir = save(tmp_path, byte_tokenizer())
+    rows = [{"prompt": "p" * k, "response": "r"} for k in range(1, 8)]  # 7 examples of 5..11 tokens
+    cfg = dict(source="file", path=write(tmp_path, rows), format="instruction", batch_size=3)
+    for seq_len, multiple in ((64, 4), (10, 8)):  # 10: an 11-token example is cut to 10, no batch wider
+        src, ev = make_sources(DataConfig(**cfg, seq_len=seq_len, pad_to_multiple_of=multiple, eval_fraction=0.3),
+                               300, tok_dir)
+        for b in [src.next() for _ in range(4)] + list(ev.batches()):
+            longest = int(b.attention_mask.sum(1).max())
+            assert b.input_ids.shape[1] == min(-(-longest // multiple) * multiple, seq_len)
+            assert (b.labels[:, longest:] == -100).all() and (b.attention_mask[:, longest:] == 0).all()
+    with pytest.raises(ValueError, match="data.pad_to_multiple_of must be at least 1"):
+        DataConfig(pad_to_multiple_of=0)
 
 
 def test_packing_keeps_examples_apart(tmp_path):
