@@ -189,9 +189,9 @@ class EngineConfig:
     # auto: compiled on a GPU where the MLP is SiLU-gated or the lean experts' gate compiles, else eager
     mlp_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the queries' and keys' rotary embedding: eager (the library's ops: five passes each way over
-    # each) or compiled (one fused kernel each way, float32 inside; equal to rounding: rotary.py),
-    # for the families whose rotary is Llama's form (refused for the others); auto: compiled on a
-    # GPU where it applies, else eager
+    # each) or compiled (one fused kernel each way: rotary.py), for the families whose rotary is
+    # Llama's form (float32 inside; equal to rounding) or GPT-OSS's (the library's roundings; to the
+    # bit), refused for the others; auto: compiled on a GPU where it applies, else eager
     rotary_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss

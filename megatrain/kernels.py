@@ -92,10 +92,10 @@ def _mlp_product(shape: ModelShape, machine: Machine, chosen: dict[str, str]) ->
 
 def _rotary(shape: ModelShape, machine: Machine, chosen: dict[str, str]) -> str | None:
     from megatrain import rotary
-    if rotary.library_form(shape.modeling):
+    if rotary.form(shape.modeling):
         return None
-    return (f"engine.rotary_kernel: compiled computes the Llama form of the rotary embedding; this {shape.family} "
-            f"model's differs (a partial or interleaved rotary): set engine.rotary_kernel: eager")
+    return (f"engine.rotary_kernel: compiled computes the Llama and GPT-OSS forms of the rotary embedding; this "
+            f"{shape.family} model's differs (a partial or interleaved rotary): set engine.rotary_kernel: eager")
 
 
 # the host AdamW of float32 masters: one compiled pass (fused_adamw.py) or torch's fused AdamW and

@@ -12,10 +12,18 @@ x -> cat(-x2, x1), dx = g cos + R^T(g sin) with R^T(y) = cat(y2, -y1). The arith
 float32 and is rounded once, where the library rounds each product and the sum to the compute
 dtype: equal to rounding, not bit for bit (tests/engine/test_kernels.py).
 
-It takes the place of the library's `apply_rotary_pos_emb` only where that function is the Llama
-form above (`library_form`: Phi-3's partial rotary and GPT-OSS's are not), and only while the
-engine runs a layer (`applied`): the library's module keeps its own function for everything else
-in the process, a reference model beside the engine among them.
+GPT-OSS rotates each half by the other with cos and sin of half the head's width:
+cat(x1 cos - x2 sin, x2 cos + x1 sin), four products with a broadcast over non-contiguous halves,
+two sums and a concatenation each way, and the backward's two sums of products and its
+concatenation (on the H200 about 5 of the 27 ms of GPT-OSS-20B's layer outside its matrix products
+and attention, at 8 x 4096 tokens). Here that too is one kernel each way, the library's own ops
+built with each result rounded to the dtype where the library rounds it (inductor's
+emulate_precision_casts): the library's output and gradients to the bit.
+
+It takes the place of the library's `apply_rotary_pos_emb` only where that function is one of
+those two forms (`form`: Phi-3's partial rotary is neither), and only while the engine runs a
+layer (`applied`): the library's module keeps its own function for everything else in the
+process, a reference model beside the engine among them.
 """
 from __future__ import annotations
 
@@ -39,29 +47,50 @@ def _rotate_grad(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (grad.float() * cos.float() + torch.cat((g2, -g1), dim=-1)).to(grad.dtype)
 
 
-_compiled_rotate, _compiled_rotate_grad = compiled(_rotate), compiled(_rotate_grad)
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's `_apply_rotary_emb`, op for op."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_halves_grad(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Autograd's backward of `_rotate_halves`, op for op: each half's two products summed (the
+    order of two terms does not change a sum) and the halves concatenated."""
+    g1, g2 = torch.chunk(grad, 2, dim=-1)
+    return torch.cat((g1 * cos + g2 * sin, g2 * cos + -g1 * sin), dim=-1)
+
+
+_KERNELS = {"llama": (compiled(_rotate), compiled(_rotate_grad)),
+            "halves": (compiled(_rotate_halves, emulate_precision_casts=True),
+                       compiled(_rotate_halves_grad, emulate_precision_casts=True))}
 
 
 class _Rotary(torch.autograd.Function):
-    """x (..., head_dim) rotated by cos and sin (broadcast to it); cos and sin take no gradient
-    (the engine makes them without one), and are all it keeps."""
+    """x (..., head_dim) rotated by cos and sin (broadcast to it) in the `form`'s kernel; cos and
+    sin take no gradient (the engine makes them without one), and are all it keeps."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _compiled_rotate(x, cos, sin)
+        ctx.form = form
+        return _KERNELS[form][0](x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _compiled_rotate_grad(grad, cos, sin), None, None
+        return _KERNELS[ctx.form][1](grad, cos, sin), None, None, None
 
 
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The library's function of the same name and signature, by the compiled kernels."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
+def _applying(form: str):
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The library's function of the same name and signature, by the compiled kernels."""
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return _Rotary.apply(q, cos, sin, form), _Rotary.apply(k, cos, sin, form)
+    return apply_rotary_pos_emb
+
+
+apply_rotary_pos_emb, apply_rotary_halves = _applying("llama"), _applying("halves")
 
 
 def _body(fn) -> str:
@@ -70,23 +99,33 @@ def _body(fn) -> str:
     return code[code.index('"""', code.index('"""') + 3) + 3:] if fn.__doc__ else code[code.index(":\n") + 2:]
 
 
+# the library's forms the kernels compute: (a model whose functions are the form's, the functions)
+_FORMS = {"llama": ("llama", ("apply_rotary_pos_emb", "rotate_half")),
+          "halves": ("gpt_oss", ("apply_rotary_pos_emb", "_apply_rotary_emb"))}
+
+
 @functools.cache
-def library_form(modeling: ModuleType) -> bool:
-    """Whether a family's modeling module rotates as Llama's does (its `apply_rotary_pos_emb` and
-    `rotate_half` are Llama's, line for line), which the kernel computes."""
-    from transformers.models.llama import modeling_llama as llama
-    try:
-        return all(_body(getattr(modeling, name)) == _body(getattr(llama, name))
-                   for name in ("apply_rotary_pos_emb", "rotate_half"))
-    except (AttributeError, OSError, TypeError, ValueError):  # no such function, or no source to read
-        return False
+def form(modeling: ModuleType) -> str | None:
+    """Which kernel computes a family's rotary: `llama` where its modeling module's functions are
+    Llama's, line for line, `halves` where they are GPT-OSS's; None for any other (Phi-3's partial
+    rotary)."""
+    import importlib
+    for name, (model, functions) in _FORMS.items():
+        reference = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+        try:
+            if all(_body(getattr(modeling, f)) == _body(getattr(reference, f)) for f in functions):
+                return name
+        except (AttributeError, OSError, TypeError, ValueError):  # no such function, or no source to read
+            continue
+    return None
 
 
 @contextlib.contextmanager
 def applied(modeling: ModuleType):
-    """The kernel in place of the modeling module's `apply_rotary_pos_emb`, while the block runs."""
+    """The form's kernel in place of the modeling module's `apply_rotary_pos_emb`, while the block
+    runs."""
     library = modeling.apply_rotary_pos_emb
-    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+    modeling.apply_rotary_pos_emb = {"llama": apply_rotary_pos_emb, "halves": apply_rotary_halves}[form(modeling)]
     try:
         yield
     finally:

@@ -126,9 +126,34 @@ def test_compiled_rotary_is_the_library_rotary_to_rounding(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_gpt_oss_rotary_is_the_library_rotary_to_the_bit(dtype):
+    """engine.rotary_kernel: compiled on GPT-OSS's form (each half rotated by the other, cos and sin of
+    half the head's width), on the queries and keys as the library's attention gives them: the
+    library's output and gradients to the bit (its ops, each result rounded where the library rounds
+    it)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as library
+    from megatrain import rotary
+    torch.manual_seed(0)
+    B, S, D = 2, 8, 16
+    q = (3 * torch.randn(B, S, 4, D)).to(dtype).transpose(1, 2).requires_grad_()
+    k = (3 * torch.randn(B, S, 2, D)).to(dtype).transpose(1, 2).requires_grad_()
+    angles = torch.randn(B, S, D // 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grads = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
+    runs = []
+    for fn in (library, rotary.apply_rotary_halves):
+        out = fn(q, k, cos, sin)
+        runs.append((*out, *torch.autograd.grad(out, (q, k), grads)))
+    for got, want in zip(runs[1], runs[0]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
 def test_the_rotary_kernel_stands_in_only_while_a_layer_runs():
-    """rotary.applied swaps the modeling module's function for the block and gives it back, even
-    when the block raises; only the Llama form is taken (Phi-3's partial rotary, GPT-OSS's are not)."""
+    """rotary.applied swaps the modeling module's function for its form's kernel for the block and
+    gives it back, even when the block raises; Llama's form and GPT-OSS's are taken, Phi-3's partial
+    rotary is not."""
     from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.phi3 import modeling_phi3
     from transformers.models.qwen2 import modeling_qwen2
@@ -139,8 +164,10 @@ def test_the_rotary_kernel_stands_in_only_while_a_layer_runs():
             assert modeling_qwen2.apply_rotary_pos_emb is rotary.apply_rotary_pos_emb
             raise RuntimeError("inside")
     assert modeling_qwen2.apply_rotary_pos_emb is library
-    assert rotary.library_form(modeling_qwen2)
-    assert not rotary.library_form(modeling_phi3) and not rotary.library_form(modeling_gpt_oss)
+    with rotary.applied(modeling_gpt_oss):
+        assert modeling_gpt_oss.apply_rotary_pos_emb is rotary.apply_rotary_halves
+    assert (rotary.form(modeling_qwen2), rotary.form(modeling_gpt_oss), rotary.form(modeling_phi3)) == \
+        ("llama", "halves", None)
 
 
 def test_compiled_kernels_are_built_once_whatever_their_callers_shapes():

@@ -289,11 +289,13 @@ def test_layer_kernels_auto_compile_on_a_gpu_only():
     assert (s.experts_kernel, s.mlp_kernel) == ("library", "eager")  # the CPU: the library's, as the reference trains
     s = resolve(EngineConfig(experts_kernel="library"), data, OptimConfig(), shape_of("qwen3-30b-a3b"), gpu)
     assert (s.experts_kernel, s.mlp_kernel) == ("library", "eager")  # the gate compiles within the lean experts
-    # the rotary kernel where the family's rotary is Llama's form: compiled on a GPU, refused for GPT-OSS's
+    # the rotary kernel where the family's rotary is Llama's or GPT-OSS's form: compiled on a GPU,
+    # refused for Phi-3's partial rotary
     assert resolve(EngineConfig(), data, OptimConfig(), shape_of("qwen2.5-7b"), gpu).rotary_kernel == "compiled"
-    assert resolve(EngineConfig(), data, OptimConfig(), shape_of("gpt-oss-20b"), gpu).rotary_kernel == "eager"
-    with pytest.raises(ValueError, match="engine.rotary_kernel: compiled computes the Llama form .* this gpt_oss model"):
-        resolve(EngineConfig(rotary_kernel="compiled"), data, OptimConfig(), shape_of("gpt-oss-20b"), gpu)
+    assert resolve(EngineConfig(), data, OptimConfig(), shape_of("gpt-oss-20b"), gpu).rotary_kernel == "compiled"
+    assert resolve(EngineConfig(), data, OptimConfig(), shape_of("tiny-phi3"), gpu).rotary_kernel == "eager"
+    with pytest.raises(ValueError, match="engine.rotary_kernel: compiled computes the Llama and GPT-OSS forms .* this phi3"):
+        resolve(EngineConfig(rotary_kernel="compiled"), data, OptimConfig(), shape_of("tiny-phi3"), gpu)
     with pytest.raises(ValueError, match="engine.experts_kernel: lean is for a mixture of experts"):
         resolve(EngineConfig(experts_kernel="lean"), data, OptimConfig(), shape_of("qwen2.5-7b"), gpu)
     with pytest.raises(ValueError, match="compiles a mixture of experts' gate within the lean experts .set engine"):
