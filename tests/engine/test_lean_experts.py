@@ -81,16 +81,40 @@ def test_compiled_gates_compute_the_library_gates(preset):
         assert (up[:, ::2] > library.limit).any() and (up[:, 1::2].abs() > library.limit).any()
     calls = []
     kernel = lean_experts._GATES[kind]
-    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_sum_picks")
+    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_sum_picks",
+             *(("_compiled_add_bias",) if library.has_bias else ()))
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(lean_experts._GATES, kind, tuple(lambda *a, k=k: calls.append(k) or k(*a) for k in kernel))
         for name in fused:
             patch.setattr(lean_experts, name, lambda *a, k=getattr(lean_experts, name), n=name: calls.append(n) or k(*a))
         ref, got = _run(library, x, index, weights, grad), _run(lean, x, index, weights, grad)
-    assert len(calls) == 6 and set(fused) <= set(calls)  # the compiled gate and weighting, forward and backward
+    # the compiled gate and weighting, forward and backward, and GPT-OSS's two bias additions
+    assert len(calls) == 6 + 2 * library.has_bias and set(fused) <= set(calls)
     # at these magnitudes the products cancel: float32 rounding compared over each whole tensor
     for a, b in [(got[0], ref[0]), (got[1], ref[1]), (got[2], ref[2]), *((got[3][n], ref[3][n]) for n in ref[3])]:
         assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_bias_addition_is_the_library_addition(dtype):
+    """The experts' biases added by the compiled pass that reads each row's bias through its expert:
+    the library's gathered copy added in place, to the bit; the rows' gradient passed as it comes,
+    the biases' each expert's rows summed (the gather's backward: float32 summation order, zero for
+    an expert no row reaches)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.tensor([0, 0, 0, 2, 2, 3, 5, 5, 5, 5, 5])  # sorted: experts 1 and 4 reach no row
+    counts = torch.bincount(ids, minlength=6)
+    out = torch.randn(len(ids), 24, generator=gen).to(dtype).requires_grad_()
+    bias = torch.randn(6, 24, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(len(ids), 24, generator=gen).to(dtype)
+    want = out.clone()
+    want.add_(bias[ids])
+    got = lean_experts._ExpertBias.apply(out, bias, ids, counts, True)
+    assert torch.equal(got, want)
+    (want_out, want_bias), (got_out, got_bias) = (torch.autograd.grad(y, (out, bias), grad) for y in (want, got))
+    assert torch.equal(got_out, want_out) and not got_bias[[1, 4]].any()
+    tol = 1e-6 if dtype == torch.float32 else None  # bf16: the dtype's own, each sum rounded once
+    torch.testing.assert_close(got_bias, want_bias, rtol=tol, atol=tol)
 
 
 def test_lean_experts_leave_the_library_experts_class_as_it_was():
