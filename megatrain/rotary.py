@@ -61,9 +61,14 @@ def _rotate_halves_grad(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((g1 * cos + g2 * sin, g2 * cos + -g1 * sin), dim=-1)
 
 
-_KERNELS = {"llama": (compiled(_rotate), compiled(_rotate_grad)),
-            "halves": (compiled(_rotate_halves, emulate_precision_casts=True),
-                       compiled(_rotate_halves_grad, emulate_precision_casts=True))}
+_compiled_rotate, _compiled_rotate_grad = compiled(_rotate), compiled(_rotate_grad)
+_compiled_halves = compiled(_rotate_halves, emulate_precision_casts=True)
+_compiled_halves_grad = compiled(_rotate_halves_grad, emulate_precision_casts=True)
+
+
+def _kernels(form: str):
+    """The form's kernels, forward and backward."""
+    return (_compiled_rotate, _compiled_rotate_grad) if form == "llama" else (_compiled_halves, _compiled_halves_grad)
 
 
 class _Rotary(torch.autograd.Function):
@@ -74,12 +79,12 @@ class _Rotary(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.form = form
-        return _KERNELS[form][0](x, cos, sin)
+        return _kernels(form)[0](x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _KERNELS[ctx.form][1](grad, cos, sin), None, None, None
+        return _kernels(ctx.form)[1](grad, cos, sin), None, None, None
 
 
 def _applying(form: str):

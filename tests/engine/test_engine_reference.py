@@ -165,6 +165,7 @@ def test_norms_over_token_chunks_match_reference(tmp_path, monkeypatch):
                                             ("tiny-qwen2", {"loss_kernel": "compiled"}),
                                             ("tiny-qwen2", {"rotary_kernel": "compiled"}),
                                             ("tiny-qwen3-moe", {"rotary_kernel": "compiled"}),  # head norms before it
+                                            ("tiny-gpt-oss", {"rotary_kernel": "compiled"}),  # GPT-OSS's form
                                             ("tiny-gpt-oss", {"experts_kernel": "lean"}),
                                             ("tiny-qwen3-moe", {"experts_kernel": "lean"}),
                                             ("tiny-gpt-oss", {"mlp_kernel": "compiled", "experts_kernel": "lean"}),
@@ -187,7 +188,8 @@ def test_compiled_kernels_train_as_the_reference(tmp_path, preset, engine):
     module, names = {"norm_kernel": (lean_norm, ("_compiled_forward", "_compiled_backward")),
                      "mlp_kernel": (swiglu, ("_compiled_product", "_compiled_grads")),
                      "loss_kernel": (loss, ("_compiled_cross_entropy",)),
-                     "rotary_kernel": (rotary, ("_compiled_rotate", "_compiled_rotate_grad")),
+                     "rotary_kernel": (rotary, ("_compiled_halves", "_compiled_halves_grad") if preset == "tiny-gpt-oss"
+                                       else ("_compiled_rotate", "_compiled_rotate_grad")),
                      "experts_kernel": (lean_experts, ("_forward",))}[next(iter(engine))]
     if "experts_kernel" in engine and "mlp_kernel" in engine:  # a mixture of experts' compiled kernel: its gate
         module, names = lean_experts, ("_compiled_gate",)
