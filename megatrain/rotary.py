@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 from types import ModuleType
 
@@ -115,7 +116,6 @@ def form(modeling: ModuleType) -> str | None:
     """Which kernel computes a family's rotary: `llama` where its modeling module's functions are
     Llama's, line for line, `halves` where they are GPT-OSS's; None for any other (Phi-3's partial
     rotary)."""
-    import importlib
     for name, (model, functions) in _FORMS.items():
         reference = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
         try:
