@@ -7,8 +7,9 @@ docs/host-store.md) the master is joined into a float32 scratch, updated there a
 several passes more. The update is bound by memory bandwidth, so here one loop reads each
 element's state once and writes it once: a whole master reads the gradient, the master and both
 moments and writes the master, the moments and the shadow (30 bytes a parameter with a float32
-gradient); a split one reads the gradient, the shadow, the low half and both moments and writes
-all but the gradient (28 bytes). experiments/probes/adamw_rate.py times both against the eager
+gradient; the shadow, which the pass never reads, by non-temporal stores on x86, so that its cache
+lines are not read first for ownership, 2 bytes more); a split one reads the gradient, the shadow,
+the low half and both moments and writes all but the gradient (28 bytes). experiments/probes/adamw_rate.py times both against the eager
 update, torch's own fused AdamW and the machine's memory bandwidth. The clipping scale, where there is one, is applied in the same
 loop, not in a pass of its own.
 

@@ -124,6 +124,38 @@ def test_one_pass_update_is_the_eager_one_in_pieces(monkeypatch, split, tail):
         assert int((one_pass.exp_avg_sq.view(torch.int32) < 0).sum()) > 0  # flags set by the updates
 
 
+def test_the_streamed_shadow_at_any_alignment_and_length():
+    """The kernel streams the shadow out in 64-byte-aligned blocks and stores the elements before
+    and after them plainly: for calls starting at each offset within a cache line and of lengths
+    shorter than, equal to and past a block, on one thread and two, the shadow is the new master's
+    bf16 cast, nothing outside the call is written, and master and moments are a call's without a
+    shadow, to the bit."""
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(4)
+    size = 3000
+    start = [torch.randn(size, generator=gen) * 0.02, torch.randn(size, generator=gen) * 1e-4,
+             torch.rand(size, generator=gen) * 1e-6]
+    grad = torch.randn(size, generator=gen) * 1e-2
+    threads = torch.get_num_threads()
+    try:
+        for team in (1, 2):
+            torch.set_num_threads(team)
+            for offset in range(33):
+                for n in (1, 33, 256, 300, 2500):
+                    a, b = offset, offset + n
+                    (master, m, v), (plain, plain_m, plain_v) = ([t.clone() for t in start] for _ in range(2))
+                    shadow = torch.full((size,), -7.0, dtype=torch.bfloat16)
+                    fused_adamw.update(grad[a:b], m[a:b], v[a:b], 2, 1e-3, 0.1, cfg, master=master[a:b], shadow=shadow[a:b])
+                    fused_adamw.update(grad[a:b], plain_m[a:b], plain_v[a:b], 2, 1e-3, 0.1, cfg, master=plain[a:b])
+                    for got, want in ((master, plain), (m, plain_m), (v, plain_v)):
+                        assert torch.equal(bits(got), bits(want)), (team, offset, n)
+                    want = torch.full((size,), -7.0, dtype=torch.bfloat16)
+                    want[a:b] = master[a:b]
+                    assert torch.equal(shadow.view(torch.int16), want.view(torch.int16)), (team, offset, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calls_with_ticks_inside(update, calls: int = 5) -> list[int]:
     """For each of `calls` calls of `update()` on a worker thread (one OpenMP thread: a core left to
     the main thread), the ticks the main thread (sleeping 1 ms between them) took strictly
