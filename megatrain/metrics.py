@@ -53,28 +53,37 @@ def tree_rss_bytes(pid: int | None = None, shared_once: bool = False) -> int:
     """Resident memory of a process and all its descendants. `shared_once`: shared pages (file
     and shared-memory mappings) counted once, as the largest process's, not once per process: the
     data-parallel ranks' one host store (a single process's number is the same either way)."""
+    return tree_rss(pid, shared_once)[0]
+
+
+def tree_rss(pid: int | None = None, shared_once: bool = False) -> tuple[int, int, int]:
+    """(tree_rss_bytes, the processes of the tree, the largest one's resident bytes)."""
     try:
         root = psutil.Process(pid or os.getpid())
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = shared = 0
+        return 0, 0, 0
+    total = shared = largest = counted = 0
     for p in procs:
         try:
             info = p.memory_info()
         except psutil.NoSuchProcess:
             continue
+        counted += 1
+        largest = max(largest, info.rss)
         if shared_once:
             total += info.rss - info.shared
             shared = max(shared, info.shared)
         else:
             total += info.rss
-    return total + shared
+    return total + shared, counted, largest
 
 
 class PeakSampler:
     """Samples host RSS of a process tree (and NVML device memory, where there is a GPU) in a
-    background thread; `peaks()` gives the maxima since start or the last reset."""
+    background thread: the maxima since start or the last reset, and at the host's peak how many
+    processes the tree had and the largest one's share (what else held memory then: inductor's
+    compile workers, a library's helpers)."""
 
     def __init__(self, pid: int | None = None, interval_s: float = 0.2, gpu_index: int | None = None,
                  shared_once: bool = False):
@@ -95,12 +104,14 @@ class PeakSampler:
         self._thread.start()
 
     def reset(self) -> None:
-        self.peak_host_bytes = 0
+        self.peak_host_bytes = self.peak_host_processes = self.peak_host_largest_bytes = 0
         self.peak_nvml_bytes = 0
         self.sample()
 
     def sample(self) -> None:
-        self.peak_host_bytes = max(self.peak_host_bytes, tree_rss_bytes(self.pid, self.shared_once))
+        host, processes, largest = tree_rss(self.pid, self.shared_once)
+        if host > self.peak_host_bytes:
+            self.peak_host_bytes, self.peak_host_processes, self.peak_host_largest_bytes = host, processes, largest
         if self._nvml is not None:
             nvml, handle = self._nvml
             self.peak_nvml_bytes = max(self.peak_nvml_bytes, nvml.nvmlDeviceGetMemoryInfo(handle).used)

@@ -157,6 +157,9 @@ def run_point(spec: RunSpec, out: str | Path, log: str | Path | None = None,
         "device_nvml_bytes": (sampler.peak_nvml_bytes if sampler is not None else None) or None,
         "device_nvml_before_bytes": nvml_before or None,
         "host_rss_bytes": peak_host,
+        # at the host's peak: the worker's process tree and its largest process (the rest: helpers)
+        "host_processes": sampler.peak_host_processes if sampler is not None else None,
+        "host_rss_largest_bytes": sampler.peak_host_largest_bytes if sampler is not None else None,
     }
     if disk_before and disk_after:  # every process's, the point's own among them (it runs alone)
         result["disk_io"] = {"read_bytes": disk_after[0] - disk_before[0], "written_bytes": disk_after[1] - disk_before[1]}

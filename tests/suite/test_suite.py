@@ -202,6 +202,7 @@ def test_point_runs_in_its_own_process(tmp_path, system):
     assert r["start_s"] + r["setup_s"] + steps + r["close_s"] < r["wall_s"]
     # the sampler watched the worker's tree, not this process
     assert r["peak"]["host_rss_bytes"] > 100 * 2**20
+    assert r["peak"]["host_processes"] >= 1 and 0 < r["peak"]["host_rss_largest_bytes"] <= r["peak"]["host_rss_bytes"]
     assert r["env"]["cpu_cores"] and r["env"]["torch"] and "git_commit" in r["env"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["point.json", "point.log"]  # no temp files
 
@@ -402,12 +403,17 @@ def test_classify_statuses():
 
 
 def test_sampler_sees_a_child_process_tree():
-    code = "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(3)"
+    """The peak counts every process of the tree, and says how many there were at the peak and the
+    largest one's share: here a parent touching 100 MiB and its child 300 MiB."""
+    touch = "b = bytearray({} * 2**20); b[::4096] = b'x' * len(b[::4096])"
+    child = f"import time; {touch.format(300)}; time.sleep(3)"
+    code = f"import subprocess, sys; {touch.format(100)}; subprocess.run([sys.executable, '-c', {child!r}])"
     proc = subprocess.Popen([sys.executable, "-c", code])
     sampler = PeakSampler(pid=proc.pid, interval_s=0.05)
     proc.wait()
     sampler.close()
-    assert sampler.peak_host_bytes > 300 * 2**20
+    assert sampler.peak_host_bytes > 400 * 2**20 and sampler.peak_host_processes == 2
+    assert 300 * 2**20 < sampler.peak_host_largest_bytes < sampler.peak_host_bytes - 100 * 2**20
 
 
 @pytest.mark.slow
