@@ -26,6 +26,7 @@ HOST_MISSES = {
     # lean or the library's experts; the Qwen3-30B-A3B and 7B runs of the same calls and the earlier
     # GPT-OSS points within it. Cause not found (docs/moe.md)
     "results/h200/probes/moe_120b/120b_L2_a8.json": 6.25,
+    "results/h200/probes/moe_120b/120b_L2_a8_layers.json": 6.25,
     "results/h200/probes/moe_depth/gpt-oss-20b_L6_lean.json": 6.25,
     "results/h200/probes/moe_depth/gpt-oss-20b_L6_library.json": 6.25,
 }
