@@ -376,9 +376,10 @@ class DataConfig:
     # (train_on_prompt)
     targets: Literal["assistant", "last_turn", "all"] = "assistant"
     packing: bool = False  # several examples per row, attention and positions kept apart
-    # each batch padded to a multiple of this many tokens (at most seq_len): a handful of widths, not
-    # one per batch; each new width costs the GPU's attention a plan built anew (cuDNN's: 0.05-1 s a
-    # width on the H200, docs/architecture.md "Data"); null: padded to the longest row only
+    # each padded batch (packed rows, rows of several lengths) padded to a multiple of this many
+    # tokens (at most seq_len): a handful of widths, not one per batch; each new width costs the GPU's
+    # masked attention a plan built anew (cuDNN's: 0.05-1 s a width on the H200, docs/architecture.md
+    # "Data"); rows all of one length stay as they are; null: padded to the longest row only
     pad_to_multiple_of: int | None = 64
     batch_size: int = 1  # sequences (or packed rows) per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step

@@ -1,6 +1,6 @@
 """Batches from tokenised examples: one seeded permutation per epoch, rows padded to the longest
-of their batch (rounded up to data.pad_to_multiple_of, at most seq_len), or several examples packed
-into one row.
+of their batch (rounded up to data.pad_to_multiple_of, at most seq_len, where the batch is padded
+at all), or several examples packed into one row.
 
 Packed rows keep examples apart by their positions: each example's position_ids restart at 0 and
 no attention mask is given, which is how `transformers` (masking_utils.find_packed_sequence_indices)
@@ -117,15 +117,19 @@ def width_of(cfg: DataConfig):
 
 
 def collate(ex: Examples, rows: list[np.ndarray], pad_id: int, packed: bool, width_for=lambda n: n) -> Batch:
-    """Rows of examples as one micro-batch [B, S], padded to `width_for` its longest row. Vectorised:
-    every token's source in the flat arrays and destination in the batch are computed at once."""
+    """Rows of examples as one micro-batch [B, S], padded to `width_for` its longest row where the
+    batch has a mask anyway (packed rows, rows of several lengths); rows all of one length stay
+    unpadded, so their attention needs no mask (on a GPU: flash attention, no plan per width).
+    Vectorised: every token's source in the flat arrays and destination in the batch are computed
+    at once."""
     order = np.concatenate(rows)  # the examples, row after row
     n = ex.lengths[order].astype(np.int64)
     row_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
     begin = np.cumsum(n) - n  # where each example begins among all the batch's tokens
     first = np.cumsum([0] + [len(r) for r in rows[:-1]])  # each row's first example
     within = begin - begin[first][row_of]  # where each example begins in its row
-    width = width_for(int((within + n).max()))
+    longest = int((within + n).max())
+    width = width_for(longest) if packed or np.bincount(row_of, weights=n).min() < longest else longest
     at = np.arange(int(n.sum())) - np.repeat(begin, n)  # each token's position in its example
     src = np.repeat(ex.starts[order], n) + at
     dst = np.repeat(row_of * width + within, n) + at

@@ -259,6 +259,10 @@ def test_batch_widths_rounded_up_to_the_multiple_at_most_seq_len(tmp_path):
             longest = int(b.attention_mask.sum(1).max())
             assert b.input_ids.shape[1] == min(-(-longest // multiple) * multiple, seq_len)
             assert (b.labels[:, longest:] == -100).all() and (b.attention_mask[:, longest:] == 0).all()
+    # rows all of one length need no mask: left unpadded (one row a batch here)
+    one, _ = make_sources(DataConfig(**{**cfg, "batch_size": 1}, seq_len=64, pad_to_multiple_of=8), 300, tok_dir)
+    for b in [one.next() for _ in range(7)]:
+        assert bool(b.attention_mask.all())  # the engine then passes no mask
     with pytest.raises(ValueError, match="data.pad_to_multiple_of must be at least 1"):
         DataConfig(pad_to_multiple_of=0)
 
