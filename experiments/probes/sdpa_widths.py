@@ -1,7 +1,8 @@
 """The first call's cost of SDPA with a packed rows' boolean mask at each new width, forward and
 backward, Qwen2.5-3B's heads (4 rows, 16 heads of 128, bf16): the 12 widths of README's fine-tuning
 example's batches and the first three again, with the default backends, then the memory-efficient
-and cuDNN ones alone. Why batches are padded to `data.pad_to_multiple_of`.
+and cuDNN ones alone; last, `causal`, no mask but is_causal, the default backends (rows all of one
+length, which the data leaves unpadded). Why padded batches are padded to `data.pad_to_multiple_of`.
 
     python experiments/probes/sdpa_widths.py OUT.json
 """
@@ -23,13 +24,13 @@ def mask(s: int) -> torch.Tensor:
     return (causal & (doc[:, None] == doc[None, :]))[None, None].expand(4, 1, s, s)
 
 
-def first_call(s: int) -> tuple[int, float, float]:
+def first_call(s: int, masked: bool = True) -> tuple[int, float, float]:
     """(width, forward seconds, backward seconds)."""
     q, k, v = (torch.randn(4, 16, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    m = mask(s)
+    m = mask(s) if masked else None
     torch.cuda.synchronize()
     t = time.perf_counter()
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=not masked)
     torch.cuda.synchronize()
     f = time.perf_counter() - t
     t = time.perf_counter()
@@ -43,4 +44,6 @@ for name, backend in [("default", None), ("efficient", SDPBackend.EFFICIENT_ATTE
     with sdpa_kernel([backend]) if backend else torch.enable_grad():
         out[name] = [first_call(s) for s in WIDTHS + WIDTHS[:3]]
     print(name, out[name], flush=True)
+out["causal"] = [first_call(s + 1, masked=False) for s in WIDTHS + WIDTHS[:3]]  # widths not seen above
+print("causal", out["causal"], flush=True)
 json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -119,7 +119,7 @@ def width_of(cfg: DataConfig):
 def collate(ex: Examples, rows: list[np.ndarray], pad_id: int, packed: bool, width_for=lambda n: n) -> Batch:
     """Rows of examples as one micro-batch [B, S], padded to `width_for` its longest row where the
     batch has a mask anyway (packed rows, rows of several lengths); rows all of one length stay
-    unpadded, so their attention needs no mask (on a GPU: flash attention, no plan per width).
+    unpadded, so their attention needs no mask (padding would add one).
     Vectorised: every token's source in the flat arrays and destination in the batch are computed
     at once."""
     order = np.concatenate(rows)  # the examples, row after row
