@@ -95,6 +95,8 @@ class RunPlan:
                          + (f"; cut to seq_len: {data.examples.truncated:,}" if data.examples.truncated else "")
                          + (f"; held out: {len(self.held_out.examples):,} examples" if self.held_out else ""))
             rows = "packed rows" if d.packing else "examples padded to the longest of their batch"
+            if d.pad_to_multiple_of and (d.packing or d.batch_size > 1):  # collate's rule for padded batches
+                rows += f" (padded widths: multiples of {d.pad_to_multiple_of})"
             epochs = self.total_steps * d.batch_size * d.grad_accum / data.rows_per_epoch()
             lines.append(f"step: {d.grad_accum} x {d.batch_size} {rows} of at most {d.seq_len} tokens: up to "
                          f"{d.grad_accum * d.batch_size * d.seq_len:,} tokens per step; {self.total_steps} steps "

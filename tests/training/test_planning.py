@@ -8,6 +8,7 @@ import megatrain.trainer
 from megatrain import memory, planning
 from megatrain.cli import REFUSED, main
 from megatrain.config import load_config
+from tiny_tokenizer import byte_tokenizer
 
 TINY = ["model.preset=tiny-qwen2", "engine.device=cpu", "data.seq_len=16", "data.batch_size=2", "steps=1"]
 
@@ -118,3 +119,15 @@ def test_plan_says_when_the_run_ends_inside_its_warmup(capsys, steps, warmup, wa
     assert main(["plan", *args, f"steps={steps}", f"optim.warmup_steps={warmup}"]) == 0
     report = capsys.readouterr().out
     assert (f"optim.warmup_steps {warmup} is not shorter than the run's {steps} steps" in report) == warned
+
+
+@pytest.mark.parametrize("settings, said", [(["data.packing=true"], True), (["data.batch_size=1"], False),
+                                            (["data.pad_to_multiple_of=null"], False)])
+def test_plan_names_the_padded_widths(tmp_path, capsys, settings, said):
+    """The step line says the widths padded batches take (collate's rule: packed rows or several rows
+    a batch), where data.pad_to_multiple_of rounds them."""
+    byte_tokenizer("qwen2.5").save_pretrained(tmp_path / "tok")
+    args = [*TINY, "data.seq_len=256", "model.overrides.vocab_size=512", "data.path=data/demo-chat.jsonl", "data.format=chat",
+            f"data.tokenizer={tmp_path / 'tok'}", *settings]
+    assert main(["plan", *args]) == 0
+    assert ("(padded widths: multiples of 64)" in capsys.readouterr().out) == said
