@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -239,7 +240,8 @@ def test_a_late_worker_that_writes_no_stacks_is_described_by_its_threads(tmp_pat
     with open(log, "a") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, start_new_session=True)
     try:
-        while "up" not in log.read_text():
+        # up, and in its sleep: on a busy machine it may still be running between the two
+        while "up" not in log.read_text() or psutil.Process(proc.pid).status() != psutil.STATUS_SLEEPING:
             time.sleep(0.05)
         start = log.stat().st_size
         text = _stacks(proc, log, wait_s=0.5)
