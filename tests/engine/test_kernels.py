@@ -101,6 +101,12 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def _rotary_run(fn, q, k, cos, sin, grads) -> tuple[torch.Tensor, ...]:
+    """A rotary's queries and keys out, and the gradients of q and k given theirs."""
+    out = fn(q, k, cos, sin)
+    return (*out, *torch.autograd.grad(out, (q, k), grads))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rotary_is_the_library_rotary_to_rounding(dtype):
     """engine.rotary_kernel: compiled, on the queries and keys as the library's attention gives them
@@ -115,10 +121,7 @@ def test_compiled_rotary_is_the_library_rotary_to_rounding(dtype):
     angles = torch.randn(B, S, D // 2).repeat(1, 1, 2)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     grads = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
-    runs = []
-    for fn in (library, rotary.apply_rotary_pos_emb):
-        out = fn(q, k, cos, sin)
-        runs.append((*out, *torch.autograd.grad(out, (q, k), grads)))
+    runs = [_rotary_run(fn, q, k, cos, sin, grads) for fn in (library, rotary.apply_rotary_pos_emb)]
     # |x cos + R(x) sin| <= 2 max|x|, so one rounding of the result is that times the dtype's epsilon
     ulp = torch.finfo(dtype).eps * 2 * max(q.abs().max().item(), k.abs().max().item(), *(g.abs().max().item() for g in grads))
     for got, want in zip(runs[1], runs[0]):
@@ -141,10 +144,7 @@ def test_compiled_gpt_oss_rotary_is_the_library_rotary_to_the_bit(dtype):
     angles = torch.randn(B, S, D // 2)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     grads = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
-    runs = []
-    for fn in (library, rotary.apply_rotary_halves):
-        out = fn(q, k, cos, sin)
-        runs.append((*out, *torch.autograd.grad(out, (q, k), grads)))
+    runs = [_rotary_run(fn, q, k, cos, sin, grads) for fn in (library, rotary.apply_rotary_halves)]
     for got, want in zip(runs[1], runs[0]):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
