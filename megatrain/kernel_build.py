@@ -9,7 +9,9 @@ every GiB of host is model state. Each call of a kernel from here sets compile_t
 from the first one on, inductor builds in this process, and no pool starts. The setting is the
 process's (inductor has no per-graph one that reaches the pool: the backend warms the pool before
 a graph's options apply), and always the same value, so threads calling kernels side by side never
-see it change under them.
+see it change under them. The library compiles too where a model's attention is flex attention
+(GPT-OSS and Gemma on a GPU: its block masks, before any layer, and the attention): `in_process`,
+called by the templates of such a model, sets the same before those builds.
 
 Each is built in inductor's deterministic mode: a reduction's launch configuration (the norms'
 row statistics, their weight's gradient) is the one its heuristic names, not the fastest of several
@@ -104,3 +106,9 @@ def _rows_free(t: torch.Tensor) -> torch.Tensor:
     for dim in range(t.dim() - 1 if t.dim() > 1 else t.dim()):
         torch._dynamo.maybe_mark_dynamic(t, dim)
     return t
+
+
+def in_process() -> None:
+    """Inductor's builds in this process from now on, whoever asks for them (the module's docstring)."""
+    import torch._inductor.config as inductor
+    inductor.compile_threads = 1

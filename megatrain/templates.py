@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatrain import kept_attention, lean_experts, rotary
+from megatrain import kept_attention, kernel_build, lean_experts, rotary
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
 from megatrain.moe import capture_logits, is_router
@@ -70,6 +70,8 @@ class Architecture:
                 chunk_tokens(shape.layer_class(shape.config, 0).mlp, mlp_chunk, shape.hidden_act)
         self._templates: dict[tuple[str, int], Template] = {}
         self._norm_template: Template | None = None
+        if shape.config._attn_implementation == "flex_attention":  # the library's compiled masks and attention
+            kernel_build.in_process()
 
     def template(self, index: int) -> Template:
         """The template for layer `index`: one per layer type and layout (DeepSeek's dense and MoE

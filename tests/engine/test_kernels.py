@@ -279,3 +279,17 @@ def test_engine_kernels_build_in_this_process():
     with inductor.patch(compile_threads=4):
         assert torch.equal(compiled(lambda t: t * 2 + 1)(x), x * 2 + 1)
         assert inductor.compile_threads == 1
+
+
+@pytest.mark.parametrize("attn, builds", [("flex_attention", 1), ("sdpa", 4)])
+def test_a_model_of_flex_attention_builds_in_process(monkeypatch, attn, builds):
+    """The library compiles flex attention's masks and attention (GPT-OSS, Gemma on a GPU) before any
+    kernel of the engine's runs: the templates of such a model set inductor to build in this process
+    first (kernel_build.in_process), so no pool of compile workers starts; other models leave it."""
+    import torch._inductor.config as inductor
+    from megatrain.templates import Architecture
+    shape = shape_of("tiny-gpt-oss")
+    monkeypatch.setattr(shape.config, "_attn_implementation", attn)
+    monkeypatch.setattr(inductor, "compile_threads", 4)
+    Architecture(shape)
+    assert inductor.compile_threads == builds
