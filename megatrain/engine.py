@@ -385,8 +385,9 @@ class Engine:
         self._offload(self.embed_unit, st.embed_acc)
 
     # ------------------------------------------------------------------ the compute ceiling
-    def layer_ceiling(self, batch_size: int, seq_len: int, reps: int = 5, keep_attention: bool = False) -> dict:
-        """One decoder layer's forward, recompute and backward on one micro-batch of random hidden
+    def layer_ceiling(self, batch_size: int, seq_len: int, reps: int = 5, keep_attention: bool = False,
+                      index: int = 0) -> dict:
+        """Decoder layer `index`'s forward, recompute and backward on one micro-batch of random hidden
         states, its weights resident: the step's own graph (saved-tensor hooks; at K = 1 the recompute
         is a block's last layer's and leaves its unread MLP output out), with nothing streamed during
         it and the host's updates done (their threads would compete with the launching one). The
@@ -394,7 +395,7 @@ class Engine:
         output and the recompute reuses it, as a layer that keeps its attention does (where this
         run's layers can: keep_attention_layers > 0)."""
         self.optimizer.flush()
-        dev, unit = self.dev, self.layer_units[0]
+        dev, unit = self.dev, self.layer_units[index]
         self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
         self.streamer.start([unit])
         w = self.streamer.acquire()
@@ -411,16 +412,16 @@ class Engine:
                 start = time.perf_counter()
                 keeping = kept_attention.keeping() if keep_attention else contextlib.nullcontext([])
                 with torch.no_grad(), keeping as kept:
-                    self._layer(0, w, x0, ctx)
+                    self._layer(index, w, x0, ctx)
                 with kept_attention.reusing(kept[0] if kept else None):
-                    x, leaves, out, _ = self._graph(0, w, x0, ctx, root_only=root_only)
+                    x, leaves, out, _ = self._graph(index, w, x0, ctx, root_only=root_only)
                 torch.autograd.grad(out, [x, *leaves], dy)
                 del x, leaves, out
                 dev.synchronize()
                 times.append(time.perf_counter() - start)
         self.streamer.release()
         seconds = statistics.median(times[1:])
-        flops = model_flops(self.shape.layer_matmul_params(), self.shape.attention(range(1)), [seq_len] * batch_size)
+        flops = model_flops(self.shape.layer_matmul_params(index), self.shape.attention([index]), [seq_len] * batch_size)
         return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": seq_len * batch_size}
 
     # ------------------------------------------------------------------ pieces

@@ -418,8 +418,18 @@ class Trainer:
             self.best.restore(meta.get("best"))
 
     def layer_ceiling(self, reps: int = 5) -> dict:
-        """The engine's single-layer compute ceiling on one of this run's micro-batches (engine.py)."""
-        return self.engine.layer_ceiling(self.cfg.data.batch_size, self.cfg.data.seq_len, reps)
+        """The engine's single-layer compute ceiling on one of this run's micro-batches (engine.py),
+        taken on the first layer of each attention kind (GPT-OSS's sliding-window and full layers
+        differ): each layer's seconds by its kind's (`seconds_by_layer`), their mean (`seconds`) and
+        the model TFLOP/s of all layers at those seconds."""
+        shape, batch, seq = self.engine.shape, self.cfg.data.batch_size, self.cfg.data.seq_len
+        kinds = [shape.layer_type(i) for i in range(shape.num_layers)]
+        by_kind = {k: self.engine.layer_ceiling(batch, seq, reps, index=kinds.index(k)) for k in dict.fromkeys(kinds)}
+        seconds = [by_kind[k]["seconds"] for k in kinds]
+        flops = sum(by_kind[k]["model_tflops"] * by_kind[k]["seconds"] for k in kinds)
+        return {"seconds": sum(seconds) / len(seconds), "model_tflops": flops / sum(seconds),
+                "tokens": batch * seq, "seconds_by_layer": {f"L{i}": s for i, s in enumerate(seconds)},
+                "by_layer_type": by_kind}
 
     def close(self) -> None:
         self.engine.close()

@@ -55,13 +55,15 @@ def medians(rows: list[dict]) -> dict:
 
 
 def layer_ratios(result: dict, spec: RunSpec) -> dict[str, float]:
-    """Each decoder layer's rate in the step over its ceiling's: the ceiling's seconds (one layer's
-    forward, recompute and backward of one micro-batch, alone on the device) times the micro-batches,
-    over the median step's spans of that layer (the timeline's `layer_s.L<i>`); none where the system
-    keeps no timeline."""
-    ceiling = spec.grad_accum * result["info"]["ceiling"]["seconds"]
+    """Each decoder layer's rate in the step over its ceiling's: its ceiling's seconds (one layer's
+    forward, recompute and backward of one micro-batch, alone on the device; the layer's own kind's
+    where the ceiling has `seconds_by_layer`) times the micro-batches, over the median step's spans of
+    that layer (the timeline's `layer_s.L<i>`); none where the system keeps no timeline."""
+    ceiling = result["info"]["ceiling"]
+    own = ceiling.get("seconds_by_layer", {})
     spans = (result["median"].get("exposed") or {}).items()
-    return {key.removeprefix("layer_s."): ceiling / s for key, s in spans if key.startswith("layer_s.") and s}
+    return {layer: spec.grad_accum * own.get(layer, ceiling["seconds"]) / s
+            for layer, s in ((key.removeprefix("layer_s."), s) for key, s in spans if key.startswith("layer_s.") and s)}
 
 
 def run(spec: RunSpec, out: str | None, imported_s: float | None = None, forked: bool = False) -> dict:

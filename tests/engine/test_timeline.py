@@ -123,3 +123,23 @@ def test_the_layer_ceiling_runs_before_and_after_steps(monkeypatch):
         trainer.close()
     for row in (before, after):
         assert row["seconds"] > 0 and row["model_tflops"] > 0 and row["tokens"] == 32
+
+
+def test_the_ceiling_of_a_model_of_two_attention_kinds_is_taken_per_kind(monkeypatch):
+    """Trainer.layer_ceiling: GPT-OSS alternates sliding-window and full layers; each kind's ceiling is
+    taken on its first layer, and every layer is timed by its own kind's."""
+    cfg = load_config(base={"model": {"preset": "tiny-gpt-oss"}, "engine": {"device": "cpu"},
+                            "data": {"source": "synthetic", "seq_len": 16, "batch_size": 2}, "steps": 1})
+    trainer = Trainer(cfg)
+    taken = []
+    ceiling = trainer.engine.layer_ceiling
+    monkeypatch.setattr(trainer.engine, "layer_ceiling", lambda *a, **k: taken.append(k["index"]) or ceiling(*a, **k))
+    try:
+        row = trainer.layer_ceiling(reps=1)
+    finally:
+        trainer.close()
+    kinds = [trainer.shape.layer_type(i) for i in range(trainer.shape.num_layers)]
+    assert len(set(kinds)) == 2 and taken == [kinds.index(k) for k in dict.fromkeys(kinds)]
+    assert set(row["by_layer_type"]) == set(kinds)
+    assert row["seconds_by_layer"] == {f"L{i}": row["by_layer_type"][k]["seconds"] for i, k in enumerate(kinds)}
+    assert row["seconds"] == sum(row["seconds_by_layer"].values()) / len(kinds) and row["model_tflops"] > 0

@@ -19,19 +19,6 @@ def test_a_blocks_backward_reuses_its_recomputes_weights():
     assert _transfers(plan, 1) == [0, 1, 2, 3, HEAD, 2, 3, 2, 0, 1, 0]
 
 
-# points whose host peak the plan misses, each with what is known: asserted to miss still, so that a
-# fix (or a measurement again) removes its entry
-HOST_MISSES = {
-    # the one-GPU H200: GPT-OSS runs 6.25 GiB above the plan at 2 and at 6 layers, with the
-    # lean or the library's experts; the Qwen3-30B-A3B and 7B runs of the same calls and the earlier
-    # GPT-OSS points within it. Cause not found (docs/moe.md)
-    "results/h200/probes/moe_120b/120b_L2_a8.json": 6.25,
-    "results/h200/probes/moe_120b/120b_L2_a8_layers.json": 6.25,
-    "results/h200/probes/moe_depth/gpt-oss-20b_L6_lean.json": 6.25,
-    "results/h200/probes/moe_depth/gpt-oss-20b_L6_library.json": 6.25,
-}
-
-
 def test_the_model_against_every_committed_measurement():
     rows = check([ROOT / "results" / hw for hw in ("h100", "h200", "h200x4")])
     assert len(rows) >= 40
@@ -39,14 +26,9 @@ def test_the_model_against_every_committed_measurement():
         for key in ("h2d_GB", "d2h_GB"):
             assert r[key]["error"] == pytest.approx(0, abs=0.005), (r["point"], key, r[key])
         host = r["host_GiB"]  # within 2%, or half a GiB of the plan's fixed runtime term on small runs
-        under, point = host["measured"] - host["projected"], Path(r["point"]).relative_to(ROOT).as_posix()
-        if point in HOST_MISSES:
-            assert under == pytest.approx(HOST_MISSES[point], abs=0.1), (r["point"], host)
-        else:
-            assert abs(under) < max(0.02 * host["measured"], 0.5), (r["point"], host)
+        assert abs(host["measured"] - host["projected"]) < max(0.02 * host["measured"], 0.5), (r["point"], host)
         assert r["device_GiB"]["error"] > -0.05, (r["point"], r["device_GiB"])  # admission errs high
     assert {r["machine"] for r in rows} >= {"h100", "h200x4"}
-    assert set(HOST_MISSES) <= {Path(r["point"]).relative_to(ROOT).as_posix() for r in rows}
 
 
 def test_a_gpu_point_is_planned_with_the_attention_a_gpu_picks():
@@ -169,7 +151,7 @@ def test_the_host_update_is_timed_at_the_machines_adamw_probe():
 
     from suite.projection import OPTIMIZER_BYTES, SPLIT_RATE, _update_s_per_param
     m, other = MACHINES["h200-single"], MACHINES["h200x4"]
-    assert m.adamw_gps == pytest.approx({"whole": 3.504, "split": 3.772}, abs=0.001) and other.adamw_gps is None
+    assert m.adamw_gps == pytest.approx({"whole": 3.619, "split": 3.845}, abs=0.001) and other.adamw_gps is None
     for split in (False, True):
         kernel, eager = (SimpleNamespace(optimizer_kernel=k, split_masters=split) for k in ("compiled", "eager"))
         assert _update_s_per_param(m, kernel) == 1 / (m.adamw_gps["split" if split else "whole"] * 1e9)

@@ -631,3 +631,6 @@ def test_each_layers_rate_against_its_ceiling():
               "median": {"exposed": {"gpu_busy_s": 9.0, "layer_s.L0": 2.5, "layer_s.L1": 2.0}}}
     assert layer_ratios(result, spec) == pytest.approx({"L0": 0.8, "L1": 1.0})
     assert layer_ratios({**result, "median": {}}, spec) == {}  # a system without a timeline
+    # layers of two kinds (GPT-OSS's sliding-window and full attention): each against its own kind's
+    kinds = {"info": {"ceiling": {"seconds": 0.5, "seconds_by_layer": {"L0": 0.25, "L1": 0.75}}}}
+    assert layer_ratios({**result, **kinds}, spec) == pytest.approx({"L0": 0.4, "L1": 1.5})
