@@ -6,13 +6,16 @@ from megatrain.lifetime import end_with_launcher
 end_with_launcher()
 
 from megatrain.config import TrainConfig, load_config  # noqa: E402
-from megatrain.batch import Batch  # noqa: E402
 
 __all__ = ["Batch", "TrainConfig", "Trainer", "load_config"]
 
 
 def __getattr__(name: str):
-    if name == "Trainer":  # imported lazily: it pulls in transformers
+    # imported lazily: a script that writes a JSON (megatrain.io) or reads a config needs no torch
+    if name == "Batch":
+        from megatrain.batch import Batch
+        return Batch
+    if name == "Trainer":  # it pulls in transformers
         from megatrain.trainer import Trainer
         return Trainer
     raise AttributeError(name)
