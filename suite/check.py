@@ -9,10 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import torch
-
 from megatrain.io import write_json
-from suite.runner import run_point
 from suite.spec import RunSpec
 from suite.system import SYSTEMS
 
@@ -29,6 +26,7 @@ def refuse(systems: list[str], steps: int, tolerance: float) -> None:
 
 def initial_weights(directory: Path, preset: str, seed: int) -> Path:
     """One seeded random init saved as a `transformers` checkpoint that every system loads."""
+    import torch
     from transformers import AutoModelForCausalLM
     from megatrain.shapes import load_hf_config
     from megatrain.config import ModelConfig
@@ -41,6 +39,7 @@ def initial_weights(directory: Path, preset: str, seed: int) -> Path:
 def check(systems: list[str], out_dir: str | Path, preset: str = "tiny-llama", steps: int = 10,
           tolerance: float = 0.03, timeout_s: float = 900.0) -> dict:
     """Run every system on the same batch and weights; compare each step's loss with native's."""
+    from suite.runner import run_point  # the harness and torch: not for `python -m suite`'s other commands
     refuse(systems, steps, tolerance)
     out_dir = Path(out_dir)
     systems = ["native", *[s for s in systems if s != "native"]]

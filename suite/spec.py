@@ -11,8 +11,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain.metrics import model_flops
-from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.config import DataConfig, ModelConfig, TrainConfig, load_config
 from suite.system import SYSTEMS
 
@@ -127,6 +125,7 @@ class RunSpec:
 
     def hf_config(self, cuda: bool | None = None):
         """`cuda`: plan for a machine with a GPU or without one (None: this machine)."""
+        from megatrain.shapes import load_hf_config  # transformers and torch: only where a spec is checked
         return load_hf_config(self.model_config(), cuda)
 
     def megatrain_config(self, device: str = "auto") -> TrainConfig:
@@ -163,6 +162,8 @@ class RunSpec:
     def model_flops_per_step(self) -> float:
         """The model FLOPs of one step, every sequence seq_len long (the one formula:
         megatrain.metrics.model_flops)."""
+        from megatrain.metrics import model_flops
+        from megatrain.shapes import ModelShape
         shape = ModelShape(self.hf_config())
         sequences = [self.seq_len] * (self.batch_size * self.grad_accum)
         return model_flops(shape.matmul_params(), shape.attention(), sequences)

@@ -22,10 +22,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from megatrain.io import check_writable, write_json
-from suite.accuracy import answers, problems, tokenizer
+from suite.accuracy import answers, problems
 from suite.spec import RunSpec
 from suite.system import SYSTEMS, check_spec_options
 
@@ -117,7 +115,10 @@ def prepare(s: Settings) -> dict:
     if s.pretrained:
         init = Path(s.pretrained)
     else:
+        import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from suite.accuracy import tokenizer
         init = work / "init"
         texts = [PROMPT.format(query=r["query"]) + r["response"] for r in train + test]
         tok = tokenizer.build(texts, init)
@@ -133,6 +134,7 @@ def prepare(s: Settings) -> dict:
 def evaluate(checkpoint: str | Path, tokenizer_dir: str | Path, test: list[dict], batch: int = 64,
              max_new_tokens: int = 192) -> dict:
     """Exact match of the final answer, greedy generation in float32, batched (left padding)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
