@@ -62,8 +62,8 @@ SPLIT_RATE = {"compiled": 1.08, "eager": 0.41}
 # engine.experts_kernel defaulted to compiled and lean on a GPU
 EAGER = {**{k.setting: k.library for k in (NORM, MLP, LOSS, EXPERTS)}, "keep_attention_layers": 0}
 # points measured while inductor's pool of compile workers ran beside the engine (the compiled layer
-# kernels before megatrain/kernel_build.py built them in-process; GPT-OSS's flex attention, on a
-# cache miss, before kernel_build.in_process): the workers, one per core of the H100 and the H200
+# kernels before megatrain/kernel_build.py built them in-process; GPT-OSS's flex attention before
+# kernel_build.in_process): the workers, one per core of the H100 and the H200
 # hosts, held about 0.4 GiB each of the host peak the harness counts
 POOLED = {"layer_kernels/7b_16seq_kernels_compiled.json": 16, "kernel_build/7b_16seq_pool.json": 16,
           **{f"moe_120b/120b_L2_a8{s}.json": 16 for s in ("", "_layers", "_kinds")},
