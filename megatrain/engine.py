@@ -55,6 +55,7 @@ from functools import partial
 import torch
 
 from megatrain import kept_attention
+from megatrain.accumulate import add_into
 from megatrain.activations import Checkpoints
 from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
@@ -372,7 +373,7 @@ class Engine:
             if op.first:
                 st.accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=self.dev.torch)
             for view, grad in zip(unit.views(st.accs[i]), grads[1:], strict=True):
-                view.add_(grad)
+                add_into(view, grad)
             del grads
         if op.last:
             self._offload(unit, st.accs.pop(i))

@@ -554,3 +554,20 @@ def test_store_shadows_are_pinned_at_their_size_until_close(tmp_path, cuda_only)
     finally:
         trainer.close()
     assert not any(_page_locked(t.shadow) for t in host)
+
+
+def test_accumulate_add_is_the_library_add_on_the_gpu(cuda_only):
+    """The step gradient's add on the GPU (accumulate.add_into: the Triton kernel) against torch's, to
+    the bit: contiguous, a length no block divides, transposed (torch's add), and past 2**31
+    elements (the kernel's offsets in 64 bits; GPT-OSS-120B's experts' gate-up projection holds 2.1
+    billion)."""
+    from megatrain.accumulate import add_into
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape, transposed in (((37, 24), False), ((24, 37), True), ((2**31 + 5,), False)):
+        acc = torch.randn(shape, generator=gen, device="cuda")
+        grad = torch.randn(shape[::-1] if transposed else shape, generator=gen, device="cuda").to(torch.bfloat16)
+        grad = grad.t() if transposed else grad
+        want = acc.clone().add_(grad)
+        add_into(acc, grad)
+        assert torch.equal(acc, want), shape
+        del acc, grad, want

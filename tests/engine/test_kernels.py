@@ -293,3 +293,4 @@ def test_a_model_of_flex_attention_builds_in_process(monkeypatch, attn, builds):
     monkeypatch.setattr(inductor, "compile_threads", 4)
     Architecture(shape)
     assert inductor.compile_threads == builds
+
