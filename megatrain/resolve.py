@@ -131,7 +131,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         loss_chunk_tokens=engine.loss_chunk_tokens,
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
-        keep_attention_layers=0,
+        keep_attention_layers=0, offload_attention=engine.offload_attention,
         optimizer_threads=engine.optimizer_threads, **chosen, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,

@@ -16,6 +16,8 @@ can be kept (kept_attention.py; engine.keep_attention_layers) keep its output fr
   Head                                     loss, its gradient and the gradient into the last layer
   per block, last first:
     TakeCheckpoint s, PrefetchCheckpoint s' (a recomputed block; s' the previous recomputed block)
+    PrefetchAttention j                    each layer j of block s' that keeps its attention: every
+                                           micro-batch's, where it is offloaded (activations.py)
     per micro-batch m:
       Recompute s..e-1 (m)                 a small graph per layer (kept layers: none; with the
                                            attention kept, that layer's attention output)
@@ -87,6 +89,12 @@ class PrefetchCheckpoint:
 
 
 @dataclass(frozen=True)
+class PrefetchAttention:
+    layer: int  # a layer of the next recomputed block that keeps its attention: back now, if offloaded
+    loads = None
+
+
+@dataclass(frozen=True)
 class Recompute:
     layer: int
     mb: int
@@ -122,8 +130,8 @@ class EmbeddingGradient:
     loads = None
 
 
-Op = (Embed | SaveCheckpoint | Forward | Head | HeadLoss | TakeCheckpoint | PrefetchCheckpoint | Recompute
-      | Backward | EmbeddingBackward | EmbeddingGradient)
+Op = (Embed | SaveCheckpoint | Forward | Head | HeadLoss | TakeCheckpoint | PrefetchCheckpoint
+      | PrefetchAttention | Recompute | Backward | EmbeddingBackward | EmbeddingGradient)
 
 
 def evaluation_ops(num_layers: int) -> tuple[Op, ...]:
@@ -178,7 +186,10 @@ class Schedule:
             if block.recomputed:
                 ops.append(TakeCheckpoint(block.start))
             if b > 0 and self.blocks[b - 1].recomputed:
-                ops.append(PrefetchCheckpoint(self.blocks[b - 1].start))  # overlaps this block's compute
+                before = self.blocks[b - 1]
+                ops.append(PrefetchCheckpoint(before.start))  # overlaps this block's compute
+                ops += [PrefetchAttention(j) for j in range(before.start, before.end)
+                        if self.policy[j] == "keep_attention"]
             for m in range(M):
                 if block.recomputed:
                     ops += [Recompute(i, m, root_only=i == block.end - 1,

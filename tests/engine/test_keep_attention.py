@@ -92,6 +92,12 @@ def three_steps(tmp_path, preset, overrides, engine, pad, compute="float32"):
     # the last two of four, with the chunked MLP, device tiles and offloaded checkpoints
     ("tiny-llama", {"keep_attention_layers": 2, "mlp_chunk_tokens": 5, "device_tiles": 2, "offload_checkpoints": True},
      {"num_hidden_layers": 4}, False, "float32", [2, 3]),
+    # offloaded to host memory (activations.KeptAttention): five layers in blocks of 2, 2 and 1, each
+    # block's brought back one block ahead; in bfloat16; with padding (nothing kept, nothing moved)
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {"num_hidden_layers": 5}, False,
+     "float32", [0, 1, 2, 3, 4]),
+    ("tiny-qwen2", {"keep_attention_layers": 9, "offload_attention": True}, {}, False, "bfloat16", [0, 1, 2]),
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {}, True, "float32", [0, 1, 2]),
     # padded micro-batches (a mask): planned, not kept; every layer a window narrower than the sequence: none
     ("tiny-llama", {"keep_attention_layers": 9}, {}, True, "float32", [0, 1, 2]),
     ("tiny-mistral", {"keep_attention_layers": 9}, {}, False, "float32", []),
@@ -109,7 +115,8 @@ def test_kept_attention_trains_as_the_recompute_to_the_bit(tmp_path, monkeypatch
     assert settings.keep_attention_layers == len(kept) and schedule.attention_kept == tuple(kept)
     assert [i for i, p in enumerate(schedule.policy) if p == "keep_attention"] == kept
     assert len(reused) == (0 if pad else 3 * 2 * len(kept))
-    recomputed = three_steps(tmp_path, preset, overrides, {**engine, "keep_attention_layers": 0}, pad, compute)
+    recomputed = three_steps(tmp_path, preset, overrides, {**engine, "keep_attention_layers": 0,
+                                                           "offload_attention": False}, pad, compute)
     torch.testing.assert_close((losses, params), (recomputed[0], recomputed[2]), rtol=0, atol=0)
     shape = ModelShape(load_hf_config(ModelConfig(pretrained=str(tmp_path / "init")), cuda=False))
     lengths = [SEQ] * BATCH * 2
@@ -117,6 +124,51 @@ def test_kept_attention_trains_as_the_recompute_to_the_bit(tmp_path, monkeypatch
     saved = 0 if pad else attention_flops(shape.attention(kept), lengths)
     for ratio, again in zip(ratios, recomputed[1]):
         assert ratio == pytest.approx(again - saved / model, rel=1e-12)
+
+
+def test_offloaded_attention_crosses_the_link_once_each_way(tmp_path):
+    """engine.offload_attention: each kept (layer, micro-batch) attention goes to host memory after its
+    forward and comes back before its recompute, its output and log-sum-exp once each way a step (the
+    step's bytes moved), and the engine holds none of it after the step."""
+    preset, overrides = "tiny-llama", {"num_hidden_layers": 4}
+    tiny_checkpoint(tmp_path / "init", preset, overrides)
+    moved = []
+    for offload in (False, True):
+        cfg = load_config(base={
+            "model": {"pretrained": str(tmp_path / "init")},
+            "engine": {"device": "cpu", "checkpoint_every": 2, "keep_attention_layers": 3, "offload_attention": offload},
+            "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2}, "steps": 1})
+        trainer = Trainer(cfg)
+        try:
+            m = trainer.train_step(random_batches(1, 2, BATCH, SEQ, trainer.shape.vocab, False)[0])
+            moved.append((m["bytes_h2d"], m["bytes_d2h"]))
+            assert not trainer.engine.attention.kept
+            shape = trainer.shape
+        finally:
+            trainer.close()
+    kept = 3 * 2 * kept_attention.kept_bytes(shape, BATCH * SEQ, 4)
+    assert moved[1] == (moved[0][0] + kept, moved[0][1] + kept)
+
+
+def test_offloaded_attention_is_planned_on_the_host():
+    """With offload_attention the device plan holds two blocks' kept attention at most (K = 2: four
+    layers of the 7B's 28) and the host plan every kept layer's, in pinned memory."""
+    shape = shape_of("qwen2.5-7b")
+    data = DataConfig(seq_len=4096, batch_size=8, grad_accum=2)
+
+    def planned(offload):
+        engine = EngineConfig(keep_attention_layers=20, offload_attention=offload, checkpoint_every=2,
+                              compute_dtype="bfloat16", device_tiles=0)
+        return memory.plan(shape, resolve(engine, data, OptimConfig(), shape, Machine(True, None, 2**50)))
+    on_device, offloaded = planned(False), planned(True)
+    one = kept_attention.kept_bytes(shape, 8 * 4096, 2)
+    assert on_device.detail["device.kept_attention"] == 20 * 2 * one
+    assert offloaded.detail["device.kept_attention"] == 4 * 2 * one
+    parts = kept_attention.kept_parts(shape, 8 * 4096, 2)
+    assert offloaded.detail["attention_offload"] == 20 * 2 * sum(memory.pinned_bytes(n, True) for n in parts)
+    assert on_device.detail["attention_offload"] == 0
+    with pytest.raises(ValueError, match="engine.keep_attention_layers is 0"):
+        EngineConfig(offload_attention=True, keep_attention_layers=0)
 
 
 def test_the_plan_keeps_attention_where_the_device_has_room():
@@ -184,3 +236,5 @@ def test_the_summary_says_how_many_layers_keep_their_attention():
     plan = planning.plan_run(load_config(None, args))
     assert plan.settings.keep_attention_layers == 2
     assert "0 layers kept from recompute, 2 keeping their attention" in plan.describe()
+    offloaded = planning.plan_run(load_config(None, [*args, "engine.offload_attention=true"]))
+    assert "2 keeping their attention (offloaded)" in offloaded.describe()
