@@ -6,13 +6,14 @@ returns to pinned host memory on the gradient stream as the forward produces it,
 the weight stream one block ahead of the backward that needs it: the device then holds two blocks'
 checkpoints at most, whatever the depth, for one more crossing of the link per block each way.
 
-Kept attention (`KeptAttention`, engine.offload_attention): the output and log-sum-exp of each
-micro-batch of the layers that keep their attention (kept_attention.py), held from the forward to
-the recompute. Offloaded, the same way: out on the gradient stream as the forward makes them, back
-on the weight stream one block ahead of the recompute that reads them, so the device holds two
-blocks' at most and every layer that can keep its attention may (at long sequences, where the
-recompute's attention is most of a layer's time and one layer's kept attention is gigabytes). The
-kernel's other outputs (offsets, the dropout seed) are a few scalars and stay on the device.
+Kept attention (`KeptAttention`): the output and log-sum-exp of each micro-batch of the layers that
+keep their attention (kept_attention.py), held from the forward to the recompute. A layer's that
+the device has no room for (engine.offload_attention) goes the same way: out on the gradient
+stream as the forward makes it, back on the weight stream one block ahead of the recompute that
+reads it, so the device holds two blocks' of it at most and more layers keep their attention (at
+long sequences, where the recompute's attention is most of a layer's time and one layer's kept
+attention is gigabytes). The kernel's other outputs (offsets, the dropout seed) are a few scalars
+and stay on the device.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ class _Offload:
     reused every step) on the gradient stream after the compute that made it, back into fresh
     device tensors on the weight stream, the compute stream waiting for them only when it reads."""
 
-    def __init__(self, device: Device, timeline: Timeline, offload: bool, kind: Kind):
-        self.dev, self.timeline, self.offload, self.kind = device, timeline, offload, kind
+    def __init__(self, device: Device, timeline: Timeline, kind: Kind):
+        self.dev, self.timeline, self.kind = device, timeline, kind
         self.host: dict = {}  # key -> pinned copies
         self.ready: dict = {}  # key -> H2D-done event
         self.bytes_h2d = self.bytes_d2h = 0
@@ -70,7 +71,8 @@ class _Offload:
 
 class Checkpoints(_Offload):
     def __init__(self, device: Device, timeline: Timeline, offload: bool):
-        super().__init__(device, timeline, offload, Kind.CHECKPOINT)
+        super().__init__(device, timeline, Kind.CHECKPOINT)
+        self.offload = offload
         self.kept: dict[int, list[torch.Tensor]] = {}  # block start -> device tensors (or in flight)
 
     def put(self, start: int, hs: list[torch.Tensor]) -> None:
@@ -94,16 +96,17 @@ class Checkpoints(_Offload):
 
 class KeptAttention(_Offload):
     """Each (layer, micro-batch)'s kept attention from its forward to its recompute: as it is, or
-    its output and log-sum-exp in pinned host memory between the two (`offload`)."""
+    its output and log-sum-exp in pinned host memory between the two (`put`'s `offload`)."""
 
-    def __init__(self, device: Device, timeline: Timeline, offload: bool):
-        super().__init__(device, timeline, offload, Kind.KEPT_ATTENTION)
+    def __init__(self, device: Device, timeline: Timeline):
+        super().__init__(device, timeline, Kind.KEPT_ATTENTION)
         # (layer, mb) -> the forward's; offloaded, without its output and log-sum-exp until they are back
         self.kept: dict[tuple[int, int], Kept | None] = {}
 
-    def put(self, layer: int, mb: int, kept: Kept | None) -> None:
-        """Keep a layer's attention of one micro-batch (after the forward issued it; None: it kept none)."""
-        if self.offload and kept is not None:
+    def put(self, layer: int, mb: int, kept: Kept | None, offload: bool) -> None:
+        """Keep a layer's attention of one micro-batch (after the forward issued it; None: it kept
+        none), on the device or, `offload`, its large tensors in host memory."""
+        if offload and kept is not None:
             self._out((layer, mb), f"L{layer}.{mb}", [kept.out, kept.state[0]])
             kept = replace(kept, out=None, state=(None, *kept.state[1:]))
         self.kept[layer, mb] = kept

@@ -170,10 +170,11 @@ class EngineConfig:
     # before both where the attention's recompute costs more than the first two tiles' host update
     # (long sequences) (none on the CPU); 0: none; more than can keep it: all that can
     keep_attention_layers: int | Literal["auto"] = "auto"
-    # the kept attention in pinned host memory from the forward to the recompute, back one block
-    # ahead (activations.py): the device holds two blocks' at most, so every layer that can keep
-    # its attention may, for tokens x heads x (head_dim x 2 + 4) bytes per layer and micro-batch
-    # of host memory and as many across the link each way
+    # the kept attention the device has no room for in pinned host memory from the forward to the
+    # recompute, back one block ahead (activations.py): the device holds two blocks' of it at most,
+    # so more layers keep their attention, for tokens x heads x (head_dim x 2 + 4) bytes per layer
+    # and micro-batch of host memory and as many across the link each way; those the device holds
+    # stay there; keep_attention_layers auto then keeps as many as the device and the host hold
     offload_attention: bool = False
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
@@ -253,7 +254,8 @@ class EngineSettings:
     mlp_chunk_tokens: int | None
     no_recompute_layers: int
     keep_attention_layers: int  # recomputed layers that keep their attention (schedule.layers_keeping_attention)
-    offload_attention: bool  # their kept attention in pinned host memory between forward and recompute
+    # of those, the first this many keep it in pinned host memory between forward and recompute
+    offloaded_attention_layers: int
     optimizer_threads: int | None
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: the one pass, for the host tiles with float32 masters
     norm_kernel: Literal["compiled", "eager"]

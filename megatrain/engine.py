@@ -27,7 +27,8 @@ backward): no checkpoint and no second forward for them, at the cost of their ac
 on the device; `auto` takes as many as the memory plan fits (resolve.py). The last
 `keep_attention_layers` recomputed layers that can keep their attention's output from the forward
 (kept_attention.py) do, per micro-batch, and their recompute runs no attention core; it waits on
-the device, or in pinned host memory (offload_attention: activations.py).
+the device, or, for the first offloaded_attention_layers of them, in pinned host memory
+(activations.py).
 
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
@@ -163,7 +164,7 @@ class Engine:
         self.streamer.peers = flags
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
-        self.attention = KeptAttention(device, self.timeline, settings.offload_attention)
+        self.attention = KeptAttention(device, self.timeline)
         self.bytes_d2h = 0
         self._packing: Unit | None = None
         self._schedules: dict[int, Schedule] = {}
@@ -181,8 +182,8 @@ class Engine:
         if microbatches not in self._schedules:
             s = self.s
             keep = layers_keeping_attention(self.shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
-            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every,
-                                                     s.no_recompute_layers, microbatches, keep)
+            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every, s.no_recompute_layers,
+                                                     microbatches, keep, keep[:s.offloaded_attention_layers])
         return self._schedules[microbatches]
 
     # ------------------------------------------------------------------ the step
@@ -292,7 +293,7 @@ class Engine:
                 for m, (h, ctx) in enumerate(zip(st.hs, st.ctxs)):
                     with kept_attention.keeping() as kept:
                         outs.append(self._layer(i, w, h, ctx))
-                    self.attention.put(i, m, kept[0] if kept else None)
+                    self.attention.put(i, m, kept[0] if kept else None, op.offload_attention)
                     if kept:
                         st.attention_kept.add(m)
             else:

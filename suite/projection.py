@@ -196,9 +196,8 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if s.offload_checkpoints:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
-    if s.offload_attention:
-        kept = len(keep) * M * kept_attention.kept_bytes(shape, s.tokens, 2)
-        h2d, d2h = h2d + kept, d2h + kept
+    offloaded = s.offloaded_attention_layers * M * kept_attention.kept_bytes(shape, s.tokens, 2)
+    h2d, d2h = h2d + offloaded, d2h + offloaded
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = _update_s_per_param(m, s)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed

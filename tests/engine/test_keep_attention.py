@@ -156,7 +156,7 @@ def test_offloaded_attention_is_planned_on_the_host():
     shape = shape_of("qwen2.5-7b")
     data = DataConfig(seq_len=4096, batch_size=8, grad_accum=2)
 
-    def planned(offload):
+    def planned(offload):  # no device bound: every kept layer the device does not hold, all of them
         engine = EngineConfig(keep_attention_layers=20, offload_attention=offload, checkpoint_every=2,
                               compute_dtype="bfloat16", device_tiles=0)
         return memory.plan(shape, resolve(engine, data, OptimConfig(), shape, Machine(True, None, 2**50)))
@@ -169,6 +169,35 @@ def test_offloaded_attention_is_planned_on_the_host():
     assert on_device.detail["attention_offload"] == 0
     with pytest.raises(ValueError, match="engine.keep_attention_layers is 0"):
         EngineConfig(offload_attention=True, keep_attention_layers=0)
+
+
+def test_offloaded_attention_keeps_the_layers_the_device_cannot():
+    """auto with offload_attention, the 7B at one 524288-token sequence on an H200 (K = 2): the
+    device holds the attention of a few layers, kept there as without offload; the host holds the
+    rest, where it has room (on the device two blocks' of them in flight, for which the device keeps
+    up to two blocks fewer of its own); where the host has room for only some, those. Never fewer
+    layers keep their attention than without offload."""
+    shape = shape_of("qwen2.5-7b", max_position_embeddings=524288)
+    data = DataConfig(seq_len=524288, batch_size=1)
+    fixed = {"compute_dtype": "bfloat16", "device_tiles": 0, "grad_slabs": 4, "split_masters": False,
+             "checkpoint_every": 2, "offload_checkpoints": True, "mlp_chunk_tokens": 65536}
+    device = 139 * 2**30
+
+    def resolved(host, **engine):
+        return resolve(EngineConfig(**{**fixed, **engine}), data, OptimConfig(), shape, Machine(True, device, host))
+    alone = resolved(2**50)
+    assert 0 < alone.keep_attention_layers < 28 and alone.offloaded_attention_layers == 0
+    ample = resolved(2**50, offload_attention=True)
+    on_device = ample.keep_attention_layers - ample.offloaded_attention_layers
+    assert ample.keep_attention_layers == 28 and alone.keep_attention_layers - 4 <= on_device <= alone.keep_attention_layers
+    assert memory.plan(shape, ample).device_bytes + memory.DEVICE_WORKSPACE <= device
+    host_of = {n: memory.plan(shape, replace(ample, keep_attention_layers=on_device + n, offloaded_attention_layers=n))
+               .host_bytes for n in (9, 10)}
+    some = resolved(host_of[9] + (host_of[10] - host_of[9]) // 2, offload_attention=True)
+    assert some.offloaded_attention_layers >= 9 and some.keep_attention_layers >= alone.keep_attention_layers
+    assert memory.plan(shape, some).host_bytes <= host_of[9] + (host_of[10] - host_of[9]) // 2
+    none = resolved(memory.plan(shape, alone).host_bytes, offload_attention=True)
+    assert none.keep_attention_layers == alone.keep_attention_layers and none.offloaded_attention_layers == 0
 
 
 def test_the_plan_keeps_attention_where_the_device_has_room():
@@ -237,4 +266,4 @@ def test_the_summary_says_how_many_layers_keep_their_attention():
     assert plan.settings.keep_attention_layers == 2
     assert "0 layers kept from recompute, 2 keeping their attention" in plan.describe()
     offloaded = planning.plan_run(load_config(None, [*args, "engine.offload_attention=true"]))
-    assert "2 keeping their attention (offloaded)" in offloaded.describe()
+    assert "2 keeping their attention (2 of them in host memory)" in offloaded.describe()
