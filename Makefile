@@ -81,7 +81,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt Makefile | $(PY)
 	@echo "make: $(VENV) is set up (a second make reuses it)"
 
 # The profile: PROFILE= if given; cpu without an NVIDIA GPU; else named after the first GPU, an H200
-# on a host under 1 TiB taking h200x4's grid (sized to 512 GiB; h200's is the paper's 1.5 TB host).
+# on a host under 1 TiB taking h200x4's grid (sized to 512 GiB; h200's is the paper's 1.5 TB host),
+# or h200x8's with 8 GPUs or more (sized to 560 GiB).
 detect_profile = \
 	p="$(PROFILE)"; \
 	if [ -z "$$p" ]; then \
@@ -90,7 +91,9 @@ detect_profile = \
 	    case "$$gpu" in \
 	        "") p=cpu ;; \
 	        *GH200*) p=gh200 ;; \
-	        *H200*) if [ "$${host_kib:-0}" -ge 1073741824 ]; then p=h200; else p=h200x4; fi ;; \
+	        *H200*) gpus=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); \
+	                if [ "$${host_kib:-0}" -ge 1073741824 ]; then p=h200; elif [ "$$gpus" -ge 8 ]; then p=h200x8; \
+	                else p=h200x4; fi ;; \
 	        *H100*) p=h100 ;; \
 	        *A100*) p=a100 ;; \
 	        *A6000*) p=a6000 ;; \

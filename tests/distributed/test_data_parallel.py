@@ -123,6 +123,24 @@ def test_four_ranks_on_one_host_train_as_one(tmp_path, model_and_batches):
         assert r["largest_layer_part"] <= r["slab_numel"] < r["layer_numel"] <= 4 * r["slab_numel"], r
 
 
+def test_eight_ranks_on_one_host_train_as_one(tmp_path):
+    """8 ranks of one host (the eight-GPU host's layout, issue 77's launch path, on gloo): one
+    shared store, every tile in 8 parts (a tiny layer's last parts short or empty), each rank's
+    slabs an eighth of a layer; the global micro-batch of 8 rows one row a rank."""
+    model = tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    batches = random_batches(STEPS, ACCUM, 8, SEQ, model.config.vocab_size, pad=True)
+    torch.save(batches, tmp_path / "batches.pt")
+    tree = settings(tmp_path)
+    tree["data"]["batch_size"] = 8
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "eight", per_host=8)
+    params = torch.load(tmp_path / "eight" / "params-host0.pt")
+    assert_same_training(reports, params, one_rank(tmp_path, tree, batches))
+    assert len({f for r in reports for f in r["files"]}) == 1
+    assert sum(r["pss_bytes"] for r in reports) <= 1.1 * reports[0]["store_bytes"]
+    for r in reports:
+        assert r["largest_layer_part"] <= r["slab_numel"] < r["layer_numel"] <= 8 * r["slab_numel"], r
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_two_ranks_train_a_mixture_of_experts_with_its_router_loss_as_one(tmp_path, preset):
     """The router's load-balancing loss (moe.py) over the whole micro-batch: each rank routes its own

@@ -56,6 +56,15 @@ def test_profile_is_named_after_the_gpu(tmp_path, gpu, profile):
     assert (r.returncode, r.stdout.strip()) == (0, profile), r.stderr
 
 
+@pytest.mark.parametrize("gpus,profile", [(1, "h200x4"), (4, "h200x4"), (8, "h200x8")])
+def test_an_h200_host_under_a_tebibyte_takes_the_grid_of_its_gpus(tmp_path, gpus, profile):
+    """(This machine's host is under 1 TiB.)"""
+    listing = "".join(f"echo 'GPU {k}: NVIDIA H200 (UUID: x{k})'; " for k in range(gpus))
+    smi = f'#!/bin/sh\ncase "$1" in -L) {listing};; *) echo "NVIDIA H200";; esac\n'
+    r = make(tmp_path, "profile", **{"nvidia-smi": smi})
+    assert (r.returncode, r.stdout.strip()) == (0, profile), r.stderr
+
+
 def test_profile_without_a_gpu_is_cpu_and_one_can_be_chosen(tmp_path):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi")
