@@ -1,0 +1,134 @@
+"""Probe: where a streaming switch's run first parts from the default run's, on the GPU.
+
+The GPU test file holds every streaming switch to the default run's numbers bit for bit
+(tests/engine/test_gpu.py, test_moe_streaming_switches_keep_numerics). For GPT-OSS two switches
+(K = 1; kept layers with offloaded checkpoints) parted from the default, from the commit that
+compiled GPT-OSS's rotary on (docs/log.md, 2026-11-30). This trains the test's tiny model with the
+default engine and with each switch, in the test's order in one process and each run in a process
+of its own, with the rotary compiled and eager, and reports each run's losses, the first step at
+which they part and dynamo's recompilations; and holds the compiled rotary against the library's on
+the GPU on the queries and keys of the tiny model's shapes, with and without grad mode.
+
+    python -m experiments.probes.switch_numerics --out switch_numerics.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+PRESET = "tiny-gpt-oss"
+OVERRIDES = {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32}
+SWITCHES = {"K1": {"checkpoint_every": 1}, "kept": {"no_recompute_layers": 2, "offload_checkpoints": True},
+            "one_buffer": {"weight_buffers": 1, "grad_slabs": 0}}
+SEQ, BATCH, STEPS = 64, 4, 3
+
+
+def train(init: Path, engine: dict) -> list[float]:
+    """The GPU test's run (test_gpu.gpu_tree): its losses."""
+    from helpers import random_batches
+    from megatrain.config import load_config
+    from megatrain.trainer import Trainer
+    tree = {"model": {"pretrained": str(init)},
+            "engine": {"device": "cuda", "checkpoint_every": 2, "loss_chunk_tokens": 96, "device_tiles": 0, **engine},
+            "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "warmup_steps": 2},
+            "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2}, "steps": STEPS}
+    trainer = Trainer(load_config(base=tree))
+    try:
+        return [trainer.train_step(mbs)["loss"] for mbs in random_batches(STEPS, 2, BATCH, SEQ, 256, pad=True)]
+    finally:
+        trainer.close()
+
+
+def parted(a: list[float], b: list[float]) -> int | None:
+    """The first step whose losses differ, None where none does."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def in_process(init: Path, rotary: str) -> dict:
+    """The default then each switch, in this process, as the test runs them."""
+    from torch._dynamo.utils import counters
+    out = {}
+    for name, switch in SWITCHES.items():
+        before = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+        base, other = train(init, {"rotary_kernel": rotary}), train(init, {"rotary_kernel": rotary, **switch})
+        out[name] = {"base": base, "switch": other, "parted_at": parted(base, other),
+                     "recompiles": (sum(counters["recompiles"].values()) if "recompiles" in counters else 0) - before}
+    return out
+
+
+def fresh(init: Path, rotary: str) -> dict:
+    """The default and each switch, each in a process of its own."""
+    out = {}
+    runs = {"base": {}, **SWITCHES}
+    losses = {}
+    for name, switch in runs.items():
+        r = subprocess.run([sys.executable, "-m", "experiments.probes.switch_numerics", "--one", str(init),
+                            json.dumps({"rotary_kernel": rotary, **switch})], cwd=ROOT, capture_output=True, text=True)
+        losses[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-2000:]
+    for name in SWITCHES:
+        out[name] = {"base": losses["base"], "switch": losses[name],
+                     "parted_at": parted(losses["base"], losses[name]) if isinstance(losses[name], list) else "failed"}
+    return out
+
+
+def rotary_kernel() -> dict:
+    """The compiled GPT-OSS rotary against the library's on the GPU, bf16, the tiny model's q and k
+    (4 query heads of 32 over 2 key heads, transposed views), with and without grad: equal or not."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as library
+    from megatrain import rotary
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for rows in (2, 4):
+        for grad in (False, True):
+            B, S, D = rows, SEQ, 32
+            q = (3 * torch.randn(B, S, 4, D, generator=gen, device="cuda")).bfloat16().transpose(1, 2)
+            k = (3 * torch.randn(B, S, 2, D, generator=gen, device="cuda")).bfloat16().transpose(1, 2)
+            angles = torch.randn(B, S, D // 2, generator=gen, device="cuda")
+            cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+            results = []
+            for fn in (library, rotary.apply_rotary_halves):
+                qi, ki = q.detach().requires_grad_(grad), k.detach().requires_grad_(grad)
+                with torch.set_grad_enabled(grad):
+                    qo, ko = fn(qi, ki, cos, sin)
+                    got = [qo, ko]
+                    if grad:
+                        got += torch.autograd.grad((qo, ko), (qi, ki), (torch.ones_like(qo), torch.ones_like(ko)))
+                results.append([t.detach() for t in got])
+            out[f"rows{rows}_grad{grad}"] = [bool(torch.equal(a, b)) for a, b in zip(*results)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--one", nargs=2, metavar=("INIT", "ENGINE_JSON"), help="(internal) one run: its losses")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(train(Path(args.one[0]), json.loads(args.one[1]))))
+        return
+    from helpers import tiny_checkpoint
+    init = Path(tempfile.mkdtemp()) / "init"
+    tiny_checkpoint(init, PRESET, OVERRIDES)
+    report = {"rotary_kernel": rotary_kernel()}
+    for rotary in ("compiled", "eager"):
+        report[f"in_process_{rotary}"] = in_process(init, rotary)
+        report[f"fresh_{rotary}"] = fresh(init, rotary)
+    print(json.dumps(report["rotary_kernel"]))
+    for key, runs in report.items():
+        if key != "rotary_kernel":
+            print(key, {name: r["parted_at"] for name, r in runs.items()})
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
