@@ -13,7 +13,9 @@ stream as the forward makes it, back on the weight stream one block ahead of the
 reads it, so the device holds two blocks' of it at most and more layers keep their attention (at
 long sequences, where the recompute's attention is most of a layer's time and one layer's kept
 attention is gigabytes). The kernel's other outputs (offsets, the dropout seed) are a few scalars
-and stay on the device.
+and stay on the device. Its host copies are page-aligned blocks registered with CUDA at their exact
+size (store.Blocks), each a micro-batch's largest (`capacity`), not torch's pinned allocator's
+powers of two: a 7B layer's 3.56 GiB at a 512K-token sequence would take 4.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from megatrain.device import Device
 from megatrain.kept_attention import Kept
+from megatrain.store import PAGE, Blocks
 from megatrain.timeline import Kind, Timeline, Track
 
 
@@ -37,10 +40,15 @@ class _Offload:
         self.ready: dict = {}  # key -> H2D-done event
         self.bytes_h2d = self.bytes_d2h = 0
 
-    def _out(self, key, label: str, tensors: list[torch.Tensor]) -> None:
+    def _copies(self, key, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host tensors of `tensors`' shapes and dtypes for `key` (torch's pinned allocator)."""
         host = self.host.get(key)
         if host is None or [t.shape for t in host] != [t.shape for t in tensors]:
             host = self.host[key] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.dev.is_cuda) for t in tensors]
+        return host
+
+    def _out(self, key, label: str, tensors: list[torch.Tensor]) -> None:
+        host = self._copies(key, tensors)
         done = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.d2h):
             self.dev.wait(self.dev.d2h, done)
@@ -53,7 +61,7 @@ class _Offload:
 
     def _back(self, key, label: str) -> list[torch.Tensor]:
         host = self.host[key]
-        dst = [torch.empty(t.shape, dtype=t.dtype, device=self.dev.torch) for t in host]
+        dst = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.dev.torch) for t in host]
         allocated = self.dev.record(self.dev.compute)  # the memory's previous user has run
         with self.dev.on(self.dev.h2d):
             self.dev.wait(self.dev.h2d, allocated)
@@ -98,10 +106,36 @@ class KeptAttention(_Offload):
     """Each (layer, micro-batch)'s kept attention from its forward to its recompute: as it is, or
     its output and log-sum-exp in pinned host memory between the two (`put`'s `offload`)."""
 
-    def __init__(self, device: Device, timeline: Timeline):
+    def __init__(self, device: Device, timeline: Timeline, capacity: tuple[int, int] = (0, 0)):
+        """`capacity`: the bytes of a micro-batch's largest output and log-sum-exp."""
         super().__init__(device, timeline, Kind.KEPT_ATTENTION)
         # (layer, mb) -> the forward's; offloaded, without its output and log-sum-exp until they are back
         self.kept: dict[tuple[int, int], Kept | None] = {}
+        self.capacity = capacity
+        self.blocks = Blocks(register=True)
+        self.block: dict[tuple[int, int], torch.Tensor] = {}  # (layer, mb) -> its host block, made once
+
+    def _copies(self, key, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The output and log-sum-exp's host copies: views at the front of each of the key's block's
+        two page-aligned parts."""
+        out, lse = tensors
+        if any(t.numel() * t.itemsize > cap for t, cap in zip(tensors, self.capacity)):
+            raise ValueError(f"kept attention of {out.numel() * out.itemsize} + {lse.numel() * lse.itemsize} bytes "
+                             f"past the {self.capacity} the plan made room for")
+        first = -(-self.capacity[0] // PAGE) * PAGE
+        if key not in self.block:
+            self.block[key] = self.blocks(first + self.capacity[1], self.dev.is_cuda)
+        block = self.block[key]
+        # in the layout the kernel gave (dense, maybe permuted: flash attention's output), which the
+        # copy back keeps for the kernel's backward
+        self.host[key] = [block[start: start + t.numel() * t.itemsize].view(t.dtype).as_strided(t.shape, t.stride())
+                          for start, t in ((0, out), (first, lse))]
+        return self.host[key]
+
+    def close(self) -> None:
+        """Unregister the host blocks (no copy reads them after the last step)."""
+        self.blocks.close()
+        self.block.clear()
 
     def put(self, layer: int, mb: int, kept: Kept | None, offload: bool) -> None:
         """Keep a layer's attention of one micro-batch (after the forward issued it; None: it kept

@@ -164,7 +164,8 @@ class Engine:
         self.streamer.peers = flags
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
-        self.attention = KeptAttention(device, self.timeline)
+        self.attention = KeptAttention(device, self.timeline, kept_attention.kept_parts(
+            self.shape, settings.tokens, self.dtype.itemsize) if settings.offloaded_attention_layers else (0, 0))
         self.bytes_d2h = 0
         self._packing: Unit | None = None
         self._schedules: dict[int, Schedule] = {}
@@ -599,4 +600,5 @@ class Engine:
     def close(self) -> None:
         self.optimizer.flush()
         self.optimizer.close()
+        self.attention.close()
 

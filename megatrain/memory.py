@@ -17,7 +17,7 @@ from megatrain.distributed import slab_numel
 from megatrain.kernels import MLP
 from megatrain.shapes import ModelShape
 from megatrain.adamw import SCRATCH_BYTES
-from megatrain.store import HostStore, Layout, can_split, pinned_bytes
+from megatrain.store import PAGE, HostStore, Layout, can_split, pinned_bytes
 from megatrain.units import GiB
 
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -100,8 +100,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(slab_numel(layer, R) * 4, pinned),
         "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
+        # registered at their exact size, each part page-aligned (activations.KeptAttention)
         "attention_offload": R * s.offloaded_attention_layers * M * sum(
-            pinned_bytes(n, pinned) for n in kept_attention.kept_parts(shape, tokens, c)),
+            -(-n // PAGE) * PAGE for n in kept_attention.kept_parts(shape, tokens, c)),
         "runtime": R * HOST_OVERHEAD,
         "data": R * data_bytes,
     }
