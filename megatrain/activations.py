@@ -108,7 +108,7 @@ class KeptAttention(_Offload):
 
     def __init__(self, device: Device, timeline: Timeline, capacity: tuple[int, int] = (0, 0)):
         """`capacity`: the bytes of a micro-batch's largest output and log-sum-exp."""
-        super().__init__(device, timeline, Kind.KEPT_ATTENTION)
+        super().__init__(device, timeline, Kind.CHECKPOINT)
         # (layer, mb) -> the forward's; offloaded, without its output and log-sum-exp until they are back
         self.kept: dict[tuple[int, int], Kept | None] = {}
         self.capacity = capacity
@@ -141,7 +141,7 @@ class KeptAttention(_Offload):
         """Keep a layer's attention of one micro-batch (after the forward issued it; None: it kept
         none), on the device or, `offload`, its large tensors in host memory."""
         if offload and kept is not None:
-            self._out((layer, mb), f"L{layer}.{mb}", [kept.out, kept.state[0]])
+            self._out((layer, mb), f"A{layer}.{mb}", [kept.out, kept.state[0]])
             kept = replace(kept, out=None, state=(None, *kept.state[1:]))
         self.kept[layer, mb] = kept
 
@@ -149,7 +149,7 @@ class KeptAttention(_Offload):
         """Start bringing a layer's attention of one micro-batch back (no-op where it stayed on the device)."""
         kept = self.kept.get((layer, mb))
         if kept is not None and kept.out is None:
-            out, lse = self._back((layer, mb), f"L{layer}.{mb}")
+            out, lse = self._back((layer, mb), f"A{layer}.{mb}")
             self.kept[layer, mb] = replace(kept, out=out, state=(lse, *kept.state[1:]))
 
     def take(self, layer: int, mb: int) -> Kept | None:

@@ -22,7 +22,7 @@ COLORS = {Kind.FORWARD: "tab:blue", Kind.RECOMPUTE: "tab:cyan", Kind.BACKWARD: "
           Kind.HEAD: "tab:purple", Kind.EMBEDDING: "tab:olive", Kind.LOAD: "tab:orange",
           Kind.CHECKPOINT: "tab:brown", Kind.GRADIENT: "tab:red", Kind.UPDATE: "tab:pink",
           Kind.WAIT_WEIGHTS: "tab:gray", Kind.WAIT_OPTIMIZER: "silver", Kind.OPTIMIZER_STEP: "black",
-          Kind.ISSUE: "wheat", Kind.REDUCE: "darkgoldenrod", Kind.KEPT_ATTENTION: "sienna"}
+          Kind.ISSUE: "wheat", Kind.REDUCE: "darkgoldenrod"}
 
 
 def main(argv: list[str] | None = None) -> None:
