@@ -6,7 +6,9 @@ bf16 gradient each; every form adds all of them `--reps` times. Reported per for
 micro-batch (one add of every parameter), the bytes moved (4 + 2 + 4 a parameter) per second,
 and whether the sums equal the library's to the bit; on a GPU the engine's kernel at other
 launch shapes (elements a program, warps). For scale: a float32 add of two float32
-tensors and a copy of the accumulator, the device's own elementwise rates on the same bytes.
+tensors and a copy of the accumulator, the device's own elementwise rates on the same bytes; the
+accumulator's zeroing and a bf16 gradient copied into it (what a step's first micro-batch could do
+in place of zeroing and adding).
 
     python -m experiments.probes.grad_add --preset gpt-oss-120b --out grad_add.json
 """
@@ -85,6 +87,9 @@ def main() -> None:
            for b, w in ((1024, 4), (4096, 8), (8192, 16)) if cuda},
         "fp32 += fp32": (lambda: [a.add_(f) for a, f in zip(accs, floats)], 12),
         "fp32 copy": (lambda: [f.copy_(a) for a, f in zip(accs, floats)], 8),
+        # what a step's first micro-batch could do instead of zeroing the accumulator and adding
+        "zeroing (fp32 = 0)": (lambda: [a.zero_() for a in accs], 4),
+        "fp32 = bf16 (a copy)": (lambda: [a.copy_(g) for a, g in zip(accs, grads)], 6),
     }
     rows = {}
     for name, (fn, bytes_per) in forms.items():
