@@ -97,6 +97,9 @@ def three_steps(tmp_path, preset, overrides, engine, pad, compute="float32"):
     ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {"num_hidden_layers": 5}, False,
      "float32", [0, 1, 2, 3, 4]),
     ("tiny-qwen2", {"keep_attention_layers": 9, "offload_attention": True}, {}, False, "bfloat16", [0, 1, 2]),
+    # beside offloaded checkpoints and a last layer kept whole (its own block, no attention kept)
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True, "offload_checkpoints": True,
+                    "no_recompute_layers": 1}, {"num_hidden_layers": 5}, False, "float32", [0, 1, 2, 3]),
     ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {}, True, "float32", [0, 1, 2]),
     # padded micro-batches (a mask): planned, not kept; every layer a window narrower than the sequence: none
     ("tiny-llama", {"keep_attention_layers": 9}, {}, True, "float32", [0, 1, 2]),
