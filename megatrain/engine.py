@@ -26,9 +26,7 @@ graph (the same per-layer graph the recompute builds, kept for every micro-batch
 backward): no checkpoint and no second forward for them, at the cost of their activations staying
 on the device; `auto` takes as many as the memory plan fits (resolve.py). The last
 `keep_attention_layers` recomputed layers that can keep their attention's output from the forward
-(kept_attention.py) do, per micro-batch, and their recompute runs no attention core; it waits on
-the device, or, for the first offloaded_attention_layers of them, in pinned host memory
-(activations.py).
+(kept_attention.py) do, per micro-batch, and their recompute runs no attention core.
 
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
@@ -58,7 +56,7 @@ import torch
 
 from megatrain import kept_attention
 from megatrain.accumulate import add_into
-from megatrain.activations import Checkpoints, KeptAttention
+from megatrain.activations import Checkpoints
 from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
@@ -70,7 +68,7 @@ from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
 from megatrain.optim import Optimizer
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
-                                PrefetchAttention, PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
+                                PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
                                 evaluation_ops, layers_keeping_attention)
 from megatrain.store import HostStore, Tile
 from megatrain.templates import Architecture
@@ -114,6 +112,7 @@ class _Step:
     hs: list[torch.Tensor] = field(default_factory=list)  # hidden states through the forward
     ctxs: list[_Context] = field(default_factory=list)
     kept: dict[int, list] = field(default_factory=dict)  # layer -> graphs of a layer kept from recompute
+    attention: dict[int, list[kept_attention.Kept | None]] = field(default_factory=dict)  # layer -> its kept attention
     attention_kept: set[int] = field(default_factory=set)  # the micro-batches whose attention was kept
     loss: torch.Tensor | None = None  # summed over target tokens
     correct: torch.Tensor | None = None  # an evaluation's targets that are the logits' argmax
@@ -164,8 +163,6 @@ class Engine:
         self.streamer.peers = flags
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
-        self.attention = KeptAttention(device, self.timeline, kept_attention.kept_parts(
-            self.shape, settings.tokens, self.dtype.itemsize) if settings.offloaded_attention_layers else (0, 0))
         self.bytes_d2h = 0
         self._packing: Unit | None = None
         self._schedules: dict[int, Schedule] = {}
@@ -173,8 +170,7 @@ class Engine:
         self._handlers = {
             Embed: self._embed_all, SaveCheckpoint: self._save_checkpoint, Forward: self._forward,
             Head: self._head, HeadLoss: self._head_loss, TakeCheckpoint: self._take_checkpoint,
-            PrefetchCheckpoint: self._prefetch_checkpoint, PrefetchAttention: self._prefetch_attention,
-            Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
+            PrefetchCheckpoint: self._prefetch_checkpoint, Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
             EmbeddingGradient: self._embedding_gradient,
         }
 
@@ -183,8 +179,8 @@ class Engine:
         if microbatches not in self._schedules:
             s = self.s
             keep = layers_keeping_attention(self.shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
-            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every, s.no_recompute_layers,
-                                                     microbatches, keep, keep[:s.offloaded_attention_layers])
+            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every,
+                                                     s.no_recompute_layers, microbatches, keep)
         return self._schedules[microbatches]
 
     # ------------------------------------------------------------------ the step
@@ -236,8 +232,7 @@ class Engine:
 
     def _counters(self) -> tuple[int, int, float, float]:
         """Bytes moved each way and host seconds blocked (on an update, on a slab) so far: StepResult's order."""
-        return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d + self.attention.bytes_h2d,
-                self.bytes_d2h + self.checkpoints.bytes_d2h + self.attention.bytes_d2h,
+        return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d, self.bytes_d2h + self.checkpoints.bytes_d2h,
                 self.streamer.wait_s, self.slabs.wait_s)
 
     def evaluate(self, microbatches: list[Batch]) -> tuple[float, int, int]:
@@ -290,11 +285,11 @@ class Engine:
                 st.kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
                 outs = [(out.detach(), logits) for _, _, out, logits in st.kept[i]]
             elif op.keep_attention:
-                outs = []
+                outs, st.attention[i] = [], []
                 for m, (h, ctx) in enumerate(zip(st.hs, st.ctxs)):
                     with kept_attention.keeping() as kept:
                         outs.append(self._layer(i, w, h, ctx))
-                    self.attention.put(i, m, kept[0] if kept else None, op.offload_attention)
+                    st.attention[i].append(kept[0] if kept else None)
                     if kept:
                         st.attention_kept.add(m)
             else:
@@ -345,15 +340,12 @@ class Engine:
     def _prefetch_checkpoint(self, st: _Step, op: PrefetchCheckpoint, _) -> None:
         self.checkpoints.prefetch(op.layer)
 
-    def _prefetch_attention(self, st: _Step, op: PrefetchAttention, _) -> None:
-        for m in range(len(st.mbs)):
-            self.attention.prefetch(op.layer, m)
-
     def _recompute(self, st: _Step, op: Recompute, w: list[torch.Tensor]) -> None:
         """A small graph for one layer of one micro-batch, from the block's checkpoint or the layer before."""
         m = op.mb
-        # the graph holds the kept attention from now on, to its backward
-        kept = self.attention.take(op.layer, m) if op.kept_attention else None
+        kept = None
+        if op.kept_attention:  # the graph holds it from now on, to its backward
+            kept, st.attention[op.layer][m] = st.attention[op.layer][m], None
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.RECOMPUTE, f"L{op.layer}"), \
                 kept_attention.reusing(kept):
             graph = self._graph(op.layer, w, st.xs[m], st.ctxs[m], root_only=op.root_only)
@@ -600,5 +592,4 @@ class Engine:
     def close(self) -> None:
         self.optimizer.flush()
         self.optimizer.close()
-        self.attention.close()
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain import kept_attention, memory
+from megatrain import memory
 from megatrain.config import load_config
 from megatrain.kernels import EXPERTS, LOSS, MLP, NORM
 from megatrain.metrics import model_flops, recompute_flops
@@ -196,8 +196,6 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if s.offload_checkpoints:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
-    offloaded = s.offloaded_attention_layers * M * kept_attention.kept_bytes(shape, s.tokens, 2)
-    h2d, d2h = h2d + offloaded, d2h + offloaded
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = _update_s_per_param(m, s)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
