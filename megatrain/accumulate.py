@@ -1,6 +1,7 @@
 """A layer's weight gradient of one micro-batch added into its float32 step gradient.
 
     add_into(acc, grad)       acc += grad, acc float32, grad the layer's dtype (bf16 on a GPU)
+    add_rows(table, ids, rows)  table[ids[i]] += rows[i]: the embedding's gradient, in a fixed order
 
 Each micro-batch's backward adds every weight gradient of the layer into the layer's float32
 accumulator: 4 + 2 + 4 bytes a parameter read and written, on the device, once a micro-batch.
@@ -12,6 +13,13 @@ loads (contiguous pairs; another layout takes torch's add): 7.60 ms there. The a
 same, one float32 rounding of acc + float(grad), so the sum is the library's to the bit.
 torch.compile's build of the same add ran at 1.1 TB/s. On the CPU (and where Triton is not
 installed) torch's add.
+
+The embedding's gradient adds each token's row into its id's row, ids repeating. torch's index_add_
+on a GPU adds them with atomics, in whatever order the threads reach a row, so two runs of one step
+can part by a rounding in a repeated token's row (the test's DeepSeek-V2 runs did, in some runs of
+the GPU test file and not others: docs/log.md, 2026-11-30). On a GPU add_rows is index_put_'s
+accumulation, which sorts the ids (stably) and adds each id's rows in their order, one after the
+other; on the CPU index_add_, serial in the ids' order (its index_put_ orders them otherwise).
 """
 from __future__ import annotations
 
@@ -42,3 +50,11 @@ def add_into(acc: torch.Tensor, grad: torch.Tensor) -> None:
         return
     n = acc.numel()
     _add_kernel[(triton.cdiv(n, BLOCK),)](acc, grad, n, BLOCK=BLOCK, num_warps=8)
+
+
+def add_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """table[ids[i]] += rows[i] for each i in the ids' order, the same sum in every run."""
+    if table.is_cuda:
+        table.index_put_((ids,), rows, accumulate=True)
+    else:
+        table.index_add_(0, ids, rows)

@@ -170,6 +170,12 @@ class EngineConfig:
     # before both where the attention's recompute costs more than the first two tiles' host update
     # (long sequences) (none on the CPU); 0: none; more than can keep it: all that can
     keep_attention_layers: int | Literal["auto"] = "auto"
+    # the kept attention the device has no room for in pinned host memory from the forward to the
+    # recompute, back one block ahead (activations.py): the device holds two blocks' of it at most,
+    # so more layers keep their attention, for tokens x heads x (head_dim x 2 + 4) bytes per layer
+    # and micro-batch of host memory and as many across the link each way; those the device holds
+    # stay there; keep_attention_layers auto then keeps as many as the device and the host hold
+    offload_attention: bool = False
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
     # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
     # bf16 shadow's refresh in one pass over memory: fused_adamw.py; needs a C++ compiler) or eager
@@ -224,6 +230,9 @@ class EngineConfig:
             n = getattr(self, name)
             if isinstance(n, int) and n < 0:
                 raise ValueError(f"engine.{name} must be an integer >= 0 or auto, not {n}")
+        if self.offload_attention and self.keep_attention_layers == 0:
+            raise ValueError("engine.offload_attention: true offloads the attention of the layers that keep it, and "
+                             "engine.keep_attention_layers is 0: set it to auto or a number, or offload_attention false")
 
 
 @dataclass(frozen=True)
@@ -245,6 +254,8 @@ class EngineSettings:
     mlp_chunk_tokens: int | None
     no_recompute_layers: int
     keep_attention_layers: int  # recomputed layers that keep their attention (schedule.layers_keeping_attention)
+    # of those, the first this many keep it in pinned host memory between forward and recompute
+    offloaded_attention_layers: int
     optimizer_threads: int | None
     optimizer_kernel: Literal["compiled", "eager"]  # compiled: the one pass, for the host tiles with float32 masters
     norm_kernel: Literal["compiled", "eager"]

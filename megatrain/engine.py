@@ -26,7 +26,9 @@ graph (the same per-layer graph the recompute builds, kept for every micro-batch
 backward): no checkpoint and no second forward for them, at the cost of their activations staying
 on the device; `auto` takes as many as the memory plan fits (resolve.py). The last
 `keep_attention_layers` recomputed layers that can keep their attention's output from the forward
-(kept_attention.py) do, per micro-batch, and their recompute runs no attention core.
+(kept_attention.py) do, per micro-batch, and their recompute runs no attention core; it waits on
+the device, or, for the first offloaded_attention_layers of them, in pinned host memory
+(activations.py).
 
 Device tiles (store.py) skip the return: their update runs on the compute stream as soon as their
 step gradient is complete (with clipping: at the step's end, scaled by the global norm computed
@@ -55,8 +57,8 @@ from functools import partial
 import torch
 
 from megatrain import kept_attention
-from megatrain.accumulate import add_into
-from megatrain.activations import Checkpoints
+from megatrain.accumulate import add_into, add_rows
+from megatrain.activations import Checkpoints, KeptAttention
 from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
@@ -68,7 +70,7 @@ from megatrain.metrics import model_flops
 from megatrain.moe import Routing, captured
 from megatrain.optim import Optimizer
 from megatrain.schedule import (HEAD, Backward, Embed, EmbeddingBackward, EmbeddingGradient, Forward, Head, HeadLoss,
-                                PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
+                                PrefetchAttention, PrefetchCheckpoint, Recompute, SaveCheckpoint, Schedule, TakeCheckpoint,
                                 evaluation_ops, layers_keeping_attention)
 from megatrain.store import HostStore, Tile
 from megatrain.templates import Architecture
@@ -112,7 +114,6 @@ class _Step:
     hs: list[torch.Tensor] = field(default_factory=list)  # hidden states through the forward
     ctxs: list[_Context] = field(default_factory=list)
     kept: dict[int, list] = field(default_factory=dict)  # layer -> graphs of a layer kept from recompute
-    attention: dict[int, list[kept_attention.Kept | None]] = field(default_factory=dict)  # layer -> its kept attention
     attention_kept: set[int] = field(default_factory=set)  # the micro-batches whose attention was kept
     loss: torch.Tensor | None = None  # summed over target tokens
     correct: torch.Tensor | None = None  # an evaluation's targets that are the logits' argmax
@@ -163,6 +164,8 @@ class Engine:
         self.streamer.peers = flags
         self.rotary = arch.rotary(device.torch)
         self.checkpoints = Checkpoints(device, self.timeline, settings.offload_checkpoints)
+        self.attention = KeptAttention(device, self.timeline, kept_attention.kept_parts(
+            self.shape, settings.tokens, self.dtype.itemsize) if settings.offloaded_attention_layers else (0, 0))
         self.bytes_d2h = 0
         self._packing: Unit | None = None
         self._schedules: dict[int, Schedule] = {}
@@ -170,7 +173,8 @@ class Engine:
         self._handlers = {
             Embed: self._embed_all, SaveCheckpoint: self._save_checkpoint, Forward: self._forward,
             Head: self._head, HeadLoss: self._head_loss, TakeCheckpoint: self._take_checkpoint,
-            PrefetchCheckpoint: self._prefetch_checkpoint, Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
+            PrefetchCheckpoint: self._prefetch_checkpoint, PrefetchAttention: self._prefetch_attention,
+            Recompute: self._recompute, Backward: self._backward, EmbeddingBackward: self._embedding_backward,
             EmbeddingGradient: self._embedding_gradient,
         }
 
@@ -179,8 +183,8 @@ class Engine:
         if microbatches not in self._schedules:
             s = self.s
             keep = layers_keeping_attention(self.shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
-            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every,
-                                                     s.no_recompute_layers, microbatches, keep)
+            self._schedules[microbatches] = Schedule(self.shape.num_layers, s.checkpoint_every, s.no_recompute_layers,
+                                                     microbatches, keep, keep[:s.offloaded_attention_layers])
         return self._schedules[microbatches]
 
     # ------------------------------------------------------------------ the step
@@ -232,7 +236,8 @@ class Engine:
 
     def _counters(self) -> tuple[int, int, float, float]:
         """Bytes moved each way and host seconds blocked (on an update, on a slab) so far: StepResult's order."""
-        return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d, self.bytes_d2h + self.checkpoints.bytes_d2h,
+        return (self.streamer.bytes_h2d + self.checkpoints.bytes_h2d + self.attention.bytes_h2d,
+                self.bytes_d2h + self.checkpoints.bytes_d2h + self.attention.bytes_d2h,
                 self.streamer.wait_s, self.slabs.wait_s)
 
     def evaluate(self, microbatches: list[Batch]) -> tuple[float, int, int]:
@@ -285,11 +290,11 @@ class Engine:
                 st.kept[i] = [self._graph(i, w, h, ctx) for h, ctx in zip(st.hs, st.ctxs)]
                 outs = [(out.detach(), logits) for _, _, out, logits in st.kept[i]]
             elif op.keep_attention:
-                outs, st.attention[i] = [], []
+                outs = []
                 for m, (h, ctx) in enumerate(zip(st.hs, st.ctxs)):
                     with kept_attention.keeping() as kept:
                         outs.append(self._layer(i, w, h, ctx))
-                    st.attention[i].append(kept[0] if kept else None)
+                    self.attention.put(i, m, kept[0] if kept else None, op.offload_attention)
                     if kept:
                         st.attention_kept.add(m)
             else:
@@ -340,12 +345,15 @@ class Engine:
     def _prefetch_checkpoint(self, st: _Step, op: PrefetchCheckpoint, _) -> None:
         self.checkpoints.prefetch(op.layer)
 
+    def _prefetch_attention(self, st: _Step, op: PrefetchAttention, _) -> None:
+        for m in range(len(st.mbs)):
+            self.attention.prefetch(op.layer, m)
+
     def _recompute(self, st: _Step, op: Recompute, w: list[torch.Tensor]) -> None:
         """A small graph for one layer of one micro-batch, from the block's checkpoint or the layer before."""
         m = op.mb
-        kept = None
-        if op.kept_attention:  # the graph holds it from now on, to its backward
-            kept, st.attention[op.layer][m] = st.attention[op.layer][m], None
+        # the graph holds the kept attention from now on, to its backward
+        kept = self.attention.take(op.layer, m) if op.kept_attention else None
         with self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.RECOMPUTE, f"L{op.layer}"), \
                 kept_attention.reusing(kept):
             graph = self._graph(op.layer, w, st.xs[m], st.ctxs[m], root_only=op.root_only)
@@ -509,7 +517,7 @@ class Engine:
         rows = dh.reshape(-1, dh.shape[-1]).float()
         if self.shape.padding_idx is not None:  # nn.Embedding(padding_idx=...) gives that row no gradient
             rows.mul_((ids != self.shape.padding_idx).unsqueeze(1))
-        table.index_add_(0, ids, rows)
+        add_rows(table, ids, rows)
 
     def _reducing(self, tile: Tile):
         """The timeline's span of a tile's gradient reduction among the ranks (none with one rank)."""
@@ -592,4 +600,5 @@ class Engine:
     def close(self) -> None:
         self.optimizer.flush()
         self.optimizer.close()
+        self.attention.close()
 

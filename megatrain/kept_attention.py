@@ -184,8 +184,13 @@ def config(shape: ModelShape) -> PretrainedConfig:
     return c
 
 
-def kept_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
-    """Device bytes one layer's attention keeps for one micro-batch of `tokens`: its output (the
-    values' width: MLA's v_head_dim) and the float32 log-sum-exp per head and token."""
+def kept_parts(shape: ModelShape, tokens: int, dtype_bytes: int) -> tuple[int, int]:
+    """Bytes of the two tensors one layer's attention keeps for one micro-batch of `tokens`: its
+    output (the values' width: MLA's v_head_dim) and the float32 log-sum-exp per head and token."""
     heads = shape.config.num_attention_heads
-    return tokens * heads * shape.v_head_dim * dtype_bytes + heads * tokens * 4
+    return tokens * heads * shape.v_head_dim * dtype_bytes, heads * tokens * 4
+
+
+def kept_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    """Device bytes one layer's attention keeps for one micro-batch of `tokens` (kept_parts)."""
+    return sum(kept_parts(shape, tokens, dtype_bytes))

@@ -17,7 +17,7 @@ from megatrain.distributed import slab_numel
 from megatrain.kernels import MLP
 from megatrain.shapes import ModelShape
 from megatrain.adamw import SCRATCH_BYTES
-from megatrain.store import HostStore, Layout, can_split, pinned_bytes
+from megatrain.store import PAGE, HostStore, Layout, can_split, pinned_bytes
 from megatrain.units import GiB
 
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -100,6 +100,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(slab_numel(layer, R) * 4, pinned),
         "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
+        # registered at their exact size, each part page-aligned (activations.KeptAttention)
+        "attention_offload": R * s.offloaded_attention_layers * M * sum(
+            -(-n // PAGE) * PAGE for n in kept_attention.kept_parts(shape, tokens, c)),
         "runtime": R * HOST_OVERHEAD,
         "data": R * data_bytes,
     }
@@ -123,8 +126,11 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         # backward (a chunked MLP keeps only its input, counted within attn_kept h)
         "kept_graphs": N * M * (tokens * (attn_kept * h + (0 if chunk_mlp else mlp)) + scores) * c,
         # the attention outputs and log-sum-exps of the layers that keep them, every micro-batch's,
-        # from their forward to their recompute's backward (kept_attention.py)
-        "kept_attention": s.keep_attention_layers * M * kept_attention.kept_bytes(shape, tokens, c),
+        # from their forward to their recompute's backward (kept_attention.py); of those kept in
+        # host memory, two blocks' at most (activations.py)
+        "kept_attention": (s.keep_attention_layers - s.offloaded_attention_layers
+                           + min(s.offloaded_attention_layers, 2 * s.checkpoint_every))
+        * M * kept_attention.kept_bytes(shape, tokens, c),
         # a layer's backward beyond its graph: gradients through the rotary embedding and attention,
         # flash attention's float32 dq accumulator (the norms' temporaries are chunked: lean_norm.py);
         # eager attention's scores, masked, with the sinks, their softmax and its gradient

@@ -110,6 +110,8 @@ class RunPlan:
                      f"{s.checkpoint_every}, {s.device_tiles} device tiles, MLP chunk {s.mlp_chunk_tokens}, "
                      f"{s.no_recompute_layers} layers kept from recompute, "
                      f"{s.keep_attention_layers} keeping their attention"
+                     + (f" ({s.offloaded_attention_layers} of them in host memory)" if s.offloaded_attention_layers
+                        else "")
                      + (f"; {s.ranks} data-parallel ranks ({s.local_ranks} per host, sharing its host store), "
                         f"{d.batch_size // s.ranks} rows of each micro-batch per rank" if s.ranks > 1 else ""))
         host = {k: v for k, v in plan.detail.items() if not k.startswith("device.") and v}

@@ -14,7 +14,8 @@ before it settled:
                        than those updates (long sequences: _attention_first); then last
   no_recompute_layers  the most layers, from the last, whose forward graphs the device holds
   keep_attention_layers  the most recomputed layers, from the last that can (kept_attention.py),
-                       whose attention output the device holds from the forward to the backward:
+                       whose attention output the device holds from the forward to the backward
+                       (offloaded: two blocks' of it, and the host every layer's, so as many as fit both):
                        after the graphs, which save the whole recompute of a layer, not a part
                        (where the attention comes first, also before them: a kept attention saves
                        most of a long sequence's recompute in a small part of its graph's bytes)
@@ -131,7 +132,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         loss_chunk_tokens=engine.loss_chunk_tokens,
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
         no_recompute_layers=0 if engine.no_recompute_layers == "auto" else engine.no_recompute_layers,
-        keep_attention_layers=0,
+        keep_attention_layers=0, offloaded_attention_layers=0,
         optimizer_threads=engine.optimizer_threads, **chosen, timeline=engine.timeline,
         tokens=data.batch_size // ranks.world * data.seq_len, seq_len=data.seq_len, microbatches=data.grad_accum,
         clipping=optim.max_grad_norm is not None, pinned=machine.is_cuda, ranks=ranks.world,
@@ -142,11 +143,12 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     attention_first = bound is not None and _attention_first(shape, s)
     if engine.device_tiles == "auto" and not attention_first:
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
+    host = (machine.host_available, data_bytes)
     if attention_first and engine.keep_attention_layers == "auto":
-        s = _keep_attention(engine, shape, s, bound)
+        s = _keep_attention(engine, shape, s, bound, host)
     if engine.no_recompute_layers == "auto":
         s = replace(s, no_recompute_layers=_most_that_fit(shape, s, "no_recompute_layers", shape.num_layers, bound))
-    s = _keep_attention(engine, shape, s, bound)
+    s = _keep_attention(engine, shape, s, bound, host)
     if engine.device_tiles == "auto" and attention_first:
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
@@ -157,12 +159,36 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     return s
 
 
-def _keep_attention(engine: EngineConfig, shape: ModelShape, s: EngineSettings, bound: int | None) -> EngineSettings:
-    """keep_attention_layers: as many as fit (auto) or as asked, at most the recomputed layers that can."""
+def _keep_attention(engine: EngineConfig, shape: ModelShape, s: EngineSettings, bound: int | None,
+                    host: tuple[int, int]) -> EngineSettings:
+    """keep_attention_layers: as many as the device holds (auto) or as asked, at most the recomputed
+    layers that can. With offload_attention, those the device does not hold keep it in host memory
+    (offloaded_attention_layers): auto adds as many as the device (two blocks' of them) and the host
+    (`host`: its available bytes and the data's) hold; asked for, the rest of the number."""
     keepable = len(schedule.layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, shape.num_layers))
-    if engine.keep_attention_layers == "auto":
-        return replace(s, keep_attention_layers=_most_that_fit(shape, s, "keep_attention_layers", keepable, bound))
-    return replace(s, keep_attention_layers=min(engine.keep_attention_layers, keepable))
+    asked = keepable if engine.keep_attention_layers == "auto" else min(engine.keep_attention_layers, keepable)
+    on_device = _most_that_fit(shape, replace(s, offloaded_attention_layers=0), "keep_attention_layers", asked, bound)
+    if engine.keep_attention_layers != "auto" and not engine.offload_attention:
+        return replace(s, keep_attention_layers=asked, offloaded_attention_layers=0)
+    if not engine.offload_attention:
+        return replace(s, keep_attention_layers=on_device, offloaded_attention_layers=0)
+    if engine.keep_attention_layers != "auto":
+        return replace(s, keep_attention_layers=asked, offloaded_attention_layers=asked - on_device)
+    if bound is None:
+        return replace(s, keep_attention_layers=0, offloaded_attention_layers=0)
+    available, data_bytes = host
+
+    def fits(device: int, extra: int) -> bool:
+        p = memory.plan(shape, replace(s, keep_attention_layers=device + extra, offloaded_attention_layers=extra),
+                        data_bytes)
+        return p.device_bytes + memory.DEVICE_WORKSPACE <= bound and p.host_bytes <= available
+    # the offloaded layers' two blocks in flight may need the room of as many kept on the device
+    best = (on_device, 0)
+    for device in range(on_device, max(0, on_device - 2 * s.checkpoint_every) - 1, -1):
+        extra = next((n for n in range(asked - device, 0, -1) if fits(device, n)), 0)
+        if device + extra > sum(best):
+            best = (device, extra)
+    return replace(s, keep_attention_layers=sum(best), offloaded_attention_layers=best[1])
 
 
 def _attention_first(shape: ModelShape, s: EngineSettings) -> bool:

@@ -16,6 +16,8 @@ can be kept (kept_attention.py; engine.keep_attention_layers) keep its output fr
   Head                                     loss, its gradient and the gradient into the last layer
   per block, last first:
     TakeCheckpoint s, PrefetchCheckpoint s' (a recomputed block; s' the previous recomputed block)
+    PrefetchAttention j                    each layer j of block s' that keeps its attention in host
+                                           memory: every micro-batch's (activations.py)
     per micro-batch m:
       Recompute s..e-1 (m)                 a small graph per layer (kept layers: none; with the
                                            attention kept, that layer's attention output)
@@ -57,6 +59,7 @@ class Forward:
     layer: int
     keep_graph: bool  # a layer kept from recompute: its graph is built now and kept to its backward
     keep_attention: bool = False  # a recomputed layer whose recompute takes its attention's output from here
+    offload_attention: bool = False  # ... kept in host memory until then
 
     @property
     def loads(self) -> int:
@@ -83,6 +86,12 @@ class TakeCheckpoint:
 @dataclass(frozen=True)
 class PrefetchCheckpoint:
     layer: int  # the next recomputed block's first layer: its checkpoints start back now
+    loads = None
+
+
+@dataclass(frozen=True)
+class PrefetchAttention:
+    layer: int  # a layer of the next recomputed block that keeps its attention: back now, if offloaded
     loads = None
 
 
@@ -122,8 +131,8 @@ class EmbeddingGradient:
     loads = None
 
 
-Op = (Embed | SaveCheckpoint | Forward | Head | HeadLoss | TakeCheckpoint | PrefetchCheckpoint | Recompute
-      | Backward | EmbeddingBackward | EmbeddingGradient)
+Op = (Embed | SaveCheckpoint | Forward | Head | HeadLoss | TakeCheckpoint | PrefetchCheckpoint
+      | PrefetchAttention | Recompute | Backward | EmbeddingBackward | EmbeddingGradient)
 
 
 def evaluation_ops(num_layers: int) -> tuple[Op, ...]:
@@ -149,20 +158,24 @@ def blocks(num_layers: int, checkpoint_every: int, no_recompute_layers: int) -> 
 def layers_keeping_attention(shape: ModelShape, seq_len: int, no_recompute_layers: int, count: int) -> tuple[int, ...]:
     """The recomputed layers that keep their attention: the last `count` of those that can
     (kept_attention.keepable_layers), as the layers kept from recompute are the last: their backward
-    comes first, so what they keep is held the shortest."""
+    comes first, so what they keep is held the shortest. Of these, the first
+    offloaded_attention_layers (held the longest) keep it in host memory."""
     keepable = [i for i in keepable_layers(shape, seq_len) if i < shape.num_layers - no_recompute_layers]
     return tuple(keepable[len(keepable) - min(count, len(keepable)):])
 
 
 class Schedule:
     def __init__(self, num_layers: int, checkpoint_every: int, no_recompute_layers: int, microbatches: int,
-                 keep_attention: Sequence[int] = ()):
-        """`keep_attention`: the recomputed layers that keep their attention (layers_keeping_attention)."""
+                 keep_attention: Sequence[int] = (), offload_attention: Sequence[int] = ()):
+        """`keep_attention`: the recomputed layers that keep their attention (layers_keeping_attention);
+        `offload_attention`: those of them that keep it in host memory."""
         L, M = num_layers, microbatches
         self.recomputed_layers = L - no_recompute_layers  # layers 0..this-1 run their forward twice
         R = self.recomputed_layers
         assert all(i < R for i in keep_attention)
         self.attention_kept = tuple(keep_attention)
+        self.attention_offloaded = tuple(offload_attention)
+        assert set(offload_attention) <= set(keep_attention)
         self.policy: tuple[Policy, ...] = tuple("keep_graph" if i >= R else "keep_attention" if i in keep_attention
                                                 else "recompute" for i in range(L))
         self.blocks = blocks(L, checkpoint_every, no_recompute_layers)
@@ -171,14 +184,17 @@ class Schedule:
         for i in range(L):
             if i in starts:
                 ops.append(SaveCheckpoint(i))
-            ops.append(Forward(i, keep_graph=i >= R, keep_attention=self.policy[i] == "keep_attention"))
+            ops.append(Forward(i, keep_graph=i >= R, keep_attention=self.policy[i] == "keep_attention",
+                               offload_attention=i in self.attention_offloaded))
         ops.append(Head())
         for b in reversed(range(len(self.blocks))):
             block = self.blocks[b]
             if block.recomputed:
                 ops.append(TakeCheckpoint(block.start))
             if b > 0 and self.blocks[b - 1].recomputed:
-                ops.append(PrefetchCheckpoint(self.blocks[b - 1].start))  # overlaps this block's compute
+                before = self.blocks[b - 1]
+                ops.append(PrefetchCheckpoint(before.start))  # overlaps this block's compute
+                ops += [PrefetchAttention(j) for j in range(before.start, before.end) if j in self.attention_offloaded]
             for m in range(M):
                 if block.recomputed:
                     ops += [Recompute(i, m, root_only=i == block.end - 1,

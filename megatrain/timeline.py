@@ -49,7 +49,9 @@ class Kind(StrEnum):
     HEAD = "head"
     EMBEDDING = "embedding"  # the embedding's gather and its backward
     LOAD = "load"  # a unit's weights to the device
-    CHECKPOINT = "checkpoint"  # a block's checkpoints leaving or coming back
+    # what the forward keeps for the backward leaving or coming back: a block's checkpoints (label
+    # L<start>), a layer's kept attention of one micro-batch (A<layer>.<mb>; offload_attention)
+    CHECKPOINT = "checkpoint"
     GRADIENT = "gradient"  # a step gradient to a host slab
     REDUCE = "reduce"  # a step gradient summed over the data-parallel ranks (the compute stream waits for it)
     UPDATE = "update"  # an AdamW update (host tiles on the optimizer thread, device tiles on compute)

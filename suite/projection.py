@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain import memory
+from megatrain import kept_attention, memory
 from megatrain.config import load_config
 from megatrain.kernels import EXPERTS, LOSS, MLP, NORM
 from megatrain.metrics import model_flops, recompute_flops
@@ -167,12 +167,15 @@ def _transfers(plan: list, buffers: int) -> list:
 
 def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     """`ran`: engine settings as a measured run used them where their defaults have changed since
-    (the layer kernels, the gradient slabs); by default those of the points made before the compiled
-    kernels were a GPU's default; {}: the engine's defaults."""
-    cfg, shape = _engine_inputs(spec, ran)
-    machine = Machine(True, int(m.device_gib * GiB), int(m.host_gib * GiB), gpus=1)
+    (the layer kernels, the gradient slabs), and how many of its kept attention layers its plan put
+    in host memory (offloaded_attention_layers); by default those of the points made before the
+    compiled kernels were a GPU's default; {}: the engine's defaults."""
+    offloaded = ran.get("offloaded_attention_layers")
+    cfg, shape = _engine_inputs(spec, {k: v for k, v in ran.items() if k != "offloaded_attention_layers"})
+    device_gib = cfg.engine.device_memory_gb or m.device_gib  # a run's stated bound, as its plan took it
+    machine = Machine(True, int(device_gib * GiB), int(m.host_gib * GiB), gpus=1)
     s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
-    s = replace(s, device="cuda")
+    s = replace(s, device="cuda", **({} if offloaded is None else {"offloaded_attention_layers": offloaded}))
     p = memory.plan(shape, s)
     L, M = shape.num_layers, s.microbatches
     keep = layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
@@ -196,6 +199,8 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if s.offload_checkpoints:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
+    offloaded = s.offloaded_attention_layers * M * kept_attention.kept_bytes(shape, s.tokens, 2)
+    h2d, d2h = h2d + offloaded, d2h + offloaded
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
     rate = _update_s_per_param(m, s)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
@@ -261,7 +266,8 @@ def check(roots: list[Path]) -> list[dict]:
             else "eager"
         # what the plan chose for `auto` when the point ran (the plan has tightened since, e.g. the
         # compiled loss's head chunk): the projection times that run, not today's choice
-        ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens") if k in engine}
+        ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens",
+                                      "offloaded_attention_layers") if k in engine}
         pr = project(RunSpec.from_dict(spec), m, ran)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without

@@ -5,9 +5,12 @@ The GPU test file holds every streaming switch to the default run's numbers bit 
 (K = 1; kept layers with offloaded checkpoints) parted from the default, from the commit that
 compiled GPT-OSS's rotary on (docs/log.md, 2026-11-30). This trains the test's tiny model with the
 default engine and with each switch, in the test's order in one process and each run in a process
-of its own, with the rotary compiled and eager, and reports each run's losses, the first step at
-which they part and dynamo's recompilations; and holds the compiled rotary against the library's on
-the GPU on the queries and keys of the tiny model's shapes, with and without grad mode.
+of its own, with the GPU's compiled kernels and with some or all of them eager (the engine's
+*_kernel settings), and the default run again beside them: each run's
+losses, the first step at which they part and dynamo's recompilations; the same in one process with
+torch's deterministic algorithms on (the ops that have none named by their warnings); and holds the
+compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
+shapes, with and without grad mode. The report is written after each part.
 
     python -m experiments.probes.switch_numerics --out switch_numerics.json
 """
@@ -28,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PRESET = "tiny-gpt-oss"
 OVERRIDES = {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8, "head_dim": 32}
 SWITCHES = {"K1": {"checkpoint_every": 1}, "kept": {"no_recompute_layers": 2, "offload_checkpoints": True},
-            "one_buffer": {"weight_buffers": 1, "grad_slabs": 0}}
+            "one_buffer": {"weight_buffers": 1, "grad_slabs": 0}, "again": {}}
 SEQ, BATCH, STEPS = 64, 4, 3
 
 
@@ -53,26 +56,40 @@ def parted(a: list[float], b: list[float]) -> int | None:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def in_process(init: Path, rotary: str) -> dict:
+def in_process(init: Path, kernels: dict) -> dict:
     """The default then each switch, in this process, as the test runs them."""
     from torch._dynamo.utils import counters
     out = {}
     for name, switch in SWITCHES.items():
         before = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
-        base, other = train(init, {"rotary_kernel": rotary}), train(init, {"rotary_kernel": rotary, **switch})
+        base, other = train(init, kernels), train(init, {**kernels, **switch})
         out[name] = {"base": base, "switch": other, "parted_at": parted(base, other),
                      "recompiles": (sum(counters["recompiles"].values()) if "recompiles" in counters else 0) - before}
     return out
 
 
-def fresh(init: Path, rotary: str) -> dict:
+def deterministic(init: Path, kernels: dict) -> dict:
+    """in_process with torch.use_deterministic_algorithms on: its runs, and the ops it warned of."""
+    import warnings
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = in_process(init, kernels)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    out["warned"] = sorted({str(w.message)[:300] for w in caught if "determinis" in str(w.message)})
+    return out
+
+
+def fresh(init: Path, kernels: dict) -> dict:
     """The default and each switch, each in a process of its own."""
     out = {}
     runs = {"base": {}, **SWITCHES}
     losses = {}
     for name, switch in runs.items():
         r = subprocess.run([sys.executable, "-m", "experiments.probes.switch_numerics", "--one", str(init),
-                            json.dumps({"rotary_kernel": rotary, **switch})], cwd=ROOT, capture_output=True, text=True)
+                            json.dumps({**kernels, **switch})], cwd=ROOT, capture_output=True, text=True)
         losses[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-2000:]
     for name in SWITCHES:
         out[name] = {"base": losses["base"], "switch": losses[name],
@@ -107,9 +124,30 @@ def rotary_kernel() -> dict:
     return out
 
 
+def grad_mode(init: Path) -> dict:
+    """The library's tiny model in bf16 on the GPU, flex attention and eager: its logits computed
+    under no_grad and with grad (the input embeddings requiring it), equal or not; and of its first
+    decoder layer alone, on random hidden states."""
+    from transformers import AutoModelForCausalLM
+    out = {}
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
+    for attn in ("flex_attention", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.bfloat16, attn_implementation=attn).cuda()
+        embeds = model.get_input_embeddings()(ids).detach()
+        with torch.no_grad():
+            plain = model(inputs_embeds=embeds).logits
+        with torch.enable_grad():
+            graphed = model(inputs_embeds=embeds.clone().requires_grad_(True)).logits
+        out[f"{attn}_logits_equal"] = bool(torch.equal(plain, graphed))
+        out[f"{attn}_logits_max_diff"] = float((plain.float() - graphed.detach().float()).abs().max())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
+    ap.add_argument("--parts", nargs="*", help="only these parts of the report (its keys)")
+    ap.add_argument("--grad-mode", action="store_true", help="only the library model's no_grad against grad forward")
     ap.add_argument("--one", nargs=2, metavar=("INIT", "ENGINE_JSON"), help="(internal) one run: its losses")
     args = ap.parse_args()
     if args.one:
@@ -118,17 +156,26 @@ def main() -> None:
     from helpers import tiny_checkpoint
     init = Path(tempfile.mkdtemp()) / "init"
     tiny_checkpoint(init, PRESET, OVERRIDES)
+    if args.grad_mode:
+        report = {"grad_mode": grad_mode(init)}
+        print(json.dumps(report), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+        return
     report = {"rotary_kernel": rotary_kernel()}
-    for rotary in ("compiled", "eager"):
-        report[f"in_process_{rotary}"] = in_process(init, rotary)
-        report[f"fresh_{rotary}"] = fresh(init, rotary)
-    print(json.dumps(report["rotary_kernel"]))
-    for key, runs in report.items():
-        if key != "rotary_kernel":
-            print(key, {name: r["parted_at"] for name, r in runs.items()})
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-
+    print(json.dumps(report["rotary_kernel"]), flush=True)
+    eager = {k: "eager" for k in ("norm_kernel", "mlp_kernel", "loss_kernel", "rotary_kernel")}
+    parts = [("in_process_compiled", in_process, {}), ("deterministic_compiled", deterministic, {}),
+             ("fresh_compiled", fresh, {}), ("in_process_eager_rotary", in_process, {"rotary_kernel": "eager"}),
+             ("in_process_eager_mlp", in_process, {"mlp_kernel": "eager"}), ("in_process_eager", in_process, eager),
+             ("fresh_eager", fresh, eager)]
+    parts = [p for p in parts if not args.parts or p[0] in args.parts]
+    for key, part, kernels in parts:
+        report[key] = part(init, kernels)
+        print(key, {name: r["parted_at"] for name, r in report[key].items() if name != "warned"},
+              report[key].get("warned", ""), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -92,6 +92,15 @@ def three_steps(tmp_path, preset, overrides, engine, pad, compute="float32"):
     # the last two of four, with the chunked MLP, device tiles and offloaded checkpoints
     ("tiny-llama", {"keep_attention_layers": 2, "mlp_chunk_tokens": 5, "device_tiles": 2, "offload_checkpoints": True},
      {"num_hidden_layers": 4}, False, "float32", [2, 3]),
+    # offloaded to host memory (activations.KeptAttention): five layers in blocks of 2, 2 and 1, each
+    # block's brought back one block ahead; in bfloat16; with padding (nothing kept, nothing moved)
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {"num_hidden_layers": 5}, False,
+     "float32", [0, 1, 2, 3, 4]),
+    ("tiny-qwen2", {"keep_attention_layers": 9, "offload_attention": True}, {}, False, "bfloat16", [0, 1, 2]),
+    # beside offloaded checkpoints and a last layer kept whole (its own block, no attention kept)
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True, "offload_checkpoints": True,
+                    "no_recompute_layers": 1}, {"num_hidden_layers": 5}, False, "float32", [0, 1, 2, 3]),
+    ("tiny-llama", {"keep_attention_layers": 9, "offload_attention": True}, {}, True, "float32", [0, 1, 2]),
     # padded micro-batches (a mask): planned, not kept; every layer a window narrower than the sequence: none
     ("tiny-llama", {"keep_attention_layers": 9}, {}, True, "float32", [0, 1, 2]),
     ("tiny-mistral", {"keep_attention_layers": 9}, {}, False, "float32", []),
@@ -109,7 +118,8 @@ def test_kept_attention_trains_as_the_recompute_to_the_bit(tmp_path, monkeypatch
     assert settings.keep_attention_layers == len(kept) and schedule.attention_kept == tuple(kept)
     assert [i for i, p in enumerate(schedule.policy) if p == "keep_attention"] == kept
     assert len(reused) == (0 if pad else 3 * 2 * len(kept))
-    recomputed = three_steps(tmp_path, preset, overrides, {**engine, "keep_attention_layers": 0}, pad, compute)
+    recomputed = three_steps(tmp_path, preset, overrides, {**engine, "keep_attention_layers": 0,
+                                                           "offload_attention": False}, pad, compute)
     torch.testing.assert_close((losses, params), (recomputed[0], recomputed[2]), rtol=0, atol=0)
     shape = ModelShape(load_hf_config(ModelConfig(pretrained=str(tmp_path / "init")), cuda=False))
     lengths = [SEQ] * BATCH * 2
@@ -117,6 +127,80 @@ def test_kept_attention_trains_as_the_recompute_to_the_bit(tmp_path, monkeypatch
     saved = 0 if pad else attention_flops(shape.attention(kept), lengths)
     for ratio, again in zip(ratios, recomputed[1]):
         assert ratio == pytest.approx(again - saved / model, rel=1e-12)
+
+
+def test_offloaded_attention_crosses_the_link_once_each_way(tmp_path):
+    """engine.offload_attention: each kept (layer, micro-batch) attention goes to host memory after its
+    forward and comes back before its recompute, its output and log-sum-exp once each way a step (the
+    step's bytes moved), and the engine holds none of it after the step."""
+    preset, overrides = "tiny-llama", {"num_hidden_layers": 4}
+    tiny_checkpoint(tmp_path / "init", preset, overrides)
+    moved = []
+    for offload in (False, True):
+        cfg = load_config(base={
+            "model": {"pretrained": str(tmp_path / "init")},
+            "engine": {"device": "cpu", "checkpoint_every": 2, "keep_attention_layers": 3, "offload_attention": offload},
+            "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2}, "steps": 1})
+        trainer = Trainer(cfg)
+        try:
+            m = trainer.train_step(random_batches(1, 2, BATCH, SEQ, trainer.shape.vocab, False)[0])
+            moved.append((m["bytes_h2d"], m["bytes_d2h"]))
+            assert not trainer.engine.attention.kept
+            shape = trainer.shape
+        finally:
+            trainer.close()
+    kept = 3 * 2 * kept_attention.kept_bytes(shape, BATCH * SEQ, 4)
+    assert moved[1] == (moved[0][0] + kept, moved[0][1] + kept)
+
+
+def test_offloaded_attention_is_planned_on_the_host():
+    """With offload_attention the device plan holds two blocks' kept attention at most (K = 2: four
+    layers of the 7B's 28) and the host plan every kept layer's, in pinned memory."""
+    shape = shape_of("qwen2.5-7b")
+    data = DataConfig(seq_len=4096, batch_size=8, grad_accum=2)
+
+    def planned(offload):  # no device bound: every kept layer the device does not hold, all of them
+        engine = EngineConfig(keep_attention_layers=20, offload_attention=offload, checkpoint_every=2,
+                              compute_dtype="bfloat16", device_tiles=0)
+        return memory.plan(shape, resolve(engine, data, OptimConfig(), shape, Machine(True, None, 2**50)))
+    on_device, offloaded = planned(False), planned(True)
+    one = kept_attention.kept_bytes(shape, 8 * 4096, 2)
+    assert on_device.detail["device.kept_attention"] == 20 * 2 * one
+    assert offloaded.detail["device.kept_attention"] == 4 * 2 * one
+    parts = kept_attention.kept_parts(shape, 8 * 4096, 2)  # registered at their size, each page-aligned
+    assert offloaded.detail["attention_offload"] == 20 * 2 * sum(-(-n // 4096) * 4096 for n in parts)
+    assert on_device.detail["attention_offload"] == 0
+    with pytest.raises(ValueError, match="engine.keep_attention_layers is 0"):
+        EngineConfig(offload_attention=True, keep_attention_layers=0)
+
+
+def test_offloaded_attention_keeps_the_layers_the_device_cannot():
+    """auto with offload_attention, the 7B at one 524288-token sequence on an H200 (K = 2): the
+    device holds the attention of a few layers, kept there as without offload; the host holds the
+    rest, where it has room (on the device two blocks' of them in flight, for which the device keeps
+    up to two blocks fewer of its own); where the host has room for only some, those. Never fewer
+    layers keep their attention than without offload."""
+    shape = shape_of("qwen2.5-7b", max_position_embeddings=524288)
+    data = DataConfig(seq_len=524288, batch_size=1)
+    fixed = {"compute_dtype": "bfloat16", "device_tiles": 0, "grad_slabs": 4, "split_masters": False,
+             "checkpoint_every": 2, "offload_checkpoints": True, "mlp_chunk_tokens": 65536}
+    device = 139 * 2**30
+
+    def resolved(host, **engine):
+        return resolve(EngineConfig(**{**fixed, **engine}), data, OptimConfig(), shape, Machine(True, device, host))
+    alone = resolved(2**50)
+    assert 0 < alone.keep_attention_layers < 28 and alone.offloaded_attention_layers == 0
+    ample = resolved(2**50, offload_attention=True)
+    on_device = ample.keep_attention_layers - ample.offloaded_attention_layers
+    assert ample.keep_attention_layers == 28 and alone.keep_attention_layers - 4 <= on_device <= alone.keep_attention_layers
+    assert memory.plan(shape, ample).device_bytes + memory.DEVICE_WORKSPACE <= device
+    host_of = {n: memory.plan(shape, replace(ample, keep_attention_layers=on_device + n, offloaded_attention_layers=n))
+               .host_bytes for n in (9, 10)}
+    some = resolved(host_of[9] + (host_of[10] - host_of[9]) // 2, offload_attention=True)
+    assert some.offloaded_attention_layers >= 9 and some.keep_attention_layers >= alone.keep_attention_layers
+    assert memory.plan(shape, some).host_bytes <= host_of[9] + (host_of[10] - host_of[9]) // 2
+    none = resolved(memory.plan(shape, alone).host_bytes, offload_attention=True)
+    assert none.keep_attention_layers == alone.keep_attention_layers and none.offloaded_attention_layers == 0
 
 
 def test_the_plan_keeps_attention_where_the_device_has_room():
@@ -184,3 +268,5 @@ def test_the_summary_says_how_many_layers_keep_their_attention():
     plan = planning.plan_run(load_config(None, args))
     assert plan.settings.keep_attention_layers == 2
     assert "0 layers kept from recompute, 2 keeping their attention" in plan.describe()
+    offloaded = planning.plan_run(load_config(None, [*args, "engine.offload_attention=true"]))
+    assert "2 keeping their attention (2 of them in host memory)" in offloaded.describe()

@@ -32,6 +32,23 @@ def test_schedule_lists_every_op_once_in_step_order():
     assert s.loads == [0, 1, 2, 3, 4, HEAD, 4, 4, 2, 3, 3, 2, 2, 3, 3, 2, 0, 1, 1, 0, 0, 1, 1, 0]
 
 
+def test_kept_attention_comes_back_one_block_ahead():
+    """Layers 1 and 2 keep their attention (K = 2), both in host memory: the recompute takes each
+    one's, and layer 1's (of block [0, 2)) is brought back with that block's checkpoints, while
+    block [2, 4) runs; layer 2's, of the first block the backward reaches, when its recompute takes
+    it. Kept on the device, nothing is brought back."""
+    from megatrain.schedule import Forward, PrefetchAttention, PrefetchCheckpoint, Recompute, Schedule
+    s = Schedule(num_layers=4, checkpoint_every=2, no_recompute_layers=0, microbatches=2, keep_attention=(1, 2),
+                 offload_attention=(1, 2))
+    ops = list(s.ops)
+    assert [op.layer for op in ops if isinstance(op, Forward) and op.keep_attention and op.offload_attention] == [1, 2]
+    assert not any(isinstance(op, PrefetchAttention) for op in Schedule(4, 2, 0, 2, keep_attention=(1, 2)).ops)
+    assert [op for op in ops if isinstance(op, PrefetchAttention)] == [PrefetchAttention(1)]
+    assert ops.index(PrefetchAttention(1)) == ops.index(PrefetchCheckpoint(0)) + 1 < ops.index(Recompute(2, 0, False, True))
+    assert [(op.layer, op.mb) for op in ops if isinstance(op, Recompute) and op.kept_attention] == [
+        (2, 0), (2, 1), (1, 0), (1, 1)]
+
+
 def test_hardware_flops_count_the_recompute_the_schedule_runs():
     """Model FLOPs plus one forward of each recomputed layer (a third of 6N + 12Lhs per layer), less
     the down projection a recomputed block's last layer leaves out; chunked, less its whole MLP and
