@@ -163,8 +163,10 @@ def _keep_attention(engine: EngineConfig, shape: ModelShape, s: EngineSettings, 
                     host: tuple[int, int]) -> EngineSettings:
     """keep_attention_layers: as many as the device holds (auto) or as asked, at most the recomputed
     layers that can. With offload_attention, those the device does not hold keep it in host memory
-    (offloaded_attention_layers): auto adds as many as the device (two blocks' of them) and the host
-    (`host`: its available bytes and the data's) hold; asked for, the rest of the number."""
+    (offloaded_attention_layers), the device holding two blocks' of them in flight: auto adds as many
+    as the device and the host (`host`: its available bytes and the data's) hold; asked for, all of
+    the number, the most of them on the device that leaves room for the rest's blocks (where none
+    does, as many as the device holds alone)."""
     keepable = len(schedule.layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, shape.num_layers))
     asked = keepable if engine.keep_attention_layers == "auto" else min(engine.keep_attention_layers, keepable)
     on_device = _most_that_fit(shape, replace(s, offloaded_attention_layers=0), "keep_attention_layers", asked, bound)
@@ -172,16 +174,18 @@ def _keep_attention(engine: EngineConfig, shape: ModelShape, s: EngineSettings, 
         return replace(s, keep_attention_layers=asked, offloaded_attention_layers=0)
     if not engine.offload_attention:
         return replace(s, keep_attention_layers=on_device, offloaded_attention_layers=0)
-    if engine.keep_attention_layers != "auto":
-        return replace(s, keep_attention_layers=asked, offloaded_attention_layers=asked - on_device)
-    if bound is None:
-        return replace(s, keep_attention_layers=0, offloaded_attention_layers=0)
     available, data_bytes = host
 
-    def fits(device: int, extra: int) -> bool:
+    def fits(device: int, extra: int, on_host: bool = True) -> bool:
         p = memory.plan(shape, replace(s, keep_attention_layers=device + extra, offloaded_attention_layers=extra),
                         data_bytes)
-        return p.device_bytes + memory.DEVICE_WORKSPACE <= bound and p.host_bytes <= available
+        return p.device_bytes + memory.DEVICE_WORKSPACE <= bound and (not on_host or p.host_bytes <= available)
+    if engine.keep_attention_layers != "auto":
+        device = next((d for d in range(on_device, -1, -1) if bound is not None and fits(d, asked - d, on_host=False)),
+                      on_device)
+        return replace(s, keep_attention_layers=asked, offloaded_attention_layers=asked - device)
+    if bound is None:
+        return replace(s, keep_attention_layers=0, offloaded_attention_layers=0)
     # the offloaded layers' two blocks in flight may need the room of as many kept on the device
     best = (on_device, 0)
     for device in range(on_device, max(0, on_device - 2 * s.checkpoint_every) - 1, -1):

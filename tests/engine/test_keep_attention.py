@@ -179,7 +179,8 @@ def test_offloaded_attention_keeps_the_layers_the_device_cannot():
     device holds the attention of a few layers, kept there as without offload; the host holds the
     rest, where it has room (on the device two blocks' of them in flight, for which the device keeps
     up to two blocks fewer of its own); where the host has room for only some, those. Never fewer
-    layers keep their attention than without offload."""
+    layers keep their attention than without offload. A number asked for is kept, the most of it on
+    the device that leaves room for the rest's blocks in flight."""
     shape = shape_of("qwen2.5-7b", max_position_embeddings=524288)
     data = DataConfig(seq_len=524288, batch_size=1)
     fixed = {"compute_dtype": "bfloat16", "device_tiles": 0, "grad_slabs": 4, "split_masters": False,
@@ -199,6 +200,8 @@ def test_offloaded_attention_keeps_the_layers_the_device_cannot():
     some = resolved(host_of[9] + (host_of[10] - host_of[9]) // 2, offload_attention=True)
     assert some.offloaded_attention_layers >= 9 and some.keep_attention_layers >= alone.keep_attention_layers
     assert memory.plan(shape, some).host_bytes <= host_of[9] + (host_of[10] - host_of[9]) // 2
+    asked = resolved(2**50, offload_attention=True, keep_attention_layers=28)  # a number: split as auto's
+    assert (asked.keep_attention_layers, asked.offloaded_attention_layers) == (28, ample.offloaded_attention_layers)
     none = resolved(memory.plan(shape, alone).host_bytes, offload_attention=True)
     assert none.keep_attention_layers == alone.keep_attention_layers and none.offloaded_attention_layers == 0
 
