@@ -22,8 +22,10 @@ the update that the next step waits for:
 Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
 model is checked against: a machine is described once in machines/<name>.yaml, its GPU's layer
 probes in machines/gpus/<gpu>.yaml, and suite/machines.py reads the figures from the committed probe
-files they name when it loads. `check` compares the model with every measured one-GPU point (it
-models one GPU: data-parallel points are left out), `python -m suite project` prints both. A machine
+files they name when it loads. Data-parallel ranks of one host are timed as one rank: its rows, its
+part of each host tile's gradient across the link, its part of the update on its share of the cores
+(one GPU's time); their gradient reduction among the GPUs is left out. `check` compares the model
+with every measured point, `python -m suite project` prints both. A machine
 of the paper's has assumed link and host-copy rates, named as such in its description.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from megatrain import kept_attention, memory
 from megatrain.config import load_config
+from megatrain.distributed import Ranks
 from megatrain.kernels import EXPERTS, LOSS, MLP, NORM
 from megatrain.metrics import model_flops, recompute_flops
 from megatrain.resolve import Machine, resolve
@@ -173,15 +176,16 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     offloaded = ran.get("offloaded_attention_layers")
     cfg, shape = _engine_inputs(spec, {k: v for k, v in ran.items() if k != "offloaded_attention_layers"})
     device_gib = cfg.engine.device_memory_gb or m.device_gib  # a run's stated bound, as its plan took it
-    machine = Machine(True, int(device_gib * GiB), int(m.host_gib * GiB), gpus=1)
-    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine)
+    R = spec.gpus  # data-parallel ranks, all on this host: the times are one rank's
+    machine = Machine(True, int(device_gib * GiB), int(m.host_gib * GiB), gpus=R)
+    s = resolve(cfg.engine, cfg.data, cfg.optim, shape, machine, Ranks(world=R, local_world=R))
     s = replace(s, device="cuda", **({} if offloaded is None else {"offloaded_attention_layers": offloaded}))
     p = memory.plan(shape, s)
     L, M = shape.num_layers, s.microbatches
     keep = layers_keeping_attention(shape, s.seq_len, s.no_recompute_layers, s.keep_attention_layers)
     sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M, keep)
-    lens = [spec.seq_len] * spec.batch_size * M
-    flops = model_flops(shape.matmul_params(), shape.attention(), lens)
+    flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * spec.batch_size * M)
+    lens = [spec.seq_len] * (spec.batch_size // R) * M  # one rank's rows
     hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens, lens)  # synthetic rows: no mask
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (shape.vocab * shape.hidden if shape.tied else 0)
@@ -195,7 +199,8 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if s.device_tiles == 0:
         h2d += M * s.tokens * shape.hidden * 2  # the embedding's rows, gathered on the host
     host_layers = L - len(on_device - {"head"})
-    d2h = (host_layers * layer + head + (embed if s.device_tiles == 0 else 0)) * 4
+    # each rank returns its part of every host tile's summed gradient (distributed.Comm.reduce_part)
+    d2h = (host_layers * layer + head + (embed if s.device_tiles == 0 else 0)) * 4 / R
     if s.offload_checkpoints:
         ckpt = sched.recomputed_blocks * M * s.tokens * shape.hidden * 2
         h2d, d2h = h2d + ckpt, d2h + ckpt
@@ -213,6 +218,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         gpu = head / dense + (executed - head) / _layer_hw_rate(*moe)
     first_host = embed or head if s.device_tiles == 0 else layer
     tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
+    # each rank updates its part of the host tiles with its share of the cores: one GPU's time
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),
              "cpu_optimizer": host_params * rate}
     if s.grad_slabs == 0:  # the ablation: compute waits for each layer's gradient copy and update
@@ -254,9 +260,8 @@ def check(roots: list[Path]) -> list[dict]:
     for f, r in measured_points(roots):
         m = machine_of(r.get("env") or {})
         spec = r.get("spec")
-        if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}) \
-                or spec.get("gpus", 1) > 1:
-            continue  # a run on an unprobed machine, on a file's data (lengths vary), a local checkpoint or several GPUs
+        if m is None or not isinstance(spec, dict) or spec.get("data") or "preset" not in (spec.get("model") or {}):
+            continue  # a run on an unprobed machine, on a file's data (lengths vary) or a local checkpoint
         engine = (r.get("info") or {}).get("engine") or {}
         ran = {k: engine.get(k, v) for k, v in EAGER.items()}  # EAGER's before the setting existed
         ran["grad_slabs"] = engine.get("grad_slabs", 4)  # 4 before auto
@@ -277,7 +282,8 @@ def check(roots: list[Path]) -> list[dict]:
         # the run it is, whatever the repeat: near-duplicate points (A/B pairs of one setting) count once in the bands
         run = {k: v for k, v in spec.items() if k not in RUN_FREE}
         run["options"] = {k: v for k, v in (spec.get("options") or {}).items() if k != "trace"}
-        row = {"machine": m.name, "point": str(f), "bound": pr.bound, "run": json.dumps([m.name, run, ran], sort_keys=True)}
+        row = {"machine": m.name, "point": str(f), "bound": pr.bound, "ranks": spec.get("gpus", 1),
+               "run": json.dumps([m.name, run, ran], sort_keys=True)}
         for key, predicted, measured in (
                 ("host_GiB", host / GiB, (peak.get("host_rss_bytes") or 0) / GiB),
                 ("device_GiB", pr.device_bytes / GiB, (med.get("peak_device_allocated_bytes") or 0) / GiB),
@@ -304,7 +310,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def step_errors(rows: list[dict]) -> dict[str, list[float]]:
     """The step time's relative errors of the distinct runs among `check`'s rows (a run measured
     several times counts once, by its median error), sorted, by what bounds the step, by machine
-    (`machine:NAME`) and over all (`all`)."""
+    (`machine:NAME`), the data-parallel ones (`ranks>1`) and over all (`all`)."""
     runs: dict[str, list[dict]] = {}
     for r in rows:
         if r["step_s"]["error"] is not None:
@@ -313,7 +319,7 @@ def step_errors(rows: list[dict]) -> dict[str, list[float]]:
     for same in runs.values():
         errors = sorted(r["step_s"]["error"] for r in same)
         error = _quantile(errors, 0.5)
-        for key in ("all", same[0]["bound"], f"machine:{same[0]['machine']}"):
+        for key in ("all", same[0]["bound"], f"machine:{same[0]['machine']}", *(("ranks>1",) if same[0]["ranks"] > 1 else ())):
             out.setdefault(key, []).append(error)
     return {k: sorted(v) for k, v in out.items()}
 
@@ -321,11 +327,11 @@ def step_errors(rows: list[dict]) -> dict[str, list[float]]:
 BAND = (0.1, 0.9)  # the central 80% of the errors
 
 
-def band(errors: dict[str, list[float]], bound: str) -> tuple[float, float, str]:
+def band(errors: dict[str, list[float]], bound: str, ranks: int = 1) -> tuple[float, float, str]:
     """The step time's error band of a projection bound by `bound`: the central 80% of the errors of
-    the distinct runs with that bound, or of all runs where fewer than five are (said in the third
-    item)."""
-    key = bound if len(errors.get(bound, [])) >= 5 else "all"
+    the distinct runs with that bound (of several ranks: the data-parallel runs'), or of all runs
+    where fewer than five are (said in the third item)."""
+    key = next(k for k in ("ranks>1" if ranks > 1 else bound, "all") if len(errors.get(k, [])) >= 5 or k == "all")
     values = errors[key]
     return _quantile(values, BAND[0]), _quantile(values, BAND[1]), f"{key}, {len(values)} runs"
 

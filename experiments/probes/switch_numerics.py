@@ -2,13 +2,14 @@
 
 The GPU test file holds every streaming switch to the default run's numbers bit for bit
 (tests/engine/test_gpu.py, test_moe_streaming_switches_keep_numerics). For GPT-OSS two switches
-(K = 1; kept layers with offloaded checkpoints) parted from the default, from the commit that
-compiled GPT-OSS's rotary on (docs/log.md, 2026-11-30). This trains the test's tiny model with the
+(K = 1; kept layers with offloaded checkpoints) part from the default (docs/log.md, 2026-11-30;
+a strict xfail there). This trains the test's tiny model with the
 default engine and with each switch, in the test's order in one process and each run in a process
 of its own, with the GPU's compiled kernels and with some or all of them eager (the engine's
 *_kernel settings), and the default run again beside them: each run's
 losses, the first step at which they part and dynamo's recompilations; the same in one process with
-torch's deterministic algorithms on (the ops that have none named by their warnings); and holds the
+torch's deterministic algorithms on (the ops that have none named by their warnings), and in fresh
+processes with CUDA's caching allocator off (each tensor allocated on its own); and holds the
 compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
 shapes, with and without grad mode. The report is written after each part.
 
@@ -17,7 +18,9 @@ shapes, with and without grad mode. The report is written after each part.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -82,14 +85,15 @@ def deterministic(init: Path, kernels: dict) -> dict:
     return out
 
 
-def fresh(init: Path, kernels: dict) -> dict:
-    """The default and each switch, each in a process of its own."""
+def fresh(init: Path, kernels: dict, env: dict | None = None) -> dict:
+    """The default and each switch, each in a process of its own (with `env` added to its environment)."""
     out = {}
     runs = {"base": {}, **SWITCHES}
     losses = {}
     for name, switch in runs.items():
         r = subprocess.run([sys.executable, "-m", "experiments.probes.switch_numerics", "--one", str(init),
-                            json.dumps({**kernels, **switch})], cwd=ROOT, capture_output=True, text=True)
+                            json.dumps({**kernels, **switch})], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, **(env or {})})
         losses[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-2000:]
     for name in SWITCHES:
         out[name] = {"base": losses["base"], "switch": losses[name],
@@ -168,7 +172,9 @@ def main() -> None:
     parts = [("in_process_compiled", in_process, {}), ("deterministic_compiled", deterministic, {}),
              ("fresh_compiled", fresh, {}), ("in_process_eager_rotary", in_process, {"rotary_kernel": "eager"}),
              ("in_process_eager_mlp", in_process, {"mlp_kernel": "eager"}), ("in_process_eager", in_process, eager),
-             ("fresh_eager", fresh, eager)]
+             ("fresh_eager", fresh, eager),
+             # every tensor its own cudaMalloc, at the allocator's alignment whatever the schedule
+             ("fresh_no_caching", functools.partial(fresh, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}), {})]
     parts = [p for p in parts if not args.parts or p[0] in args.parts]
     for key, part, kernels in parts:
         report[key] = part(init, kernels)

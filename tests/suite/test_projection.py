@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.schedule import HEAD, Schedule
-from suite.projection import MACHINES, _transfers, check, predictions, step_errors
+from suite.projection import MACHINES, _transfers, band, check, predictions, step_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,12 +20,19 @@ def test_a_blocks_backward_reuses_its_recomputes_weights():
 
 
 def test_the_model_against_every_committed_measurement():
+    """Link bytes exact, on one GPU and per rank of several; the host within 2% on one GPU. On
+    several GPUs of a host the plan counts each rank's runtime (memory.HOST_OVERHEAD) and slabs,
+    where the measured host of 2 and 4 ranks came within 2% of one rank's: the plan over, by 8% at
+    most."""
     rows = check([ROOT / "results" / hw for hw in ("h100", "h200", "h200x4")])
-    assert len(rows) >= 40
+    assert len(rows) >= 40 and sum(r["ranks"] > 1 for r in rows) >= 6
     for r in rows:
         for key in ("h2d_GB", "d2h_GB"):
             assert r[key]["error"] == pytest.approx(0, abs=0.005), (r["point"], key, r[key])
         host = r["host_GiB"]  # within 2%, or half a GiB of the plan's fixed runtime term on small runs
+        if r["ranks"] > 1:
+            assert 0 <= host["projected"] - host["measured"] <= 0.08 * host["measured"], (r["point"], host)
+            continue
         assert abs(host["measured"] - host["projected"]) < max(0.02 * host["measured"], 0.5), (r["point"], host)
         assert r["device_GiB"]["error"] > -0.05, (r["point"], r["device_GiB"])  # admission errs high
     assert {r["machine"] for r in rows} >= {"h100", "h200x4"}
@@ -123,13 +130,17 @@ def test_the_compiled_kernels_take_their_probed_saving_off_a_dense_step():
 
 def test_a_run_measured_again_counts_once_in_the_error_bands():
     """A setting measured several times (an A/B pair's repeats) is one run in the bands, by its
-    median error; the bands are by bound, by machine and over all."""
-    def row(run, bound, machine, error):
-        return {"run": run, "bound": bound, "machine": machine, "step_s": {"error": error}}
+    median error; the bands are by bound, by machine, of the data-parallel runs and over all; a
+    data-parallel projection takes the data-parallel runs' band where five are."""
+    def row(run, bound, machine, error, ranks=1):
+        return {"run": run, "bound": bound, "machine": machine, "ranks": ranks, "step_s": {"error": error}}
     rows = [row("a", "gpu", "h100", 0.1), row("a", "gpu", "h100", 0.3), row("a", "gpu", "h100", 0.2),
-            row("b", "cpu_optimizer", "h200", -0.2), row("c", "gpu", "h200", None)]
-    assert step_errors(rows) == {"all": [-0.2, 0.2], "gpu": [0.2], "cpu_optimizer": [-0.2],
-                                 "machine:h100": [0.2], "machine:h200": [-0.2]}
+            row("b", "cpu_optimizer", "h200", -0.2), row("c", "gpu", "h200", None), row("d", "gpu", "h200", -0.1, 2)]
+    errors = step_errors(rows)
+    assert errors == {"all": [-0.2, -0.1, 0.2], "gpu": [-0.1, 0.2], "cpu_optimizer": [-0.2], "machine:h100": [0.2],
+                      "machine:h200": [-0.2, -0.1], "ranks>1": [-0.1]}
+    assert band(errors, "gpu", 2)[2] == "all, 3 runs"  # fewer than five data-parallel runs
+    assert band({**errors, "ranks>1": [-0.1] * 5}, "gpu", 2) == (-0.1, -0.1, "ranks>1, 5 runs")
 
 
 def test_predictions_carry_the_band_of_the_measured_errors():
