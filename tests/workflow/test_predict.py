@@ -32,3 +32,12 @@ def test_an_unknown_machine_is_refused_by_name(tmp_path, capsys):
         predict.main([str(GRID), "h200x16", "--out", str(tmp_path / "p")])
     assert e.value.code == 2 and "machine 'h200x16': not one of" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_only_the_points_named_and_a_point_not_in_the_grid_refused(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert predict.main([str(GRID), "h200x8-assumed", "--out", str(out), "--points", "gpus/7b_g8", "moe/q30b_g8"]) == 0
+    assert [r["id"] for r in json.loads(out.with_suffix(".json").read_text())["points"]] == ["7b_g8", "q30b_g8"]
+    assert predict.main([str(GRID), "h200x8-assumed", "--out", str(tmp_path / "q"), "--points", "gpus/7b_g8_zero3"]) == 2
+    assert "gpus/7b_g8_zero3: not a MegaTrain point of h200x8-scale.yaml" in capsys.readouterr().err
+    assert not (tmp_path / "q.md").exists()

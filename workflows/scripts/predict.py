@@ -6,7 +6,7 @@ errors give it (the data-parallel runs' for a point on several GPUs); a point on
 beside the grid's point of the same model and batch per GPU on one. Predictions, not measurements:
 once the grid has run, `python -m suite project` checks the model against its points.
 
-    python -m workflows.scripts.predict GRID MACHINE --out results/projection/NAME
+    python -m workflows.scripts.predict GRID MACHINE --out results/projection/NAME [--points EXPERIMENT/ID ...]
 """
 from __future__ import annotations
 
@@ -37,12 +37,17 @@ def _nested(options: dict) -> dict:
     return tree
 
 
-def predict(grid_path: Path, machine: str, errors: dict[str, list[float]]) -> list[dict]:
-    """Every MegaTrain point of the grid projected on the machine, with its step time's band."""
+def predict(grid_path: Path, machine: str, errors: dict[str, list[float]], only: list[str] | None = None) -> list[dict]:
+    """Every MegaTrain point of the grid (`only`: those named EXPERIMENT/ID) projected on the machine,
+    with its step time's band."""
     m = MACHINES[machine]
+    points = grids.points(grids.load(grid_path))
+    unknown = sorted(set(only or ()) - {f"{e}/{i}" for (e, i), p in points.items() if p["system"] == "megatrain"})
+    if unknown:
+        raise ValueError(f"--points: {', '.join(unknown)}: not a MegaTrain point of {grid_path.name}")
     rows = []
-    for (experiment, pid), point in grids.points(grids.load(grid_path)).items():
-        if point["system"] != "megatrain":
+    for (experiment, pid), point in points.items():
+        if point["system"] != "megatrain" or (only and f"{experiment}/{pid}" not in only):
             continue
         gpus = point.get("gpus", 1)
         spec = RunSpec(system="megatrain", model=grids.model(point), seq_len=point["seq"], batch_size=point["batch"],
@@ -63,11 +68,11 @@ def predict(grid_path: Path, machine: str, errors: dict[str, list[float]]) -> li
     return rows
 
 
-def report(grid_path: Path, machine: str, rows: list[dict]) -> str:
+def report(grid_path: Path, machine: str, rows: list[dict], only: list[str] | None = None) -> str:
     m = MACHINES[machine]
     lines = [f"# Predictions (not measurements): {grid_path.name} on {machine}", "",
-             f"Written before the grid runs, by `python -m workflows.scripts.predict {grid_path.relative_to(ROOT)} "
-             f"{machine}`: the step model (suite/projection.py) with the engine's defaults and each point's options. "
+             f"Written before the points run, by `python -m workflows.scripts.predict {grid_path.relative_to(ROOT)} "
+             f"{machine}" + (f" --points {' '.join(only)}" if only else "") + "`: the step model (suite/projection.py) with the engine's defaults and each point's options. "
              f"The machine: {m.source}; host {m.host_gib:.0f} GiB, device {m.device_gib:.1f} GiB. Step bands: the "
              "central 80% of the committed runs' step errors (the data-parallel runs' for a point on several GPUs, "
              "which the model times as one GPU's rows with each rank's part of the gradients and of the update, "
@@ -88,16 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("grid", help="a grid file (workflows/grids/*.yaml)")
     ap.add_argument("machine", help=f"a machine description's name: {', '.join(MACHINES)}")
     ap.add_argument("--out", required=True, help="writes OUT.md and OUT.json")
+    ap.add_argument("--points", nargs="+", metavar="EXPERIMENT/ID", help="only these points (those not yet run)")
     args = ap.parse_args(argv)
     if args.machine not in MACHINES:
         ap.error(f"machine {args.machine!r}: not one of {', '.join(MACHINES)} (machines/*.yaml)")
     try:
         grid_path = Path(args.grid).resolve()
-        rows = predict(grid_path, args.machine, step_errors(check(RESULTS)))
+        rows = predict(grid_path, args.machine, step_errors(check(RESULTS)), args.points)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = report(grid_path, args.machine, rows)
+    text = report(grid_path, args.machine, rows, args.points)
     out = Path(args.out)
     write_json(out.with_suffix(".json"), {"grid": str(grid_path.relative_to(ROOT)), "machine": args.machine, "points": rows})
     write_text(out.with_suffix(".md"), text)
