@@ -9,7 +9,8 @@ of its own, with the GPU's compiled kernels and with some or all of them eager (
 *_kernel settings), and the default run again beside them: each run's
 losses, the first step at which they part and dynamo's recompilations; the same in one process with
 torch's deterministic algorithms on (the ops that have none named by their warnings), and in fresh
-processes with CUDA's caching allocator off (each tensor allocated on its own); and holds the
+processes with CUDA's caching allocator off (each tensor allocated on its own); which parameters'
+gradients part first (every kernel eager); and holds the
 compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
 shapes, with and without grad mode. The report is written after each part.
 
@@ -38,8 +39,9 @@ SWITCHES = {"K1": {"checkpoint_every": 1}, "kept": {"no_recompute_layers": 2, "o
 SEQ, BATCH, STEPS = 64, 4, 3
 
 
-def train(init: Path, engine: dict) -> list[float]:
-    """The GPU test's run (test_gpu.gpu_tree): its losses."""
+def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = None) -> list[float]:
+    """The GPU test's run (test_gpu.gpu_tree): its losses; into `grads`, each step's float32 gradient
+    of every parameter, by its library name, as the host store holds it for the update."""
     from helpers import random_batches
     from megatrain.config import load_config
     from megatrain.trainer import Trainer
@@ -49,7 +51,14 @@ def train(init: Path, engine: dict) -> list[float]:
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2}, "steps": STEPS}
     trainer = Trainer(load_config(base=tree))
     try:
-        return [trainer.train_step(mbs)["loss"] for mbs in random_batches(STEPS, 2, BATCH, SEQ, 256, pad=True)]
+        losses = []
+        for mbs in random_batches(STEPS, 2, BATCH, SEQ, 256, pad=True)[:steps]:
+            losses.append(trainer.train_step(mbs)["loss"])
+            if grads is not None:
+                trainer.optimizer.flush()
+                grads.append({name: view.clone() for tile in trainer.store.tiles
+                              for name, view in zip(trainer.shape.hf_names(tile.name), tile.layout.views(tile.grad))})
+        return losses
     finally:
         trainer.close()
 
@@ -68,6 +77,23 @@ def in_process(init: Path, kernels: dict) -> dict:
         base, other = train(init, kernels), train(init, {**kernels, **switch})
         out[name] = {"base": base, "switch": other, "parted_at": parted(base, other),
                      "recompiles": (sum(counters["recompiles"].values()) if "recompiles" in counters else 0) - before}
+    return out
+
+
+def grad_diff(init: Path, kernels: dict) -> dict:
+    """Each switch's first two steps' gradients against the default run's: per step, the parameters
+    whose gradient differs, by their largest difference, largest first."""
+    base: list = []
+    train(init, kernels, 2, base)
+    out = {}
+    for name in ("K1", "kept"):
+        other: list = []
+        train(init, {**kernels, **SWITCHES[name]}, 2, other)
+        out[name] = {"parted_at": next((k for k, (a, b) in enumerate(zip(base, other))
+                                        if any(not torch.equal(a[p], b[p]) for p in a)), None)}
+        for step, (a, b) in enumerate(zip(base, other)):
+            diffs = {p: float((a[p] - b[p]).abs().max()) for p in a if not torch.equal(a[p], b[p])}
+            out[name][f"step{step}"] = dict(sorted(diffs.items(), key=lambda kv: -kv[1]))
     return out
 
 
@@ -172,7 +198,7 @@ def main() -> None:
     parts = [("in_process_compiled", in_process, {}), ("deterministic_compiled", deterministic, {}),
              ("fresh_compiled", fresh, {}), ("in_process_eager_rotary", in_process, {"rotary_kernel": "eager"}),
              ("in_process_eager_mlp", in_process, {"mlp_kernel": "eager"}), ("in_process_eager", in_process, eager),
-             ("fresh_eager", fresh, eager),
+             ("fresh_eager", fresh, eager), ("grad_diff_eager", grad_diff, eager),
              # every tensor its own cudaMalloc, at the allocator's alignment whatever the schedule
              ("fresh_no_caching", functools.partial(fresh, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}), {})]
     parts = [p for p in parts if not args.parts or p[0] in args.parts]
