@@ -6,7 +6,8 @@ SPEC: {"config": a run's settings, "batches": a torch.save'd list of steps' micr
 (then Trainer.fit on the config's data), "out": a folder, "crash_rank": a rank that dies at once
 once the trainer is built (optional), "evaluate": true to evaluate the built weights on the
 held-out data instead of training (optional)}. Writes out/rank{R}.json (losses,
-gradient norms, the gradient slabs' size, the shared store's mapping in this process) and, from each host's first rank,
+gradient norms, the gradient slabs' size, the kept attention it offloaded, the shared store's
+mapping in this process) and, from each host's first rank,
 out/params-host{N}.pt (the weights as that host's store holds them).
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(spec_path: str) -> None:
         slabs = {"slab_numel": e.slab_numel, "layer_numel": max(t.layout.numel for t in e.store.layers),
                  "largest_layer_part": max(hi - lo for t, (lo, hi) in e.parts.items() if t.name in layers)}
         report = {"rank": r.rank, "node": r.node, "losses": losses, "reduce_s": reduce_s, **slabs,
+                  "offloaded_attention_layers": trainer.settings.offloaded_attention_layers,
+                  "attention_d2h": e.attention.bytes_d2h,
                   "grad_norms": [trainer.optimizer.grad_norms[k] for k in sorted(trainer.optimizer.grad_norms)],
                   "store_bytes": trainer.arena.nbytes if trainer.arena else None, **store_mapping()}
         (out / f"rank{r.rank}.json").write_text(json.dumps(report))

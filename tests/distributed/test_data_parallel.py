@@ -26,8 +26,10 @@ import pytest
 import torch
 
 from helpers import random_batches, store_params, tiny_checkpoint, torchrun
+from megatrain import kept_attention
 from megatrain.config import load_config
 from megatrain.distributed import Ranks, check, part
+from megatrain.shapes import ModelShape
 from megatrain.trainer import Trainer
 from tiny_tokenizer import WORDS, save_tokenizer
 
@@ -93,6 +95,22 @@ def test_two_ranks_train_as_one_with_the_global_batch(tmp_path, model_and_batche
     assert not Path(reports[0]["files"][0]).exists(), "the shared store's file left behind"
     for r in reports:
         assert r["slab_numel"] == r["largest_layer_part"] < r["layer_numel"] <= 2 * r["slab_numel"], r
+
+
+def test_two_ranks_keeping_attention_in_host_memory_train_as_one(tmp_path):
+    """Kept attention in host memory (engine.offload_attention) on 2 ranks: each rank's own rows'
+    attention out and back every step, the run as one rank's (unpadded rows: a padded micro-batch
+    keeps none)."""
+    model = tiny_checkpoint(tmp_path / "init", "tiny-llama")
+    batches = random_batches(STEPS, ACCUM, BATCH, SEQ, model.config.vocab_size, pad=False)
+    torch.save(batches, tmp_path / "batches.pt")
+    tree = settings(tmp_path)
+    tree["engine"].update({"keep_attention_layers": 2, "offload_attention": True})
+    reports = torchrun(tmp_path, tree, str(tmp_path / "batches.pt"), "two")
+    shape = ModelShape(model.config)
+    per_step = 2 * ACCUM * kept_attention.kept_bytes(shape, BATCH // 2 * SEQ, 4)  # 2 layers, each rank's rows
+    assert all(r["offloaded_attention_layers"] == 2 and r["attention_d2h"] == STEPS * per_step for r in reports)
+    assert_same_training(reports, torch.load(tmp_path / "two" / "params-host0.pt"), one_rank(tmp_path, tree, batches))
 
 
 def test_two_hosts_of_two_ranks_train_as_one(tmp_path, model_and_batches):
