@@ -577,7 +577,8 @@ def _build(cls, values: Any, where: str):
         raise ValueError(f"{where or 'config'}: {e}") from None
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """tree[a][b][c] = value for `a.b.c`, the sections made where missing."""
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
@@ -637,7 +638,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
             raise ValueError(f"config {path}: the top level must be a mapping")
         tree.update(loaded or {})
     for key, value in parse_overrides(list(overrides)):
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     if "model" not in tree:
         raise ValueError("config: the model section is required (preset, config or pretrained)")
     return _build(TrainConfig, tree, "")

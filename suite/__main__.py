@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from megatrain.cli import parse_with_settings
-from megatrain.config import parse_overrides
+from megatrain.config import parse_overrides, set_dotted
 from megatrain.io import check_writable, write_json
 from megatrain.units import GiB
 from suite.accuracy.experiment import Settings
@@ -33,11 +33,7 @@ def _default(owner, name: str):
 def _options(items: list[str]) -> dict:
     tree: dict = {}
     for dotted, value in parse_overrides(items):
-        node = tree
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_dotted(tree, dotted, value)
     return tree
 
 

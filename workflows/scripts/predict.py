@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatrain.config import set_dotted
 from megatrain.io import write_json, write_text
 from megatrain.units import GiB
 from suite.machines import MACHINES
@@ -29,11 +30,7 @@ def _nested(options: dict) -> dict:
     """A grid point's dotted options (engine.checkpoint_every) as a RunSpec's tree."""
     tree: dict = {}
     for dotted, value in options.items():
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_dotted(tree, dotted, value)
     return tree
 
 
