@@ -39,6 +39,12 @@ class Unit:
             out += tile.layout.views(flat, offset)
         return out
 
+    def padding(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for tile, offset in self.segments:
+            out += tile.layout.padding(flat, offset)
+        return out
+
     @staticmethod
     def of(name: str, tiles: list[Tile]) -> "Unit":
         segments, cursor = [], 0

@@ -57,7 +57,7 @@ from functools import partial
 import torch
 
 from megatrain import kept_attention
-from megatrain.accumulate import add_into, add_rows
+from megatrain.accumulate import add_into, add_rows, copy_into
 from megatrain.activations import Checkpoints, KeptAttention
 from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
@@ -378,10 +378,13 @@ class Engine:
             grads = torch.autograd.grad(roots, [x, *leaves], droots)
             st.dhs[m] = grads[0]
             del x, leaves, out, logits, roots
-            if op.first:
-                st.accs[i] = torch.zeros(unit.numel, dtype=torch.float32, device=self.dev.torch)
+            if op.first:  # the first micro-batch's gradients are copied in, not added to zeros
+                st.accs[i] = torch.empty(unit.numel, dtype=torch.float32, device=self.dev.torch)
+                for gap in unit.padding(st.accs[i]):
+                    gap.zero_()
+            into = copy_into if op.first else add_into
             for view, grad in zip(unit.views(st.accs[i]), grads[1:], strict=True):
-                add_into(view, grad)
+                into(view, grad)
             del grads
         if op.last:
             self._offload(unit, st.accs.pop(i))

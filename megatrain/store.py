@@ -79,6 +79,12 @@ class Layout:
     def views(self, flat: torch.Tensor, base: int = 0) -> list[torch.Tensor]:
         return [flat[base + o: base + o + s.numel].view(s.shape) for s, o in zip(self.specs, self.offsets)]
 
+    def padding(self, flat: torch.Tensor, base: int = 0) -> list[torch.Tensor]:
+        """The elements between and after the views: what no parameter holds."""
+        ends = sorted((o, o + s.numel) for s, o in zip(self.specs, self.offsets))
+        gaps = [(end, start) for (_, end), (start, _) in zip(ends, [*ends[1:], (self.numel, self.numel)])]
+        return [flat[base + a: base + b] for a, b in gaps if b > a]
+
 
 def page_aligned(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)

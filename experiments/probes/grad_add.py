@@ -7,8 +7,8 @@ micro-batch (one add of every parameter), the bytes moved (4 + 2 + 4 a parameter
 and whether the sums equal the library's to the bit; on a GPU the engine's kernel at other
 launch shapes (elements a program, warps). For scale: a float32 add of two float32
 tensors and a copy of the accumulator, the device's own elementwise rates on the same bytes; the
-accumulator's zeroing and a bf16 gradient copied into it (what a step's first micro-batch could do
-in place of zeroing and adding).
+accumulator's zeroing and a bf16 gradient copied into it, by torch and by the engine's
+copy_into (what a step's first micro-batch does in place of zeroing and adding).
 
     python -m experiments.probes.grad_add --preset gpt-oss-120b --out grad_add.json
 """
@@ -21,7 +21,7 @@ import json
 import torch
 
 from megatrain import accumulate
-from megatrain.accumulate import add_into, triton
+from megatrain.accumulate import add_into, copy_into, triton
 from megatrain.config import ModelConfig
 from megatrain.shapes import ModelShape, load_hf_config
 
@@ -90,6 +90,7 @@ def main() -> None:
         # what a step's first micro-batch could do instead of zeroing the accumulator and adding
         "zeroing (fp32 = 0)": (lambda: [a.zero_() for a in accs], 4),
         "fp32 = bf16 (a copy)": (lambda: [a.copy_(g) for a, g in zip(accs, grads)], 6),
+        "engine copy_into (fp32 = bf16)": (lambda: [copy_into(a, g) for a, g in zip(accs, grads)], 6),
     }
     rows = {}
     for name, (fn, bytes_per) in forms.items():

@@ -607,6 +607,22 @@ def test_accumulate_add_is_the_library_add_on_the_gpu(cuda_only):
         del acc, grad, want
 
 
+def test_accumulate_copy_is_the_library_copy_on_the_gpu(cuda_only):
+    """The first micro-batch's gradient copied into the step gradient (accumulate.copy_into: the
+    Triton kernel) against torch's copy, to the bit, -0.0 kept: contiguous, a length no block
+    divides, transposed (torch's copy)."""
+    from megatrain.accumulate import copy_into
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape, transposed in (((37, 24), False), ((24, 37), True), ((2**20 + 5,), False)):
+        grad = torch.randn(shape[::-1] if transposed else shape, generator=gen, device="cuda").to(torch.bfloat16)
+        grad.view(-1)[:3] = -0.0
+        grad = grad.t() if transposed else grad
+        acc = torch.full(shape, float("nan"), device="cuda")
+        copy_into(acc, grad)
+        want = torch.empty(shape, device="cuda").copy_(grad)
+        assert torch.equal(acc.view(torch.int32), want.view(torch.int32))
+
+
 def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
     """The embedding gradient's add (accumulate.add_rows) on the GPU, ids repeating as a batch's
     tokens do: the same bits in every run (index_add_ on the GPU adds with atomics in no fixed order),

@@ -32,6 +32,17 @@ def test_layout_is_aligned_and_decay_first():
     assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
 
 
+def test_padding_is_what_no_parameter_holds():
+    """A layout's views and its padding cover its buffer once each (the step gradient's first
+    micro-batch is copied into the views and zeroes only the padding)."""
+    layout = Layout.of(shape_of("tiny-qwen2").layer_specs)
+    flat = torch.zeros(layout.numel)
+    for t in (*layout.views(flat), *layout.padding(flat)):
+        t.add_(1)
+    assert torch.equal(flat, torch.ones(layout.numel)) and layout.padding(flat)
+    assert sum(p.numel() for p in layout.padding(flat)) == layout.numel - layout.params
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_host_bytes_per_parameter(split):
     """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow), 18
