@@ -9,7 +9,7 @@ of its own, with the GPU's compiled kernels and with some or all of them eager (
 *_kernel settings), and the default run again beside them: each run's
 losses, the first step at which they part and dynamo's recompilations; the same in one process with
 torch's deterministic algorithms on (the ops that have none named by their warnings), and in fresh
-processes with CUDA's caching allocator off (each tensor allocated on its own); which parameters'
+processes with CUDA's caching allocator off (each tensor allocated on its own), and in process without clipping; which parameters'
 gradients part first (every kernel eager); and holds the
 compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
 shapes, with and without grad mode. The report is written after each part.
@@ -39,15 +39,16 @@ SWITCHES = {"K1": {"checkpoint_every": 1}, "kept": {"no_recompute_layers": 2, "o
 SEQ, BATCH, STEPS = 64, 4, 3
 
 
-def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = None) -> list[float]:
-    """The GPU test's run (test_gpu.gpu_tree): its losses; into `grads`, each step's float32 gradient
-    of every parameter, by its library name, as the host store holds it for the update."""
+def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = None, optim: dict | None = None) -> list[float]:
+    """The GPU test's run (test_gpu.gpu_tree; `optim` set over its optimizer's settings): its
+    losses; into `grads`, each step's float32 gradient of every parameter, by its library name, as
+    the host store holds it for the update, and its gradient norm under "norm"."""
     from helpers import random_batches
     from megatrain.config import load_config
     from megatrain.trainer import Trainer
     tree = {"model": {"pretrained": str(init)},
             "engine": {"device": "cuda", "checkpoint_every": 2, "loss_chunk_tokens": 96, "device_tiles": 0, **engine},
-            "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "warmup_steps": 2},
+            "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "warmup_steps": 2, **(optim or {})},
             "data": {"seq_len": SEQ, "batch_size": BATCH, "grad_accum": 2}, "steps": STEPS}
     trainer = Trainer(load_config(base=tree))
     try:
@@ -58,6 +59,8 @@ def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = Non
                 trainer.optimizer.flush()
                 grads.append({name: view.clone() for tile in trainer.store.tiles
                               for name, view in zip(trainer.shape.hf_names(tile.name), tile.layout.views(tile.grad))})
+                norms = trainer.optimizer.grad_norms  # by step
+                grads[-1]["norm"] = torch.tensor(norms[max(norms)], dtype=torch.float64)
         return losses
     finally:
         trainer.close()
@@ -68,13 +71,14 @@ def parted(a: list[float], b: list[float]) -> int | None:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def in_process(init: Path, kernels: dict) -> dict:
-    """The default then each switch, in this process, as the test runs them."""
+def in_process(init: Path, kernels: dict, optim: dict | None = None, names: tuple = tuple(SWITCHES)) -> dict:
+    """The default then each switch (of `names`), in this process, as the test runs them."""
     from torch._dynamo.utils import counters
     out = {}
-    for name, switch in SWITCHES.items():
+    for name in names:
+        switch = SWITCHES[name]
         before = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
-        base, other = train(init, kernels), train(init, {**kernels, **switch})
+        base, other = train(init, kernels, optim=optim), train(init, {**kernels, **switch}, optim=optim)
         out[name] = {"base": base, "switch": other, "parted_at": parted(base, other),
                      "recompiles": (sum(counters["recompiles"].values()) if "recompiles" in counters else 0) - before}
     return out
@@ -200,7 +204,9 @@ def main() -> None:
              ("in_process_eager_mlp", in_process, {"mlp_kernel": "eager"}), ("in_process_eager", in_process, eager),
              ("fresh_eager", fresh, eager), ("grad_diff_eager", grad_diff, eager),
              # every tensor its own cudaMalloc, at the allocator's alignment whatever the schedule
-             ("fresh_no_caching", functools.partial(fresh, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}), {})]
+             ("fresh_no_caching", functools.partial(fresh, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}), {}),
+             # without clipping: the update takes no norm of the step's gradients
+             ("in_process_no_clipping", functools.partial(in_process, optim={"max_grad_norm": None}, names=("K1", "kept")), {})]
     parts = [p for p in parts if not args.parts or p[0] in args.parts]
     for key, part, kernels in parts:
         report[key] = part(init, kernels)
