@@ -11,8 +11,8 @@ losses, the first step at which they part and dynamo's recompilations; the same 
 torch's deterministic algorithms on (the ops that have none named by their warnings), in fresh
 processes with CUDA's caching allocator off (each tensor allocated on its own), and in process
 without clipping; which parameters' gradients (and the step's norm) part first (every kernel
-eager); and holds the compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
-shapes, with and without grad mode. The report is written after each part.
+eager); and holds the compiled rotary against the library's on the GPU on the queries and keys
+of the tiny model's shapes, with and without grad mode. The report is written after each part.
 
     python -m experiments.probes.switch_numerics --out switch_numerics.json
 """
