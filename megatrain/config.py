@@ -144,8 +144,9 @@ class EngineConfig:
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
     offload_checkpoints: bool = False  # block checkpoints in pinned host memory: device memory flat in depth
     # pinned gradient slabs, each one layer's float32 gradient on its way to the host's AdamW: the
-    # queue that lets the backward run ahead of the updates; 0 returns gradients synchronously
-    # (ablation); auto: 8 where the host holds them beside the plan, else 4, else 2 (resolve.py)
+    # queue that lets the backward run ahead of the updates (without clipping: with it each tile's
+    # gradient returns into the tile's own buffer, and no slab is allocated); 0 returns gradients
+    # synchronously (ablation); auto: 8 where the host holds them beside the plan, else 4, else 2 (resolve.py)
     grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as

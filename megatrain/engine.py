@@ -150,7 +150,9 @@ class Engine:
         # a slab carries this rank's part of the largest layer's gradient (the whole layer on one
         # rank); bigger tiles (embedding, LM head) return in pieces
         self.slab_numel = slab_numel(max(u.numel for u in self.layer_units), self.comm.ranks.local_world)
-        self.slabs = SlabPool(max(1, settings.grad_slabs), self.slab_numel, pinned, self.timeline)
+        # with clipping each host tile's gradient returns into its own pinned buffer: no slabs
+        self.slabs = SlabPool(0 if settings.clipping else max(1, settings.grad_slabs), self.slab_numel, pinned,
+                              self.timeline)
         self.sync_grads = settings.grad_slabs == 0
         self.max_tokens = settings.tokens
         self.rows = torch.empty(self.max_tokens * self.shape.hidden, dtype=self.dtype, pin_memory=pinned)
@@ -270,7 +272,7 @@ class Engine:
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
-        return {tile: max(1, -(-(self.parts[tile][1] - self.parts[tile][0]) // self.slab_numel))
+        return {tile: 1 if tile.grad is not None else max(1, -(-(self.parts[tile][1] - self.parts[tile][0]) // self.slab_numel))
                 for unit in self.grad_units for tile in unit.tiles if not tile.on_device}
 
     # ------------------------------------------------------------------ the ops (schedule.py)
@@ -529,8 +531,9 @@ class Engine:
         return self.timeline.stream(Track.COMPUTE, self.dev.compute, Kind.REDUCE, tile.name)
 
     def _offload(self, unit: Unit, acc: torch.Tensor) -> None:
-        """Return a unit's float32 step gradient to pinned slabs, one piece per slab (a device
-        tile's updates it where it is), and add each tile's squared norm into the step's norms.
+        """Return a unit's float32 step gradient to pinned slabs, one piece per slab, or with
+        clipping into each host tile's own pinned gradient buffer (a device tile's updates it where
+        it is), and add each tile's squared norm into the step's norms.
         With data-parallel ranks a host tile's gradient is first reduced, this rank keeping the
         sum of its part [lo, hi) alone; a device tile's is summed whole (every rank updates its copy,
         the host's first rank counts its norm)."""
@@ -551,6 +554,10 @@ class Engine:
             self.sq[k] += norm_sq
             self._norm_to_host(k, norm_sq)  # of this rank's part: the pieces it applies
             norm_host = self.norms_host[k]
+            if tile.grad is not None:  # clipping: this rank's part straight into the tile's pinned buffer
+                self._to_host(mine[: hi - lo], tile.grad[lo:hi], tile.name, lambda event: self.optimizer.submit(
+                    tile, lo, hi, None, event, lambda: None, norm_host))
+                continue
             for a in range(lo, hi, self.slab_numel) if hi > lo else [lo]:  # an empty part: one empty piece
                 b = min(hi, a + self.slab_numel)
                 slab = self.slabs.acquire()

@@ -47,11 +47,11 @@ class _Begin:
 
 @dataclass(frozen=True)
 class _Dense:
-    landed: object  # device event: the D2H copies into `grad` and `norm_sq` have completed
+    landed: object  # device event: the D2H copies into `grad` (or the tile's buffer) and `norm_sq` have completed
     tile: Tile
     lo: int
     hi: int
-    grad: torch.Tensor
+    grad: torch.Tensor | None  # a slab; None with clipping: the range is in the tile's gradient buffer
     release: Callable[[], None]
     norm_sq: torch.Tensor  # the squared gradient norm of the tile (of this rank's part): not finite, no piece applied
 
@@ -97,8 +97,8 @@ class HostExecutor:
 
     def submit(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event, release: Callable[[], None],
                norm_sq: torch.Tensor) -> None:
-        """Elements [lo, hi) of a tile's step gradient, float32 in `grad` once `event` completes,
-        with the tile's squared norm."""
+        """Elements [lo, hi) of a tile's step gradient, float32 in `grad` (None: in the tile's
+        gradient buffer) once `event` completes, with the tile's squared norm."""
         self._put(_Dense(event, tile, lo, hi, grad, release, norm_sq))
         self._count(tile)
 
@@ -186,8 +186,7 @@ class HostExecutor:
                 pass  # never applied: the engine stops the run at the step's end
             elif self.clip is None:  # update this range now, from the slab
                 self._update(tile, task.lo, task.hi, task.grad, 1.0)
-            else:  # each element's one contribution of the step (a unit returns once per step)
-                tile.grad[task.lo:task.hi].copy_(task.grad)
+            # with clipping the range has landed in the tile's gradient buffer: updated at the finish
         finally:
             task.release()  # the slab back, also when the update fails (the main thread may wait for one)
         self._received[tile] += 1

@@ -96,8 +96,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     host = {
         "store": store_host,
         "optimizer_scratch": R * SCRATCH_BYTES if s.split_masters else 0,  # a split tile's chunk, joined
-        # each rank's slabs hold its part of a layer: a host's ranks together what one rank's hold
-        "grad_slabs": R * max(1, s.grad_slabs) * pinned_bytes(slab_numel(layer, R) * 4, pinned),
+        # each rank's slabs hold its part of a layer: a host's ranks together what one rank's hold;
+        # with clipping none: gradients return into the store's tiles (their buffers: in `store`)
+        "grad_slabs": 0 if s.clipping else R * max(1, s.grad_slabs) * pinned_bytes(slab_numel(layer, R) * 4, pinned),
         "embedding_staging": R * pinned_bytes(tokens * h * c, pinned),
         "checkpoint_offload": R * (blocks * M * pinned_bytes(tokens * h * c, pinned)) if s.offload_checkpoints else 0,
         # registered at their exact size, each part page-aligned (activations.KeptAttention)

@@ -92,10 +92,11 @@ class Optimizer:
         self.update = update
         self.steps += 1
 
-    def submit(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, event, release: Callable[[], None],
+    def submit(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor | None, event, release: Callable[[], None],
                norm_sq: torch.Tensor) -> None:
-        """Elements [lo, hi) of a host tile's step gradient, float32 in the pinned `grad` once `event`
-        completes (`release` gives the slab back), and the tile's squared norm, there by then too."""
+        """Elements [lo, hi) of a host tile's step gradient, float32 in the pinned slab `grad` (None
+        with clipping: in the tile's pinned gradient buffer) once `event` completes (`release` gives
+        the slab back), and the tile's squared norm, there by then too."""
         self.host.submit(tile, lo, hi, grad, event, release, norm_sq)
 
     def device_gradient(self, tile: Tile, grad: torch.Tensor, norm_sq: torch.Tensor) -> None:

@@ -30,7 +30,8 @@ before it settled:
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
                        optimizer can leave more of the last layers' pieces for the next forward to
                        overlap (host_executor.py), for a layer's float32 gradient of pinned host memory
-                       each
+                       each; with clipping the setting allocates none (each tile's gradient returns
+                       into its own buffer: the plan counts no slabs, so auto resolves to 8)
 The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
 and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.
 """

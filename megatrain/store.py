@@ -16,7 +16,8 @@ master exactly halfway between two bf16 values and rounded down, is flagged in t
 
 Gradients are summed over the micro-batches on the device and update a tile straight from the
 pinned slab they return into (see host_executor.py). Only clipping, whose global norm is known at the
-step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parameter).
+step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parameter): pinned, like the
+shadow, so that the gradient returns straight into it, with no slab and no copy on the host.
 
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
 and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
@@ -259,7 +260,7 @@ class Tile:
         else:
             self.storage = Storage.SPLIT if split and can_split(master, compute) else Storage.MASTER_AND_SHADOW
         n = layout.numel
-        state = [torch.float32] * (2 + grad)  # the moments, and the gradient buffer if any
+        state = [torch.float32] * 2  # the moments
         self.grad: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.low: torch.Tensor | None = None
@@ -270,15 +271,15 @@ class Tile:
         elif self.storage is Storage.MASTER_IS_SHADOW:
             (self.master,) = _carve(alloc(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
             self.shadow = self.master
-            self.exp_avg, self.exp_avg_sq, *rest = self._block(n, state, alloc)
+            self.exp_avg, self.exp_avg_sq = self._block(n, state, alloc)
         else:
             if self.storage is Storage.SPLIT:
-                self.low, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [torch.int16, *state], alloc)
+                self.low, self.exp_avg, self.exp_avg_sq = self._block(n, [torch.int16, *state], alloc)
             else:  # bf16 masters with float32 compute stream a float32 copy too
-                self.master, self.exp_avg, self.exp_avg_sq, *rest = self._block(n, [master, *state], alloc)
+                self.master, self.exp_avg, self.exp_avg_sq = self._block(n, [master, *state], alloc)
             (self.shadow,) = _carve(alloc(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
-        if grad and not self.on_device:
-            self.grad = rest[0]
+        if grad and not self.on_device:  # the step's gradient returns into it from the device
+            (self.grad,) = _carve(alloc(-(-n * 4 // PAGE) * PAGE, pinned), n, [torch.float32])
         # Set while the shadow holds the current weights; cleared from the moment the main thread
         # hands the tile's last gradient of a step to the optimizer until the update is written.
         self.ready = threading.Event()

@@ -288,7 +288,8 @@ def test_a_host_too_small_for_the_shared_store_is_refused(tmp_path, monkeypatch)
 
 def test_the_plan_counts_the_shared_store_once_per_host():
     """Two ranks on a host: the store once, the runtime twice, each rank's gradient slabs for its
-    half of a layer (together one rank's), each rank's device memory for its half of the micro-batch."""
+    half of a layer (together one rank's; none with clipping: gradients return into the store's
+    buffers), each rank's device memory for its half of the micro-batch."""
     from megatrain import memory
     from megatrain.config import DataConfig, EngineConfig, ModelConfig, OptimConfig
     from megatrain.resolve import Machine, resolve
@@ -296,8 +297,11 @@ def test_the_plan_counts_the_shared_store_once_per_host():
     from megatrain.store import Layout, pinned_bytes
     shape = ModelShape(load_hf_config(ModelConfig(preset="qwen2.5-7b")))
     data, machine = DataConfig(seq_len=4096, batch_size=4), Machine(True, 80 << 30, 1 << 40, gpus=2)
-    one = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine))
-    two = memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine, Ranks(0, 2, 0, 2)))
+    unclipped = OptimConfig(max_grad_norm=None)
+    one = memory.plan(shape, resolve(EngineConfig(), data, unclipped, shape, machine))
+    two = memory.plan(shape, resolve(EngineConfig(), data, unclipped, shape, machine, Ranks(0, 2, 0, 2)))
+    assert memory.plan(shape, resolve(EngineConfig(), data, OptimConfig(), shape, machine, Ranks(0, 2, 0, 2))
+                       ).detail["grad_slabs"] == 0
     assert two.detail["store"] <= one.detail["store"]  # no power-of-two pinned blocks in the shared file
     assert two.detail["runtime"] == 2 * one.detail["runtime"]
     layer = 4 * Layout.of(shape.layer_specs).numel

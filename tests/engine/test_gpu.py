@@ -576,18 +576,20 @@ def _page_locked(t: torch.Tensor) -> bool:
 
 
 def test_store_shadows_are_pinned_at_their_size_until_close(tmp_path, cuda_only):
-    """The shadows the device copies from are registered with CUDA (page-locked: DMA, no staging)
-    at their exact size, and unregistered when the run closes."""
+    """The shadows the device copies from, and with clipping the gradient buffers it copies into, are
+    registered with CUDA (page-locked: DMA, no staging) at their exact size, and unregistered when
+    the run closes; with clipping no gradient slab is allocated."""
     tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
-    _, trainer = gpu_trainer(tmp_path)
+    _, trainer = gpu_trainer(tmp_path)  # clipping
     host = [t for t in trainer.store.tiles if not t.on_device]
     try:
-        assert host and all(_page_locked(t.shadow) for t in host)
-        assert len(trainer.store.blocks.registered) == len(host)
+        assert host and all(_page_locked(t.shadow) and _page_locked(t.grad) for t in host)
+        assert len(trainer.store.blocks.registered) == 2 * len(host)
         assert not _page_locked(host[0].exp_avg)  # the optimizer's state is not registered
+        assert trainer.engine.slabs._free.empty()
     finally:
         trainer.close()
-    assert not any(_page_locked(t.shadow) for t in host)
+    assert not any(_page_locked(t.shadow) or _page_locked(t.grad) for t in host)
 
 
 def test_accumulate_add_is_the_library_add_on_the_gpu(cuda_only):

@@ -27,8 +27,10 @@ def test_layout_is_aligned_and_decay_first():
     assert tile.storage is Storage.SPLIT and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
     for t in (tile.low, tile.exp_avg, tile.exp_avg_sq, tile.grad, tile.shadow):
         assert t.data_ptr() % PAGE == 0
-    # one layer-contiguous block: the low halves, moments and gradient buffer follow each other
-    assert tile.exp_avg.data_ptr() > tile.low.data_ptr() and tile.grad.data_ptr() > tile.exp_avg_sq.data_ptr()
+    # one layer-contiguous block: the low halves and moments follow each other; the gradient buffer,
+    # which the device copies into, is a block of its own, pinned where the shadow is
+    assert tile.exp_avg.data_ptr() > tile.low.data_ptr() and tile.exp_avg_sq.data_ptr() > tile.exp_avg.data_ptr()
+    assert not tile.low.data_ptr() <= tile.grad.data_ptr() <= tile.exp_avg_sq.data_ptr()
     assert arch.tied and [s.name for s in store.head.layout.specs] == ["norm.weight"]  # the LM head is the embedding
 
 
