@@ -146,7 +146,8 @@ class EngineConfig:
     # pinned gradient slabs, each one layer's float32 gradient on its way to the host's AdamW: the
     # queue that lets the backward run ahead of the updates (without clipping: with it each tile's
     # gradient returns into the tile's own buffer, and no slab is allocated); 0 returns gradients
-    # synchronously (ablation); auto: 8 where the host holds them beside the plan, else 4, else 2 (resolve.py)
+    # synchronously (ablation); auto: 8 where the host holds them beside the plan, else 4, else 2, at most
+    # the pieces a step returns to the host (resolve.py)
     grad_slabs: int | Literal["auto"] = "auto"
     # tiles in forward order (embedding, layer 0, 1, ...) whose master and moments live in device
     # memory and update there: the updates that stay exposed on the CPU (see store.py); auto: as

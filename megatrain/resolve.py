@@ -25,7 +25,9 @@ before it settled:
                        kernel's is not), where the GPU's backward may not hide it
                        (decided with 4 gradient slabs where those are auto, with 2 where neither plan fits with 4)
   grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
-                       if 2 do not fit, naming the slabs): past 4, the launching thread
+                       if 2 do not fit, naming the slabs), and never more than the gradient pieces a
+                       rank returns to the host in a step (a shallow model of wide layers: GPT-OSS-120B
+                       on 3 layers returns 3 pieces of 13 GB, which 3 slabs hold as well as 8 would): past 4, the launching thread
                        queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
                        on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
                        optimizer can leave more of the last layers' pieces for the next forward to
@@ -46,9 +48,10 @@ import torch
 
 from megatrain import fused_adamw, memory, metrics, schedule
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
-from megatrain.distributed import Ranks, check as check_ranks
+from megatrain.distributed import Ranks, check as check_ranks, slab_numel
 from megatrain.kernels import KERNELS, OPTIMIZER
 from megatrain.shapes import ModelShape
+from megatrain.store import Layout
 from megatrain.units import GiB
 
 MLP_CHUNKS = (65536, 32768, 16384, 8192, 4096)
@@ -128,7 +131,7 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         split_masters=splittable and engine.split_masters is True,
         checkpoint_every=engine.checkpoint_every, weight_buffers=engine.weight_buffers,
         offload_checkpoints=engine.offload_checkpoints,
-        grad_slabs=4 if engine.grad_slabs == "auto" else engine.grad_slabs,
+        grad_slabs=4 if engine.grad_slabs == "auto" else engine.grad_slabs,  # auto's capped below, by the pieces
         device_tiles=0 if engine.device_tiles == "auto" else engine.device_tiles,
         loss_chunk_tokens=engine.loss_chunk_tokens,
         mlp_chunk_tokens=None if engine.mlp_chunk_tokens == "auto" else engine.mlp_chunk_tokens,
@@ -152,11 +155,13 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     s = _keep_attention(engine, shape, s, bound, host)
     if engine.device_tiles == "auto" and attention_first:
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
+    if engine.grad_slabs == "auto":  # after device_tiles: the host tiles' pieces
+        s = replace(s, grad_slabs=min(s.grad_slabs, _pieces(shape, s)))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
         s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes,
                                                    engine.grad_slabs == "auto"))
     if engine.grad_slabs == "auto":
-        s = replace(s, grad_slabs=_slabs(shape, s, machine.host_available, data_bytes))
+        s = replace(s, grad_slabs=min(_slabs(shape, s, machine.host_available, data_bytes), _pieces(shape, s)))
     return s
 
 
@@ -243,6 +248,16 @@ def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, dat
     if whole or split:
         return not whole
     return slabs_auto and not fits(False, GRAD_SLABS[-1]) and fits(True, GRAD_SLABS[-1])
+
+
+def _pieces(shape: ModelShape, s: EngineSettings) -> int:
+    """The gradient pieces a rank returns to the host's AdamW in a step, each in a slab of its own
+    (Engine._contributions): more slabs than these are never in use at once, since a step's forward
+    waits for every update of the step before (at least 1)."""
+    layer = max(Layout.of(specs).numel for specs in shape.layer_layouts)
+    slab = slab_numel(layer, s.local_ranks)
+    units = [Layout.of(specs).numel for _, specs in shape.units()][s.device_tiles:]
+    return max(1, sum(max(1, -(-slab_numel(n, s.local_ranks) // slab)) for n in units))
 
 
 def _slabs(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int) -> int:

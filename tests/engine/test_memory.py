@@ -174,7 +174,8 @@ def test_auto_mlp_chunk_only_when_the_plan_needs_it():
 
 def test_grad_slabs_auto_takes_eight_where_the_host_holds_them():
     """auto: 8 slabs where the plan with 8 fits the host, else 4, else 2 (where admission may then
-    refuse, naming them); a number given is kept; a negative one is refused by name."""
+    refuse, naming them), at most the gradient pieces a step returns to the host; a number given is
+    kept; a negative one is refused by name."""
     arch = shape_of("qwen2.5-7b")
     host = {n: plan(arch, settings(arch, EngineConfig(grad_slabs=n))).host_bytes for n in (8, 4, 2)}
     assert host[8] - host[4] == 4 * Layout.of(arch.layer_specs).numel * 4  # a layer's float32 gradient each
@@ -187,6 +188,12 @@ def test_grad_slabs_auto_takes_eight_where_the_host_holds_them():
     assert settings(arch, whole, host=host[4] - 1).grad_slabs == 2
     assert settings(arch, whole, host=host[2] - 1).grad_slabs == 2
     assert settings(arch, EngineConfig(grad_slabs=3), host=host[4]).grad_slabs == 3
+    # never more than the pieces a step returns to the host: GPT-OSS-120B's shape on 3 layers, the
+    # embedding and layer 0 on the device, returns layers 1 and 2 and the head (under one layer's size)
+    wide = shape_of("gpt-oss-120b", num_hidden_layers=3)
+    assert settings(wide, EngineConfig(device_tiles=2)).grad_slabs == 3
+    assert settings(wide, EngineConfig(device_tiles=3)).grad_slabs == 2
+    assert settings(wide, EngineConfig(device_tiles=2, grad_slabs=8)).grad_slabs == 8  # as given
     with pytest.raises(ValueError, match="engine.grad_slabs must be an integer >= 0 or auto, not -1"):
         EngineConfig(grad_slabs=-1)
 
