@@ -10,9 +10,10 @@ of its own, with the GPU's compiled kernels and with some or all of them eager (
 losses, the first step at which they part and dynamo's recompilations; the same in one process with
 torch's deterministic algorithms on (the ops that have none named by their warnings), in fresh
 processes with CUDA's caching allocator off (each tensor allocated on its own), and in process
-without clipping; which parameters' gradients (and the step's norm) part first (every kernel
-eager); and holds the compiled rotary against the library's on the GPU on the queries and keys
-of the tiny model's shapes, with and without grad mode. The report is written after each part.
+without clipping; which parameters' gradients, the step's norm and each tile's squared norm
+(which clipping sums) part first, every kernel eager or with the GPU's kernels; and holds the
+compiled rotary against the library's on the GPU on the queries and keys of the tiny model's
+shapes, with and without grad mode. The report is written after each part.
 
     python -m experiments.probes.switch_numerics --out switch_numerics.json
 """
@@ -42,7 +43,8 @@ SEQ, BATCH, STEPS = 64, 4, 3
 def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = None, optim: dict | None = None) -> list[float]:
     """The GPU test's run (test_gpu.gpu_tree; `optim` set over its optimizer's settings): its
     losses; into `grads`, each step's float32 gradient of every parameter, by its library name, as
-    the host store holds it for the update, and its gradient norm under "norm"."""
+    the host store holds it for the update, its gradient norm under "norm" and each tile's squared
+    norm, as the engine summed it on the device, under "sq.<tile>"."""
     from helpers import random_batches
     from megatrain.config import load_config
     from megatrain.trainer import Trainer
@@ -61,6 +63,8 @@ def train(init: Path, engine: dict, steps: int = STEPS, grads: list | None = Non
                               for name, view in zip(trainer.shape.hf_names(tile.name), tile.layout.views(tile.grad))})
                 norms = trainer.optimizer.grad_norms  # by step
                 grads[-1]["norm"] = torch.tensor(norms[max(norms)], dtype=torch.float64)
+                for tile, sq in zip(trainer.store.tiles, trainer.engine.sq_host):  # each tile's squared norm
+                    grads[-1][f"sq.{tile.name}"] = sq.clone()
         return losses
     finally:
         trainer.close()
@@ -202,7 +206,7 @@ def main() -> None:
     parts = [("in_process_compiled", in_process, {}), ("deterministic_compiled", deterministic, {}),
              ("fresh_compiled", fresh, {}), ("in_process_eager_rotary", in_process, {"rotary_kernel": "eager"}),
              ("in_process_eager_mlp", in_process, {"mlp_kernel": "eager"}), ("in_process_eager", in_process, eager),
-             ("fresh_eager", fresh, eager), ("grad_diff_eager", grad_diff, eager),
+             ("fresh_eager", fresh, eager), ("grad_diff_eager", grad_diff, eager), ("grad_diff_compiled", grad_diff, {}),
              # every tensor its own cudaMalloc, at the allocator's alignment whatever the schedule
              ("fresh_no_caching", functools.partial(fresh, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}), {}),
              # without clipping: the update takes no norm of the step's gradients
