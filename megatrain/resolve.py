@@ -27,13 +27,13 @@ before it settled:
   grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
                        if 2 do not fit, naming the slabs), and never more than the gradient pieces a
                        rank returns to the host in a step (a shallow model of wide layers: GPT-OSS-120B
-                       on 3 layers returns 3 pieces of 13 GB, which 3 slabs hold as well as 8 would): past 4, the launching thread
-                       queues further ahead of a host AdamW slower than the backward (7B at 4 x 4096
-                       on the H100: 0.861 -> 0.925 of the layer ceiling with 8), and the
-                       optimizer can leave more of the last layers' pieces for the next forward to
-                       overlap (host_executor.py), for a layer's float32 gradient of pinned host memory
-                       each; with clipping the setting allocates none (each tile's gradient returns
-                       into its own buffer: the plan counts no slabs, so auto resolves to 8)
+                       on 3 layers returns 3 pieces of 13 GB, which 3 slabs hold as well as 8 would):
+                       past 4, the launching thread queues further ahead of a host AdamW slower than
+                       the backward (7B at 4 x 4096 on the H100: 0.861 -> 0.925 of the layer ceiling
+                       with 8), and the optimizer can leave more of the last layers' pieces for the
+                       next forward to overlap (host_executor.py), for a layer's float32 gradient of
+                       pinned host memory each; with clipping the setting allocates none (each tile's
+                       gradient returns into its own buffer: the plan counts no slabs)
 The device choices leave DEVICE_WORKSPACE spare once more: their graphs and states are estimates,
 and an over-estimate costs only speed. With no device bound (the CPU) they choose 0.
 """
