@@ -302,6 +302,7 @@ def test_baselines_grow_expandable_segments(cuda_only, monkeypatch, system):
         run.close()
 
 
+@pytest.mark.alone  # reads the device's free memory, which another test's process moves
 def test_free_bytes_count_what_a_closed_run_left_cached(cuda_only):
     """A second run in one process (a probe's variants, a notebook) is admitted against the memory
     the first one's allocator keeps cached, not refused for it."""
