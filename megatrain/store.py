@@ -31,6 +31,7 @@ milliseconds. Such a tile has no host memory and no shadow: a load casts its mas
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -169,6 +170,7 @@ _BLOCK = 1 << 18
 # fill's threads each hold one such float32 chunk, not a whole matrix (a GPT-OSS-120B layer's
 # experts are 2.1 G elements, and the fill draws up to a core's worth of layers at once)
 _DRAW = 1 << 22
+INIT_CHUNK = 1 << 24  # elements of a matrix drawn by one generator (init_random)
 
 
 def _blocks(n: int) -> Iterator[tuple[int, int]]:
@@ -421,26 +423,35 @@ class HostStore:
         """Seeded init in the `transformers` manner (ParamSpec.init): N(0, initializer_range) matrices
         and attention sinks, unit norms, zero biases.
 
-        Each tile draws from its own generator, so the result does not depend on tile order, and
-        the tiles are filled in parallel (`in_parallel`): one thread's draws run at about 0.2 G
-        numbers per second, minutes for a 30B model; `only`: these tiles (a shared store's other
-        ranks fill their device tiles alone); `advance(n)` as each tile's n parameters are filled.
-        The layers' buffers are zeros, as the library initialises DeepSeek-V3's correction bias.
+        Each piece of INIT_CHUNK elements of a matrix draws from a generator of its own, seeded by the
+        run's seed, its tile, its matrix and its place there, so the result depends on no order and
+        no thread count, and the pieces are filled in parallel (`in_parallel`): one thread's draws run
+        at about 0.2 G numbers per second, and a model of few wide layers (GPT-OSS-120B's shape on 3
+        layers: 5 tiles) would otherwise fill on as many threads as it has tiles; `only`: these tiles
+        (a shared store's other ranks fill their device tiles alone); `advance(n)` as each piece's n
+        parameters are filled. The layers' buffers are zeros, as the library initialises
+        DeepSeek-V3's correction bias.
         """
         std = getattr(self.shape.config, "initializer_range", 0.02)
         for _, buffer in self.named_buffers():
             buffer.zero_()
+        tiles = [(i, t) for i, t in enumerate(self.tiles) if only is None or t in only]
 
-        def fill(index: int, tile: Tile) -> None:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        def clear(index: int, tile: Tile) -> None:
             tile.reset()
             for spec, offset in zip(tile.layout.specs, tile.layout.offsets):
-                if spec.init == "normal":
-                    tile.draw_normal(offset, spec.numel, std, gen)
-                elif spec.init == "ones":
+                if spec.init == "ones":
                     tile.write_master(torch.ones(spec.numel), offset)
-            advance(tile.layout.params)
-        in_parallel(fill, [(i, t) for i, t in enumerate(self.tiles) if only is None or t in only])
+            advance(sum(spec.numel for spec in tile.layout.specs if spec.init != "normal"))
+
+        def draw(tile: Tile, lo: int, n: int, key: tuple[int, ...]) -> None:
+            tile.draw_normal(lo, n, std, torch.Generator().manual_seed(_seed(*key)))
+            advance(n)
+        in_parallel(clear, tiles)
+        in_parallel(draw, [(tile, offset + a, min(INIT_CHUNK, spec.numel - a), (seed, index, k, a // INIT_CHUNK))
+                           for index, tile in tiles
+                           for k, (spec, offset) in enumerate(zip(tile.layout.specs, tile.layout.offsets))
+                           if spec.init == "normal" for a in range(0, spec.numel, INIT_CHUNK)])
 
     def load_pretrained(self, directory: str | Path, only: list[Tile] | None = None, advance: Advance = nothing) -> None:
         """Copy a local safetensors checkpoint (check_pretrained: its names and shapes are the
@@ -466,6 +477,12 @@ class HostStore:
                         tile, offset = where[name]
                         tile.write_master(tensor, offset)
                         advance(tensor.numel())
+
+
+def _seed(*key: int) -> int:
+    """A generator's seed from integers, the same in every process (Python's hash of a tuple is too,
+    but not documented so)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
 
 
 def in_parallel(fn: Callable[..., None], jobs: list[tuple]) -> None:

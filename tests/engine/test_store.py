@@ -65,6 +65,37 @@ def test_host_bytes_per_parameter(split):
         assert 8 * per_param * n <= growth <= 8 * (per_param * n + 5 * PAGE)
 
 
+def test_random_init_depends_on_no_thread_count_or_tile_subset(monkeypatch):
+    """init_random: each piece of a matrix (INIT_CHUNK elements, here 1000: the tiny model's matrices
+    span several) draws from a generator of its own, so the store is the same on one thread and on
+    several, and filling some tiles (a shared store's rank) gives them what the whole fill does;
+    matrices N(0, initializer_range), norms ones, biases zero."""
+    monkeypatch.setattr(store_module, "INIT_CHUNK", 1000)
+    arch = shape_of("tiny-qwen2")
+    def filled(threads, only=None):
+        store = HostStore(arch, settings(arch, compute="float32"))
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            store.init_random(3, None if only is None else [store.tiles[i] for i in only])
+        finally:
+            torch.set_num_threads(before)
+        return [t.master.clone() for t in store.tiles]
+    one, two, some = filled(1), filled(2), filled(2, only=[1, 3])
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(some[1], one[1]) and torch.equal(some[3], one[3])
+    std = getattr(arch.config, "initializer_range", 0.02)
+    layer = HostStore(arch, settings(arch, compute="float32")).tiles[1].layout
+    for spec, offset in zip(layer.specs, layer.offsets):
+        values = one[1][offset: offset + spec.numel]
+        if spec.init == "normal":
+            assert spec.numel < 1000 or abs(values.std().item() / std - 1) < 0.1, spec.name
+            if spec.numel > 2000:  # pieces of one matrix are not one stream drawn again
+                assert not torch.equal(values[:1000], values[1000:2000])
+        else:
+            assert torch.equal(values, torch.ones(spec.numel) if spec.init == "ones" else torch.zeros(spec.numel))
+
+
 @pytest.mark.parametrize("master, split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("chunk", [1 << 22, 64])
 def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeypatch):
