@@ -335,3 +335,25 @@ def test_host_memory_is_taken_as_stated(monkeypatch):
         monkeypatch.setenv(HOST_MEMORY_ENV, bad)
         with pytest.raises(ValueError, match=HOST_MEMORY_ENV):
             host_available_bytes()
+
+
+@pytest.mark.parametrize("preset, device_tiles, vocab", [("tiny-qwen2", 0, None), ("tiny-llama", 0, None),
+                                                          ("tiny-llama", 2, None), ("tiny-llama", 0, 8192),
+                                                          ("tiny-qwen2", 0, 8192)])
+def test_the_slabs_pieces_are_the_engines(preset, device_tiles, vocab):
+    """resolve's count of the gradient pieces a step returns to the host, which caps grad_slabs auto,
+    is the engine's own (Engine._contributions: each host tile's pieces of a slab's size), for a tied
+    and an untied embedding, with device tiles and without, and with an embedding of many slabs."""
+    from megatrain.config import load_config
+    from megatrain.resolve import _pieces
+    from megatrain.trainer import Trainer
+    model = {"preset": preset, **({"overrides": {"vocab_size": vocab}} if vocab else {})}
+    trainer = Trainer(load_config(base={"model": model, "engine": {"device": "cpu", "device_tiles": device_tiles},
+                                        "optim": {"max_grad_norm": None}, "data": {"seq_len": 16, "batch_size": 1},
+                                        "steps": 1}))
+    try:
+        engine = trainer.engine
+        pieces = sum(engine._contributions().values())
+        assert pieces == _pieces(engine.shape, trainer.settings) and (pieces > 6) == (vocab is not None)
+    finally:
+        trainer.close()
