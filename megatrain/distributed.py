@@ -103,6 +103,12 @@ def slab_numel(layer_numel: int, parts: int) -> int:
     return hi - lo
 
 
+def slab_pieces(numel: int, slab: int) -> int:
+    """The pieces, a slab each, in which a rank returns `numel` elements of a tile's gradient (an
+    empty part: one empty piece)."""
+    return max(1, -(-numel // slab))
+
+
 def shard_rows(tensor: torch.Tensor | None, ranks: Ranks) -> torch.Tensor | None:
     """Rows rank, rank + world, ... of a [B, S] tensor: this rank's slice of a global micro-batch."""
     return None if tensor is None else tensor[ranks.rank:: ranks.world]

@@ -63,7 +63,7 @@ from megatrain.batch import Batch
 from megatrain.buffers import SlabPool, Unit, WeightStreamer
 from megatrain.config import EngineSettings, OptimConfig
 from megatrain.device import Device
-from megatrain.distributed import Comm, Flags, part, slab_numel
+from megatrain.distributed import Comm, Flags, part, slab_numel, slab_pieces
 from megatrain.kernels import LOSS, OPTIMIZER
 from megatrain.loss import IGNORE, head_loss, head_loss_and_grads, shift_labels
 from megatrain.metrics import model_flops
@@ -272,7 +272,7 @@ class Engine:
 
     def _contributions(self) -> dict[Tile, int]:
         """How many gradient pieces each tile gets in a step."""
-        return {tile: 1 if tile.grad is not None else max(1, -(-(self.parts[tile][1] - self.parts[tile][0]) // self.slab_numel))
+        return {tile: 1 if tile.grad is not None else slab_pieces(self.parts[tile][1] - self.parts[tile][0], self.slab_numel)
                 for unit in self.grad_units for tile in unit.tiles if not tile.on_device}
 
     # ------------------------------------------------------------------ the ops (schedule.py)

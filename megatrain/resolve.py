@@ -48,7 +48,7 @@ import torch
 
 from megatrain import fused_adamw, memory, metrics, schedule
 from megatrain.config import DataConfig, EngineConfig, EngineSettings, OptimConfig
-from megatrain.distributed import Ranks, check as check_ranks, slab_numel
+from megatrain.distributed import Ranks, check as check_ranks, slab_numel, slab_pieces
 from megatrain.kernels import KERNELS, OPTIMIZER
 from megatrain.shapes import ModelShape
 from megatrain.store import Layout
@@ -257,7 +257,7 @@ def _pieces(shape: ModelShape, s: EngineSettings) -> int:
     layer = max(Layout.of(specs).numel for specs in shape.layer_layouts)
     slab = slab_numel(layer, s.local_ranks)
     units = [Layout.of(specs).numel for _, specs in shape.units()][s.device_tiles:]
-    return max(1, sum(max(1, -(-slab_numel(n, s.local_ranks) // slab)) for n in units))
+    return max(1, sum(slab_pieces(slab_numel(n, s.local_ranks), slab) for n in units))
 
 
 def _slabs(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int) -> int:
