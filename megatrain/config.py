@@ -136,9 +136,9 @@ class EngineConfig:
     # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14 (the eager CPU update 2-4x slower, the compiled one about as fast:
-    # docs/host-store.md); auto: only when the
-    # 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
+    # instead of 14 (the compiled CPU update moves fewer bytes split, the eager one is 2-4x slower:
+    # docs/host-store.md); auto: wherever the compiled update runs (optimizer_kernel), else only when
+    # the 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
     split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)

@@ -19,11 +19,12 @@ before it settled:
                        after the graphs, which save the whole recompute of a layer, not a part
                        (where the attention comes first, also before them: a kept attention saves
                        most of a long sequence's recompute in a small part of its graph's bytes)
-  split_masters        float32 masters held split (12 B/param on the host instead of 14) only when
-                       the 14-byte plan does not fit the host and the 12-byte one does: the eager
-                       split update is 2-4x slower on the CPU (docs/host-store.md; the one-pass
-                       kernel's is not), where the GPU's backward may not hide it
-                       (decided with 4 gradient slabs where those are auto, with 2 where neither plan fits with 4)
+  split_masters        float32 masters held split (12 B/param on the host instead of 14) wherever the
+                       host's one-pass AdamW kernel runs (optimizer_kernel compiled): it moves 28 bytes
+                       a parameter split against 30 whole, torch's fused AdamW's own 28 (docs/host-store.md);
+                       with the eager update, 2-4x slower split on the CPU, only when the 14-byte plan
+                       does not fit the host and the 12-byte one does (decided with 4 gradient slabs
+                       where those are auto, with 2 where neither plan fits with 4)
   grad_slabs           8 where the plan with 8 fits the host, else 4, else 2 (admission then refuses
                        if 2 do not fit, naming the slabs), and never more than the gradient pieces a
                        rank returns to the host in a step (a shallow model of wide layers: GPT-OSS-120B
@@ -158,8 +159,8 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     if engine.grad_slabs == "auto":  # after device_tiles: the host tiles' pieces
         s = replace(s, grad_slabs=min(s.grad_slabs, _pieces(shape, s)))
     if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
-        s = replace(s, split_masters=_split_needed(shape, s, machine.host_available, data_bytes,
-                                                   engine.grad_slabs == "auto"))
+        s = replace(s, split_masters=OPTIMIZER.runs(s) or _split_needed(shape, s, machine.host_available, data_bytes,
+                                                                         engine.grad_slabs == "auto"))
     if engine.grad_slabs == "auto":
         s = replace(s, grad_slabs=min(_slabs(shape, s, machine.host_available, data_bytes), _pieces(shape, s)))
     return s

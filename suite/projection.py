@@ -273,7 +273,14 @@ def check(roots: list[Path]) -> list[dict]:
         # compiled loss's head chunk): the projection times that run, not today's choice
         ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens",
                                       "offloaded_attention_layers") if k in engine}
-        pr = project(RunSpec.from_dict(spec), m, ran)
+        run_spec = RunSpec.from_dict(spec)
+        if "split_masters" in engine:
+            ran["split_masters"] = engine["split_masters"]
+        elif "split_masters" not in run_spec.options.get("engine", {}):  # recorded since auto split with the
+            ran["split_masters"] = False                                  # compiled update; before, only to fit
+            if project(run_spec, m, ran).host_bytes > m.host_gib * GiB:
+                ran["split_masters"] = True
+        pr = project(run_spec, m, ran)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without
         # `pinned_shadows`) torch's power-of-two pinned blocks

@@ -16,6 +16,8 @@ from megatrain.resolve import Machine, resolve
 from megatrain.store import PAGE, HostStore, Layout
 
 SPLIT = EngineConfig(split_masters=True)
+WHOLE = EngineConfig(split_masters=False)
+EAGER = EngineConfig(optimizer_kernel="eager")  # the host update split masters' auto weighs by memory alone
 
 
 def test_memory_plan_counts_bytes_per_parameter():
@@ -25,8 +27,8 @@ def test_memory_plan_counts_bytes_per_parameter():
         return p.detail["store"] / n
     n = arch.total_params()
     assert 7.5e9 < n < 7.7e9
-    assert 13.99 < per_param("float32", False) < 14.01  # fp32 master + 2 moments + bf16 shadow
-    assert 17.99 < per_param("float32", True) < 18.01  # + a float32 gradient waiting for the norm
+    assert 13.99 < per_param("float32", False, WHOLE) < 14.01  # fp32 master + 2 moments + bf16 shadow
+    assert 17.99 < per_param("float32", True, WHOLE) < 18.01  # + a float32 gradient waiting for the norm
     assert 11.99 < per_param("float32", False, SPLIT) < 12.01  # fp32 master as bf16 shadow + low halves
     assert 15.99 < per_param("float32", True, SPLIT) < 16.01
     assert 9.99 < per_param("bfloat16", False) < 10.01
@@ -35,16 +37,18 @@ def test_memory_plan_counts_bytes_per_parameter():
     # the fixed part: the optimizer's scratch for a split tile's chunk (docs/host-store.md), only where split
     from megatrain.adamw import SCRATCH_BYTES
     assert SCRATCH_BYTES == 1 << 27
-    for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", None, 0), ("bfloat16", None, 0)):
+    for master, engine, scratch in (("float32", SPLIT, SCRATCH_BYTES), ("float32", WHOLE, 0), ("bfloat16", None, 0)):
         assert plan(arch, settings(arch, engine, master=master)).detail["optimizer_scratch"] == scratch
 
 
-def test_auto_splits_masters_only_when_the_host_needs_it():
-    """engine.split_masters auto: whole masters (14 B/param, the faster CPU update) while that plan
-    fits the stated host memory (engine.host_memory_gb); split (12 B/param) when only that one fits;
-    where neither does at 4 gradient slabs, the same choice at 2 (auto slabs only); whole again
-    when neither fits even so (the refusal then names what splitting would save). true and false
-    hold whatever the host; float32 compute or bf16 masters have nothing to split (true refused)."""
+def test_auto_splits_masters_with_the_compiled_update_else_when_the_host_needs_it():
+    """engine.split_masters auto: split wherever the host's compiled AdamW runs (28 bytes a parameter
+    moved against whole masters' 30), whatever the host. With the eager update: whole masters
+    (14 B/param, the faster eager update) while that plan fits the stated host memory
+    (engine.host_memory_gb); split (12 B/param) when only that one fits; where neither does at 4
+    gradient slabs, the same choice at 2 (auto slabs only); whole again when neither fits even so
+    (the refusal then names what splitting would save). true and false hold whatever the host;
+    float32 compute or bf16 masters have nothing to split (true refused)."""
     from megatrain.memory import DoesNotFit, admit
     from megatrain.resolve import host_available_bytes
     GiB = 2**30
@@ -56,7 +60,7 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
     split2 = plan(arch, settings(arch, replace(SPLIT, grad_slabs=2))).host_bytes  # 2 slabs fewer: a layer's
     assert 1.5 * GiB < split - split2 < 2 * GiB                                  # float32 gradient each
     def auto(gib, engine=None, **kw):
-        cfg = replace(engine or EngineConfig(), host_memory_gb=gib)
+        cfg = replace(engine or EAGER, host_memory_gb=gib)
         machine = Machine(False, None, host_available_bytes(cfg.host_memory_gb))
         s = resolve(replace(cfg, master_dtype=kw.get("master", "float32"), compute_dtype=kw.get("compute", "bfloat16")),
                     DataConfig(seq_len=16384), OptimConfig(max_grad_norm=None), arch, machine)
@@ -70,14 +74,17 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
         assert 11.99 < p.detail["store"] / arch.total_params() - 2 * (not splits) < 12.01
         if s.split_masters or gib >= whole / GiB:
             admit(p, machine.host_available, None)
+    for gib in (split / GiB, whole / GiB + 1, 4096):  # the compiled update: split whatever the host
+        s = auto(gib, EngineConfig())[0]
+        assert s.optimizer_kernel == "compiled" and s.split_masters, gib
     # 4 slabs stated: split at 4 or not at all
-    assert not auto(split / GiB - 0.01, EngineConfig(grad_slabs=4))[0].split_masters
+    assert not auto(split / GiB - 0.01, replace(EAGER, grad_slabs=4))[0].split_masters
     # neither fits: refused with the 14-byte plan, naming what splitting saves
     s, machine = auto(split2 / GiB - 0.01)
     with pytest.raises(DoesNotFit, match=r"engine.split_masters=true \(saves 1\d\.\d GiB: float32 masters in 12 bytes"):
         admit(plan(arch, s), machine.host_available, None)
     # turned off where it would have fit: refused, naming it
-    s, machine = auto(split / GiB, EngineConfig(split_masters=False))
+    s, machine = auto(split / GiB, WHOLE)
     assert not s.split_masters
     with pytest.raises(DoesNotFit, match=r"engine.split_masters=true \(which makes it fit"):
         admit(plan(arch, s), machine.host_available, None)
@@ -95,11 +102,11 @@ def test_auto_splits_masters_only_when_the_host_needs_it():
 
 
 def test_device_tiles_move_bytes_from_host_to_device():
-    """Device tiles leave the host store (14 B/param there) for 12 B/param on the device; a count
+    """Device tiles leave the host store (14 B/param there with whole masters) for 12 B/param on the device; a count
     beyond the embedding and the layers is refused by name."""
     arch = shape_of("qwen2.5-7b")
-    base = plan(arch, settings(arch, microbatches=4))
-    moved = plan(arch, settings(arch, EngineConfig(device_tiles=3), microbatches=4))
+    base = plan(arch, settings(arch, WHOLE, microbatches=4))
+    moved = plan(arch, settings(arch, replace(WHOLE, device_tiles=3), microbatches=4))
     n = arch.vocab * arch.hidden + 2 * Layout.of(arch.layer_specs).numel  # embedding and layers 0, 1
     assert moved.detail["device.device_tiles"] == 12 * n
     assert 14 * n <= base.detail["store"] - moved.detail["store"] <= 14 * n + 3 * 4 * PAGE
@@ -177,16 +184,17 @@ def test_grad_slabs_auto_takes_eight_where_the_host_holds_them():
     refuse, naming them), at most the gradient pieces a step returns to the host; a number given is
     kept; a negative one is refused by name."""
     arch = shape_of("qwen2.5-7b")
-    host = {n: plan(arch, settings(arch, EngineConfig(grad_slabs=n))).host_bytes for n in (8, 4, 2)}
+    host = {n: plan(arch, settings(arch, replace(WHOLE, grad_slabs=n))).host_bytes for n in (8, 4, 2)}
     assert host[8] - host[4] == 4 * Layout.of(arch.layer_specs).numel * 4  # a layer's float32 gradient each
-    assert settings(arch).grad_slabs == 8 and settings(arch, host=host[8]).grad_slabs == 8
-    assert settings(arch, host=host[8] - 1).grad_slabs == 4
-    # short of 4 with whole masters: split ones (decided at 4 slabs) leave room for 8
-    short = settings(arch, host=host[4] - 1)
-    assert short.split_masters and short.grad_slabs == 8
-    whole = EngineConfig(split_masters=False)
-    assert settings(arch, whole, host=host[4] - 1).grad_slabs == 2
-    assert settings(arch, whole, host=host[2] - 1).grad_slabs == 2
+    assert settings(arch).grad_slabs == 8 and settings(arch, WHOLE, host=host[8]).grad_slabs == 8
+    assert settings(arch, WHOLE, host=host[8] - 1).grad_slabs == 4
+    # short of 4 with whole masters: split ones (the compiled update's, or the eager one's decided at
+    # 4 slabs) leave room for 8
+    for engine in (EngineConfig(), EAGER):
+        short = settings(arch, engine, host=host[4] - 1)
+        assert short.split_masters and short.grad_slabs == 8
+    assert settings(arch, WHOLE, host=host[4] - 1).grad_slabs == 2
+    assert settings(arch, WHOLE, host=host[2] - 1).grad_slabs == 2
     assert settings(arch, EngineConfig(grad_slabs=3), host=host[4]).grad_slabs == 3
     # never more than the pieces a step returns to the host: GPT-OSS-120B's shape on 3 layers, the
     # embedding and layer 0 on the device, returns layers 1 and 2 and the head (under one layer's size)

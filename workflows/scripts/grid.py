@@ -131,10 +131,10 @@ def _value(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-# Host bytes per parameter MegaTrain keeps without clipping: 12 when the host needs it (the float32
-# master split into its bf16 shadow and low halves, engine.split_masters, which auto takes where
-# whole masters would not fit: docs/host-store.md), 14 otherwise; two float32 Adam moments either
-# way. A model that fits at 12 runs (split where 14 would not fit): the sizing rule of the grids'
+# Host bytes per parameter MegaTrain keeps without clipping: 12 with the float32 master split into
+# its bf16 shadow and low halves (engine.split_masters, which auto takes wherever the compiled host
+# update runs, else where whole masters would not fit: docs/host-store.md), 14 with whole masters;
+# two float32 Adam moments either way. A model that fits at 12 runs: the sizing rule of the grids'
 # `host_gib` and `expect: oom_host`.
 HOST_BYTES_PER_PARAM = 12
 
