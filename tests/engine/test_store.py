@@ -21,7 +21,9 @@ def test_layout_is_aligned_and_decay_first():
     assert all(o % ALIGN == 0 for o in layout.offsets)
     for spec, offset in zip(layout.specs, layout.offsets):
         assert (offset < layout.decay_numel) == spec.decay
-    assert HostStore(arch, settings(arch)).layers[0].storage is not Storage.SPLIT  # auto, with the host to spare: whole masters
+    assert HostStore(arch, settings(arch)).layers[0].storage is Storage.SPLIT  # auto, with the compiled update
+    eager = EngineConfig(optimizer_kernel="eager")  # auto, the eager update with the host to spare: whole masters
+    assert HostStore(arch, settings(arch, eager)).layers[0].storage is not Storage.SPLIT
     store = HostStore(arch, settings(arch, SPLIT, clipping=True))
     tile = store.layers[0]
     assert tile.storage is Storage.SPLIT and tile.master is None  # float32 masters, bf16 shadow: the master's low halves only
