@@ -20,7 +20,8 @@ the gradients of the hidden states and biases are the same sums in another order
 compiled (below), the biases are added by a compiled pass that reads each row's bias from the
 experts' table, where the library's gather writes a rows x width copy of it that its add reads
 back (on the H200 at 8 x 4096 tokens, GPT-OSS-20B's up projection's copy is 1.5 GB): one
-addition, rounded once, bit for bit the library's still.
+addition, rounded once, bit for bit the library's still. On a GPU GPT-OSS's up projection's bias is
+added inside its gate's kernels instead (bias_gate.py), the biased rows never written.
 
 The gate between the two projections is a chain of elementwise passes over the routed rows' widest
 tensor (rows x 2 x the expert's width): GPT-OSS's clamps, sigmoid and products are seven kernels
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
+from megatrain import bias_gate
 from megatrain.kernel_build import compiled
 
 
@@ -246,8 +248,12 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     rows = _ToExperts.apply(hidden_states, perm, inv, k, self.megatrain_fused)
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    out = linear(rows, up, up_bias)
-    out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
+    if self.megatrain_bias_gate is not None and bias_gate.runs(rows):  # GPT-OSS's bias inside its gate's kernels
+        out = _grouped_linear(rows, up, offsets, is_transposed=self.is_transposed)
+        out = bias_gate.BiasGate.apply(out, up_bias, expert_ids, counts, *self.megatrain_bias_gate)
+    else:
+        out = linear(rows, up, up_bias)
+        out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
     out = linear(out, self.down_proj, self.down_proj_bias if self.has_bias else None)
     if self.megatrain_fused:
         return _Combine.apply(out, top_k_weights, perm, inv).to(hidden_states.dtype)
@@ -268,6 +274,8 @@ def make_lean(experts: nn.Module, gate: str | None = None) -> None:
     constants = (float(experts.limit), float(experts.alpha)) if gate == "clamped" else ()
     experts.megatrain_gate = functools.partial(_compiled_gate, gate, constants) if gate else experts._apply_gate
     experts.megatrain_fused = gate is not None  # the weighting and sum compiled with the gate
+    # GPT-OSS's clamped gate with the up projection's bias, a Triton kernel each way (bias_gate.py)
+    experts.megatrain_bias_gate = constants if gate == "clamped" and experts.has_bias else None
 
 
 def _compiled_gate(kind: str, constants: tuple, gate_up: torch.Tensor) -> torch.Tensor:

@@ -647,3 +647,36 @@ def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
     n = torch.bincount(ids, minlength=64).double().unsqueeze(1)
     bound = n * 2**-24 * start.double().abs().index_add_(0, ids, rows.double().abs())
     assert ((runs[0].double() - exact).abs() <= bound).all()
+
+
+def test_bias_gate_is_the_lean_experts_passes_on_the_gpu(cuda_only):
+    """GPT-OSS's up-projection bias and clamped gate in one Triton kernel each way (bias_gate.py)
+    against the lean experts' compiled passes (the bias added, then the compiled gate and its
+    backward), bf16, at GPT-OSS's expert width (2880, which no column block divides) and at rows no
+    row block divides: the output and the rows' gradient within one rounding of the compiled
+    passes' (each takes float32 inside; their sigmoids may part in the last place), the bias's
+    gradient (the same segment sum over the rows' gradient) as close."""
+    from megatrain import bias_gate, lean_experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, width, rows, limit, alpha = 8, 2880, 4099, 7.0, 1.702
+    ids = torch.sort(torch.randint(0, experts, (rows,), generator=gen, device="cuda"))[0]
+    counts = torch.bincount(ids, minlength=experts)
+    y = (4 * torch.randn(rows, 2 * width, generator=gen, device="cuda")).to(torch.bfloat16)
+    bias = (4 * torch.randn(experts, 2 * width, generator=gen, device="cuda")).to(torch.bfloat16)
+    grad = torch.randn(rows, width, generator=gen, device="cuda").to(torch.bfloat16)
+    results = []
+    for fused in (False, True):
+        yi, bi = y.clone().requires_grad_(), bias.clone().requires_grad_()
+        if fused:
+            assert bias_gate.runs(yi)
+            h = bias_gate.BiasGate.apply(yi, bi, ids, counts, limit, alpha)
+        else:
+            biased = lean_experts._ExpertBias.apply(yi, bi, ids, counts, True)
+            h = lean_experts._Gate.apply(biased, "clamped", limit, alpha)
+        h.backward(grad)
+        results.append((h, yi.grad, bi.grad))
+    for name, want, got in zip(("output", "rows' gradient", "bias's gradient"), *results):
+        error = (got.float() - want.float()).abs()
+        if name != "bias's gradient":  # a sum over the rows, whose roundings may part by more near zero
+            assert (error <= want.float().abs() * 2**-7).float().mean() > 0.999, name  # one bf16 rounding
+        assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
