@@ -21,7 +21,8 @@ compiled (below), the biases are added by a compiled pass that reads each row's 
 experts' table, where the library's gather writes a rows x width copy of it that its add reads
 back (on the H200 at 8 x 4096 tokens, GPT-OSS-20B's up projection's copy is 1.5 GB): one
 addition, rounded once, bit for bit the library's still. On a GPU GPT-OSS's up projection's bias is
-added inside its gate's kernels instead (bias_gate.py), the biased rows never written.
+added inside its gate's kernels instead, and its down projection's inside the weighting's
+(expert_bias.py): the biased rows are never written.
 
 The gate between the two projections is a chain of elementwise passes over the routed rows' widest
 tensor (rows x 2 x the expert's width): GPT-OSS's clamps, sigmoid and products are seven kernels
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
-from megatrain import bias_gate
+from megatrain import expert_bias
 from megatrain.kernel_build import compiled
 
 
@@ -128,6 +129,29 @@ class _Combine(torch.autograd.Function):
         d_w = _compiled_combine_grad_weights(grad, y, inv.view(weights.shape)).to(weights.dtype) \
             if ctx.needs_input_grad[1] else None
         return d_y, d_w, None, None
+
+
+class _BiasCombine(torch.autograd.Function):
+    """GPT-OSS's down projection's rows in expert order, unbiased, with their experts' bias, weighted
+    by the router and summed back to token order, one Triton pass (expert_bias.combine); back: the
+    rows' gradient as _Combine's (the bias passes it through), the bias's each expert's rows summed,
+    the weights' through the biased rows (expert_bias.combine_grad_weights)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                weights: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, bias, ids, counts, weights, perm, inv)
+        return expert_bias.combine(y, bias, ids, inv.view(weights.shape), weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, bias, ids, counts, weights, perm, inv = ctx.saved_tensors
+        k = weights.shape[-1]
+        d_y = _compiled_combine_grad_rows(grad, perm // k, weights.reshape(-1)[perm])
+        d_bias = torch.segment_reduce(d_y, "sum", lengths=counts, axis=0) if ctx.needs_input_grad[1] else None
+        d_w = expert_bias.combine_grad_weights(grad, y, bias, ids, inv.view(weights.shape)).to(weights.dtype) \
+            if ctx.needs_input_grad[4] else None
+        return d_y, d_bias, None, None, d_w, None, None
 
 
 class _FromExperts(torch.autograd.Function):
@@ -248,12 +272,15 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     rows = _ToExperts.apply(hidden_states, perm, inv, k, self.megatrain_fused)
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    if self.megatrain_bias_gate is not None and bias_gate.runs(rows):  # GPT-OSS's bias inside its gate's kernels
+    if self.megatrain_bias_gate is not None and expert_bias.runs(rows) and k & (k - 1) == 0:
+        # GPT-OSS's biases inside the gate's kernels and the weighting's (expert_bias.py)
         out = _grouped_linear(rows, up, offsets, is_transposed=self.is_transposed)
-        out = bias_gate.BiasGate.apply(out, up_bias, expert_ids, counts, *self.megatrain_bias_gate)
-    else:
-        out = linear(rows, up, up_bias)
-        out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
+        out = expert_bias.BiasGate.apply(out, up_bias, expert_ids, counts, *self.megatrain_bias_gate)
+        out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed)
+        return _BiasCombine.apply(out, self.down_proj_bias, expert_ids, counts, top_k_weights, perm,
+                                  inv).to(hidden_states.dtype)
+    out = linear(rows, up, up_bias)
+    out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
     out = linear(out, self.down_proj, self.down_proj_bias if self.has_bias else None)
     if self.megatrain_fused:
         return _Combine.apply(out, top_k_weights, perm, inv).to(hidden_states.dtype)
@@ -274,7 +301,7 @@ def make_lean(experts: nn.Module, gate: str | None = None) -> None:
     constants = (float(experts.limit), float(experts.alpha)) if gate == "clamped" else ()
     experts.megatrain_gate = functools.partial(_compiled_gate, gate, constants) if gate else experts._apply_gate
     experts.megatrain_fused = gate is not None  # the weighting and sum compiled with the gate
-    # GPT-OSS's clamped gate with the up projection's bias, a Triton kernel each way (bias_gate.py)
+    # GPT-OSS's clamped gate and weighting with the projections' biases, Triton kernels (expert_bias.py)
     experts.megatrain_bias_gate = constants if gate == "clamped" and experts.has_bias else None
 
 

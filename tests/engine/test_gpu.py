@@ -649,34 +649,44 @@ def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
     assert ((runs[0].double() - exact).abs() <= bound).all()
 
 
-def test_bias_gate_is_the_lean_experts_passes_on_the_gpu(cuda_only):
-    """GPT-OSS's up-projection bias and clamped gate in one Triton kernel each way (bias_gate.py)
-    against the lean experts' compiled passes (the bias added, then the compiled gate and its
-    backward), bf16, at GPT-OSS's expert width (2880, which no column block divides) and at rows no
-    row block divides: the output and the rows' gradient within one rounding of the compiled
-    passes' (each takes float32 inside; their sigmoids may part in the last place), the bias's
-    gradient (the same segment sum over the rows' gradient) as close."""
-    from megatrain import bias_gate, lean_experts
+def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only):
+    """GPT-OSS's biases inside the kernels around them (expert_bias.py: the up projection's in the
+    clamped gate, the down projection's in the router's weighting, Triton kernels each way) against
+    the lean experts' compiled passes (each bias added by a pass of its own), bf16, at GPT-OSS's
+    expert width (2880, which no column block divides) and at rows no row block divides: the outputs
+    and the rows' gradients within one rounding of the compiled passes' (each takes float32 inside;
+    their sigmoids and sums may part in the last place), the biases' and weights' gradients (sums)
+    as close."""
+    from megatrain import expert_bias, lean_experts
     gen = torch.Generator(device="cuda").manual_seed(0)
-    experts, width, rows, limit, alpha = 8, 2880, 4099, 7.0, 1.702
-    ids = torch.sort(torch.randint(0, experts, (rows,), generator=gen, device="cuda"))[0]
+    experts, width, tokens, k, limit, alpha = 8, 2880, 1031, 4, 7.0, 1.702
+    top = torch.rand(tokens, experts, generator=gen, device="cuda").topk(k)
+    ids, perm = torch.sort(top.indices.reshape(-1))
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device="cuda")
     counts = torch.bincount(ids, minlength=experts)
-    y = (4 * torch.randn(rows, 2 * width, generator=gen, device="cuda")).to(torch.bfloat16)
-    bias = (4 * torch.randn(experts, 2 * width, generator=gen, device="cuda")).to(torch.bfloat16)
-    grad = torch.randn(rows, width, generator=gen, device="cuda").to(torch.bfloat16)
+    rows = ids.numel()
+    weights = top.values.softmax(-1).to(torch.bfloat16)
+    bf16 = lambda *shape: (4 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    y_up, b_up, y_down, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(rows, width), bf16(experts, width)
+    g_gate, g_out = bf16(rows, width), bf16(tokens, width)
     results = []
     for fused in (False, True):
-        yi, bi = y.clone().requires_grad_(), bias.clone().requires_grad_()
+        y1, b1, y2, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, y_down, b_down, weights))
         if fused:
-            assert bias_gate.runs(yi)
-            h = bias_gate.BiasGate.apply(yi, bi, ids, counts, limit, alpha)
+            assert expert_bias.runs(y1)
+            gated = expert_bias.BiasGate.apply(y1, b1, ids, counts, limit, alpha)
+            out = lean_experts._BiasCombine.apply(y2, b2, ids, counts, w, perm, inv)
         else:
-            biased = lean_experts._ExpertBias.apply(yi, bi, ids, counts, True)
-            h = lean_experts._Gate.apply(biased, "clamped", limit, alpha)
-        h.backward(grad)
-        results.append((h, yi.grad, bi.grad))
-    for name, want, got in zip(("output", "rows' gradient", "bias's gradient"), *results):
+            gated = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped",
+                                             limit, alpha)
+            out = lean_experts._Combine.apply(lean_experts._ExpertBias.apply(y2, b2, ids, counts, True), w, perm, inv)
+        torch.autograd.backward([gated, out], [g_gate, g_out])
+        results.append((gated, y1.grad, b1.grad, out, y2.grad, b2.grad, w.grad))
+    names = ("gate", "gate rows' gradient", "up bias's gradient", "weighting", "down rows' gradient",
+             "down bias's gradient", "weights' gradient")
+    for name, want, got in zip(names, *results):
         error = (got.float() - want.float()).abs()
-        if name != "bias's gradient":  # a sum over the rows, whose roundings may part by more near zero
+        if "bias" not in name and "weights" not in name:  # sums, whose roundings may part by more near zero
             assert (error <= want.float().abs() * 2**-7).float().mean() > 0.999, name  # one bf16 rounding
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name

@@ -1,0 +1,181 @@
+"""GPT-OSS's experts' biases inside the kernels around them: one Triton kernel each way.
+
+After the grouped GEMM of the gate-and-up projection, GPT-OSS adds each row's expert's bias and
+applies its clamped gate, (clamp(up) + 1) * g sigmoid(1.702 g) with g = clamp(gate), over the
+interleaved halves of the row; after the down projection's, it adds that projection's bias before
+the router's weighting sums each token's rows. The lean experts' compiled path (lean_experts.py)
+adds each bias by a pass of its own over the routed rows (rows x 2 x the expert's width for the up
+projection: 1.5 GB at 8 x 4096 tokens of GPT-OSS-20B), which the next kernel reads back. Adding the
+biases inside inductor's gate and weighting kernels was slower than those passes (docs/moe.md).
+Here kernels of 2-D tiles (a block of rows by a block of columns, each row's expert read once a
+row, its bias row from the cache) read the unbiased rows and the biases:
+- `BiasGate`: the gate's output; back, the rows' gradient from the output's (the up bias's
+  gradient, each expert's rows summed as before: a segment sum over its contiguous rows);
+- `combine`: each token's rows, biased, weighted by the router and summed; `combine_grad_weights`:
+  each weight's gradient, the token's gradient dotted with its biased row (the rows' gradient is
+  the unbiased weighting's, lean_experts.py).
+The biased rows are never written. The arithmetic: each bias added and rounded to the rows' dtype
+as the library's add rounds it, the rest in float32, rounded once, as the compiled passes do (equal
+to rounding, not bit for bit, against the library's bf16 ops).
+
+On the CPU (and where Triton is not installed) `runs` is False: the lean experts' own passes.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+BLOCK_R, BLOCK_C = 16, 64  # rows (tokens) and output columns a program (the gate's input: 2 x BLOCK_C columns)
+
+if triton is not None:
+    @triton.jit
+    def _tiles(pid_r, pid_c, rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        c2 = pid_c * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+        return r, c, c2, r < rows, c < width, c2 < 2 * width
+
+    @triton.jit
+    def _biased(y_ptr, b_ptr, ids_ptr, r, c2, rmask, c2mask, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The tile's gate and up halves, bias added and rounded to the rows' dtype, in float32."""
+        mask = rmask[:, None] & c2mask[None, :]
+        e = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+        y = tl.load(y_ptr + r.to(tl.int64)[:, None] * (2 * width) + c2[None, :], mask=mask, other=0.0)
+        b = tl.load(b_ptr + e[:, None] * (2 * width) + c2[None, :], mask=mask, other=0.0)
+        x = (y.to(tl.float32) + b.to(tl.float32)).to(y.dtype).to(tl.float32)
+        return tl.split(tl.reshape(x, (BLOCK_R, BLOCK_C, 2)))
+
+    @triton.jit
+    def _forward_kernel(y_ptr, b_ptr, ids_ptr, h_ptr, rows, width, limit, alpha,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r, c, c2, rmask, cmask, c2mask = _tiles(tl.program_id(0), tl.program_id(1), rows, width, BLOCK_R, BLOCK_C)
+        gate, up = _biased(y_ptr, b_ptr, ids_ptr, r, c2, rmask, c2mask, width, BLOCK_R, BLOCK_C)
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (u + 1) * (g * tl.sigmoid(g * alpha))
+        tl.store(h_ptr + r.to(tl.int64)[:, None] * width + c[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _backward_kernel(y_ptr, b_ptr, ids_ptr, d_ptr, dy_ptr, rows, width, limit, alpha,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r, c, c2, rmask, cmask, c2mask = _tiles(tl.program_id(0), tl.program_id(1), rows, width, BLOCK_R, BLOCK_C)
+        gate, up = _biased(y_ptr, b_ptr, ids_ptr, r, c2, rmask, c2mask, width, BLOCK_R, BLOCK_C)
+        d = tl.load(d_ptr + r.to(tl.int64)[:, None] * width + c[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = tl.sigmoid(g * alpha)
+        d_gate = tl.where(gate <= limit, d * (u + 1) * sig * (1 + alpha * g * (1 - sig)), 0.0)  # clamp passes where it did not clip
+        d_up = tl.where((up >= -limit) & (up <= limit), d * g * sig, 0.0)
+        dy = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_C))
+        tl.store(dy_ptr + r.to(tl.int64)[:, None] * (2 * width) + c2[None, :], dy.to(dy_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & c2mask[None, :])
+
+    @triton.jit
+    def _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width):
+        """Rows p (expert order) at columns c, their expert's bias added and rounded, in float32."""
+        e = tl.load(ids_ptr + p, mask=tmask, other=0).to(tl.int64)
+        y = tl.load(y_ptr + p.to(tl.int64)[:, None] * width + c[None, :], mask=mask, other=0.0)
+        b = tl.load(b_ptr + e[:, None] * width + c[None, :], mask=mask, other=0.0)
+        return (y.to(tl.float32) + b.to(tl.float32)).to(y.dtype).to(tl.float32)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, b_ptr, ids_ptr, picks_ptr, w_ptr, out_ptr, tokens, width, K: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tmask = t < tokens
+        mask = tmask[:, None] & (c < width)[None, :]
+        t64 = t.to(tl.int64)
+        p = tl.load(picks_ptr + t64 * K, mask=tmask, other=0)
+        w = tl.load(w_ptr + t64 * K, mask=tmask, other=0.0).to(tl.float32)
+        total = _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width) * w[:, None]
+        for j in tl.static_range(1, K):
+            p = tl.load(picks_ptr + t64 * K + j, mask=tmask, other=0)
+            w = tl.load(w_ptr + t64 * K + j, mask=tmask, other=0.0).to(tl.float32)
+            total = total + _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width) * w[:, None]
+        tl.store(out_ptr + t64[:, None] * width + c[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_grad_weights_kernel(grad_ptr, y_ptr, b_ptr, ids_ptr, picks_ptr, dw_ptr, tokens, width,
+                                     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        tmask = t < tokens
+        t64 = t.to(tl.int64)
+        ks = tl.arange(0, K)
+        dw = tl.zeros((BLOCK_R, K), dtype=tl.float32)
+        for c0 in range(0, width, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask = tmask[:, None] & (c < width)[None, :]
+            g = tl.load(grad_ptr + t64[:, None] * width + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(K):
+                p = tl.load(picks_ptr + t64 * K + j, mask=tmask, other=0)
+                part = tl.sum(g * _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width), axis=1)
+                dw += tl.where(ks[None, :] == j, part[:, None], 0.0)
+        tl.store(dw_ptr + t64[:, None] * K + ks[None, :], dw, mask=tmask[:, None])
+
+
+def runs(rows: torch.Tensor) -> bool:
+    """Whether the kernels take these rows (a GPU's, contiguous, with Triton)."""
+    return triton is not None and rows.is_cuda and rows.is_contiguous()
+
+
+def _grid(rows: int, width: int) -> tuple[int, int]:
+    return triton.cdiv(rows, BLOCK_R), triton.cdiv(width, BLOCK_C)
+
+
+class BiasGate(torch.autograd.Function):
+    """y (rows in expert order, 2 w: gate and up interleaved, no bias yet), the up projection's bias
+    (experts, 2 w), each row's expert `ids` (sorted) and each expert's row count -> the clamped gate
+    of y + bias[ids] (rows, w); back: y's gradient and the bias's, each expert's rows summed."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                limit: float, alpha: float) -> torch.Tensor:
+        rows, width = y.shape[0], y.shape[1] // 2
+        h = y.new_empty(rows, width)
+        _forward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, h, rows, width, limit, alpha,
+                                            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+        ctx.save_for_backward(y, bias, ids, counts)
+        ctx.constants = (limit, alpha)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, bias, ids, counts = ctx.saved_tensors
+        rows, width = y.shape[0], y.shape[1] // 2
+        d_y = torch.empty_like(y)
+        _backward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, grad.contiguous(), d_y, rows, width,
+                                             *ctx.constants, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+        d_bias = torch.segment_reduce(d_y, "sum", lengths=counts, axis=0) if ctx.needs_input_grad[1] else None
+        return d_y, d_bias, None, None, None, None
+
+
+def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k rows (y in expert order, `picks` (tokens, k) their rows, `ids` each row's
+    expert), their expert's bias added, weighted by `weights` (tokens, k) and summed: (tokens, h)."""
+    tokens, k = picks.shape
+    width = y.shape[1]
+    out = y.new_empty(tokens, width)
+    _combine_kernel[(triton.cdiv(tokens, BLOCK_R), triton.cdiv(width, BLOCK_C))](
+        y, bias.contiguous(), ids, picks.contiguous(), weights.contiguous(), out, tokens, width, K=k,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    return out
+
+
+def combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor,
+                         picks: torch.Tensor) -> torch.Tensor:
+    """Each (token, pick) weight's gradient: the token's gradient dotted with its biased row, float32."""
+    tokens, k = picks.shape
+    dw = torch.empty(tokens, k, dtype=torch.float32, device=y.device)
+    _combine_grad_weights_kernel[(triton.cdiv(tokens, BLOCK_R),)](
+        grad.contiguous(), y, bias.contiguous(), ids, picks.contiguous(), dw, tokens, y.shape[1], K=k,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    return dw
