@@ -80,7 +80,8 @@ class HostExecutor:
         self.published = published
         self.timeline = timeline
         self.grad_norms: dict[int, float] = {}  # by update number (0-based), before clipping
-        self.busy_s = 0.0  # seconds the worker spent in tasks since the step began
+        self.busy: dict[int, float] = {}  # seconds in each update's tasks, by update number, once it ended
+        self._busy_now = 0.0  # the running update's so far
         self._scratch = Scratch()
         self._tasks: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -159,7 +160,9 @@ class HostExecutor:
                                    else (Kind.OPTIMIZER_STEP, type(task).__name__[1:].lower()))
                     with self.timeline.host(Track.OPTIMIZER, kind, label):
                         handlers[type(task)](task)
-                    self.busy_s += time.perf_counter() - start
+                    self._busy_now += time.perf_counter() - start
+                    if isinstance(task, _Finish):  # the update's last task
+                        self.busy[self._step_update.step - 1] = self._busy_now
                 elif isinstance(task, _Dense):
                     task.release()  # skipped: its slab goes back all the same
             except BaseException as e:  # surfaced on the main thread's next call
@@ -177,7 +180,7 @@ class HostExecutor:
         self._left = task.expected
         self._received = {tile: 0 for tile in task.expected}
         self._step_update = task.update
-        self.busy_s = 0.0
+        self._busy_now = 0.0
 
     def _do_dense(self, task: _Dense) -> None:
         tile = task.tile

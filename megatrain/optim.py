@@ -124,9 +124,11 @@ class Optimizer:
         return self.host.grad_norms
 
     @property
-    def busy_s(self) -> float:
-        """Seconds the host executor spent in tasks since the last step began."""
-        return self.host.busy_s
+    def busy(self) -> dict[int, float]:
+        """Seconds the host executor spent in each update's tasks (the gradients' arrival, the
+        update, with clipping all of it after the step's end), by update number (0-based), once
+        its updates have run (`flush`)."""
+        return self.host.busy
 
     def flush(self) -> None:
         """Wait until every update submitted is written (raises the host executor's error, if any)."""

@@ -209,7 +209,6 @@ class Trainer:
             "peak_host_bytes": self.sampler.peak_host_bytes,
             "bytes_h2d": r.bytes_h2d,
             "bytes_d2h": r.bytes_d2h,
-            "optimizer_busy_s": self.optimizer.busy_s,
             "wait_update_s": r.wait_update_s,
             "wait_slab_s": r.wait_slab_s,
             **({"exposed": self.engine.timeline.summary()} if self.settings.timeline else {}),
@@ -261,6 +260,7 @@ class Trainer:
                 if not norm_known:  # read after waiting for the optimizer
                     self.optimizer.flush()
                     pending["grad_norm"] = self.optimizer.grad_norms.get(pending["step"] - 1)
+                pending["optimizer_busy_s"] = self.optimizer.busy.get(pending["step"] - 1)
                 runlog.step({k: v for k, v in pending.items() if k != "prev_grad_norm"})
                 pending = None
 
@@ -327,6 +327,7 @@ class Trainer:
                 runlog.close()
         for m in history:  # the records the log got, norms included
             m.setdefault("grad_norm", self.optimizer.grad_norms.get(m["step"] - 1))
+            m.setdefault("optimizer_busy_s", self.optimizer.busy.get(m["step"] - 1))
         return history
 
     def evaluate(self) -> dict:

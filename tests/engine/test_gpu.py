@@ -376,7 +376,7 @@ def test_moe_bf16_gpu_tracks_float32_reference(tmp_path, cuda_only, preset):
 GPT_OSS_PARTS = pytest.mark.xfail(strict=True, reason=(
     "GPT-OSS on the GPU: K = 1 and kept layers part from the default run by a rounding in the loss; "
     "not nondeterminism (the default run twice is bit-equal), not the rotary, not the views' alignment; "
-    "without clipping they did not part; cause not found (experiments/probes/switch_numerics.py, "
+    "not the clipping (on the one-GPU host they part without it); cause not found (experiments/probes/switch_numerics.py, "
     "docs/log.md 2026-11-30)"))
 
 
@@ -467,13 +467,14 @@ def test_two_gpus_track_one_gpu(tmp_path, cuda_only, preset):
     """Data-parallel MegaTrain on 2 GPUs (torchrun, NCCL, one shared host store) against 1 GPU with
     the same global batch, 20 steps: bf16 matmuls over 2 rows instead of 4 round differently, so the
     losses agree within bf16 tolerance and the updates point the same way; the two ranks report the
-    same losses (one global step). The mixtures of experts train with the router's loss, whose
+    same losses (one global step). The mixtures of experts with a router loss train with it, whose
     routing counts are summed over the ranks (moe.py), and eager attention: flex attention, GPT-OSS's
     default on a GPU, takes minutes to build in each of the three processes."""
     from helpers import torchrun
     two_gpus()
     model = tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])
-    assert preset == "tiny-qwen2" or model.config.output_router_logits
+    if preset in ("tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"):  # the library's DeepSeek has no router loss
+        assert model.config.output_router_logits
     start = {k: v.clone() for k, v in model.state_dict().items()}
     batches = random_batches(STEPS, 2, BATCH, SEQ, model.config.vocab_size, pad=True)
     torch.save(batches, tmp_path / "batches.pt")

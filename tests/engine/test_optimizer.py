@@ -85,3 +85,41 @@ def test_adamw_in_pieces_equals_torch_adamw(monkeypatch):
             adamw.adamw(tile, lo, hi, grad[lo:hi].clone(), adamw.Update(step, 1e-2, cfg))
     for r, view in zip(ref, tile.master_views()):
         torch.testing.assert_close(view, r.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_each_updates_busy_time_counts_its_whole_update(monkeypatch):
+    """The worker's busy seconds are kept by update: with clipping a step's update runs after the
+    step (once its global norm is known), within the next one, and still counts as that step's.
+    Each tile's update made to take 20 ms: every update's busy time holds its 3 tiles' 60 ms, with
+    clipping and without."""
+    import time
+
+    from megatrain import host_executor
+    real = host_executor.adamw
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(host_executor, "adamw", slow)
+    landed = HeldCopy()
+    landed.landed.set()
+    for clip in (None, lambda norm: 1.0):
+        tiles = [Tile(f"layer.{k}", Layout.of([ParamSpec("w", (8,))]), torch.float32, torch.bfloat16,
+                      pinned=False, grad=clip is not None) for k in range(3)]
+        for tile in tiles:
+            tile.reset()
+        worker = HostExecutor(tiles, Timeline(Device("cpu"), False), clip)
+        try:
+            for step in (1, 2):
+                worker.begin_step({tile: 1 for tile in tiles}, Update(step, 1e-3, OptimConfig()))
+                for tile in tiles:
+                    if clip is not None:
+                        tile.grad.fill_(1.0)
+                    worker.submit(tile, 0, 8, None if clip else torch.ones(8), landed, lambda: None,
+                                  torch.ones((), dtype=torch.float64))
+                worker.finish_step(torch.full((3,), 1.0, dtype=torch.float64), landed)
+            worker.flush()
+            assert sorted(worker.busy) == [0, 1]
+            assert all(seconds >= 0.06 for seconds in worker.busy.values()), (clip, worker.busy)
+        finally:
+            worker.close()

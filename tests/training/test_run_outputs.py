@@ -71,7 +71,7 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the save raises no deprecation warning
             history = trainer.fit(progress=False)
-        norms = dict(trainer.optimizer.grad_norms)
+        norms, busy = dict(trainer.optimizer.grad_norms), dict(trainer.optimizer.busy)
     finally:
         trainer.close()
     store = weakref.ref(trainer.store)
@@ -82,8 +82,9 @@ def test_fit_writes_metrics_evaluates_and_saves_a_usable_model(tmp_path, preset)
     train = [m for m in lines if m["kind"] == "train"]
     evals = [m for m in lines if m["kind"] == "eval"]
     assert [m["step"] for m in train] == [1, 2, 3, 4] and [m["step"] for m in evals] == [2, 4]
-    for m in train:  # each line holds its own step's gradient norm
+    for m in train:  # each line holds its own step's gradient norm and its update's time on the host
         assert m["grad_norm"] == norms[m["step"] - 1] and m["grad_norm"] > 0
+        assert m["optimizer_busy_s"] == busy[m["step"] - 1] > 0
         for key in ("loss", "lr", "tokens", "target_tokens", "tokens_per_s", "model_tflops", "step_time_s",
                     "peak_host_bytes"):
             assert m[key] is not None, key
