@@ -10,7 +10,9 @@ SwiGLU, residuals, casts, copies): the bound on what fusing the elementwise chai
 default ceiling and the breakdown again with the compiled kernels (`--variants`: the norms',
 engine.norm_kernel; the MLP's product, engine.mlp_kernel; both), or for a mixture of experts the
 library's experts against the lean ones (experts_library, experts_lean: engine.experts_kernel) and
-the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel).
+the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel). With --sites, each
+variant's time outside the matrix products and attention also by operator, its input shapes and its
+Python call site (one more profiled repetition, with stacks).
 
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
@@ -79,6 +81,31 @@ def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
                             for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP]]}
 
 
+MATMUL_OPS = ("mm", "linear", "matmul", "attention", "flex")  # operators of the matmul and attention kinds
+SITE_FRAMES = ("megatrain/", "transformers/", "torch/nn/functional", "torch/_higher_order_ops")  # the frames named
+
+
+def call_sites(trainer: Trainer, batch: int, seq: int) -> list[dict]:
+    """The device time of one ceiling repetition by the operator that launched it and that
+    operator's Python call site (its innermost frames in the engine or the library; none for the
+    backward's operators, which autograd's thread runs: their shapes tell them), the matrix
+    products and attention left out: where the rest of the layer's time is spent, op by op."""
+    cuda = trainer.device.is_cuda
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python stacks: with_stack alone records none
+    with torch.profiler.profile(activities=activities, with_stack=True, record_shapes=True, experimental_config=stacks) as prof:
+        trainer.engine.layer_ceiling(batch, seq, reps=1)
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8):
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or not e.key.startswith("aten::") or any(k in e.key for k in MATMUL_OPS):
+            continue
+        frames = [f for f in e.stack if any(k in f for k in SITE_FRAMES)][:3]
+        rows.append({"op": e.key, "shapes": str(e.input_shapes)[:160], "site": frames,
+                     "seconds": us / 2e6, "calls": e.count // 2})  # two repetitions ran: halved to one
+    return sorted(rows, key=lambda r: -r["seconds"])[:TOP]
+
+
 VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
             "both": {"norm_kernel": "compiled", "mlp_kernel": "compiled"},
             "norm": {"norm_kernel": "compiled", "mlp_kernel": "eager"},
@@ -102,7 +129,7 @@ def config(args, kernels: dict):
         "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
 
 
-def measure(args, kernels: dict, backends: list[str] | None) -> dict:
+def measure(args, kernels: dict, backends: list[str] | None, sites: bool = False) -> dict:
     """The ceilings and the kernel breakdown of one layer built with `kernels`; for the first variant
     (`backends` not None) also each SDPA backend's of `backends` and, where the layer can keep its
     attention (on a GPU), the ceiling of the layer that does (keep_attention)."""
@@ -119,6 +146,8 @@ def measure(args, kernels: dict, backends: list[str] | None) -> dict:
             except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
                 rows[name] = {"error": str(e).splitlines()[0][:200]}
         breakdown = kernel_breakdown(trainer, args.batch, args.seq)
+        if sites:
+            breakdown["call_sites"] = call_sites(trainer, args.batch, args.seq)
     finally:
         trainer.close()
     device = str(trainer.device.torch)
@@ -146,6 +175,8 @@ def main() -> None:
                         "none: '' (at long context the math backend's square does not fit)")
     p.add_argument("--overrides", type=json.loads, default={},
                    help='the model config\'s overrides beside one layer, as JSON, e.g. \'{"max_position_embeddings": 524288}\'')
+    p.add_argument("--sites", action="store_true",
+                   help="also each variant's non-matmul, non-attention time by operator and call site (a profile with stacks)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = [b for b in args.backends.split(",") if b]
@@ -166,7 +197,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
     for i, v in enumerate(variants):  # written after each: a run cut short keeps what it measured
-        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else None)
+        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else None, args.sites)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for kernel, run in runs.items():
@@ -177,6 +208,9 @@ def main() -> None:
         total = sum(run["seconds_by_kind"].values())
         for k, sec in run["seconds_by_kind"].items():
             print(f"{kernel:6s} {k:15s} {sec * 1e3:8.1f} ms  {sec / total:5.1%}")
+        for site in run.get("call_sites", [])[:15]:
+            print(f"{kernel:6s} {site['seconds'] * 1e3:6.2f} ms {site['calls']:3d}x {site['op']:28s} "
+                  f"{site['shapes'][:60]:60s} {' < '.join(f.split('/')[-1] for f in site['site'][:2])}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""experiments/probes/layer_kernels.py on the CPU, in this process (a check of the probe, not a
+measurement): with --sites each variant's non-matmul time comes by operator and Python call site."""
+from __future__ import annotations
+
+import json
+import sys
+
+from experiments.probes import layer_kernels
+
+
+def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "layer.json"
+    monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-qwen2", "--seq", "32", "--batch", "2",
+                                      "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
+                                      "--sites", "--out", str(out)])
+    layer_kernels.main()
+    sites = json.loads(out.read_text())["variants"]["eager"]["call_sites"]
+    assert sites and all(s["op"].startswith("aten::") and s["seconds"] > 0 for s in sites)
+    assert not [s["op"] for s in sites if any(k in s["op"] for k in layer_kernels.MATMUL_OPS)]
+    # the forward's operators carry their callers (the profiler records no Python stack unless told)
+    assert any("modeling_qwen2.py" in frame for s in sites for frame in s["site"]), sites
+    assert "aten::" in capsys.readouterr().out
