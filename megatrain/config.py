@@ -132,7 +132,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     # the masters AdamW updates: float32, full precision, 14 B/param on the host (master 4, moments 8,
-    # bf16 shadow 2; clipping keeps a float32 gradient besides: 18); bfloat16, not full precision,
+    # bf16 shadow 2; clipping keeps a float32 gradient besides: 18), 12 held split (split_masters,
+    # what auto does wherever the compiled update runs); bfloat16, not full precision,
     # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
