@@ -202,6 +202,11 @@ class EngineConfig:
     # Llama's form (float32 inside; equal to rounding) or GPT-OSS's (the library's roundings; to the
     # bit), refused for the others; auto: compiled on a GPU where it applies, else eager
     rotary_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    # GPT-OSS's attention sinks after flex attention: eager (the library's: the output times each
+    # query's factor, torch's broadcast product each way) or compiled (that product one compiled
+    # kernel each way: sinks.py; the forward to the bit, the factor's gradient equal to rounding);
+    # auto: compiled where the model's attention is flex attention with sinks (a GPU), else eager
+    sinks_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the cross-entropy over each chunk's logits: eager (the library's: float32 logits, then its
     # log-softmax and backward, each a pass over chunk x vocab) or compiled (torch.compile: the loss
     # and its gradient from the logits in two passes, float32 inside; equal to rounding: loss.py);
@@ -264,6 +269,7 @@ class EngineSettings:
     norm_kernel: Literal["compiled", "eager"]
     mlp_kernel: Literal["compiled", "eager"]
     rotary_kernel: Literal["compiled", "eager"]
+    sinks_kernel: Literal["compiled", "eager"]
     loss_kernel: Literal["compiled", "eager"]
     experts_kernel: Literal["library", "lean"]
     timeline: bool

@@ -98,6 +98,13 @@ def _rotary(shape: ModelShape, machine: Machine, chosen: dict[str, str]) -> str 
             f"{shape.family} model's differs (a partial or interleaved rotary): set engine.rotary_kernel: eager")
 
 
+def _sinks(shape: ModelShape, machine: Machine, chosen: dict[str, str]) -> str | None:
+    if shape.family == "gpt_oss" and shape.config._attn_implementation == "flex_attention":
+        return None
+    return (f"engine.sinks_kernel: compiled is for attention sinks after flex attention (GPT-OSS on a GPU); this "
+            f"{shape.family} model's attention is {shape.config._attn_implementation}: set engine.sinks_kernel: eager")
+
+
 # the host AdamW of float32 masters: one compiled pass (fused_adamw.py) or torch's fused AdamW and
 # passes around it
 OPTIMIZER = Kernel("optimizer_kernel", "compiled", "eager", "optimizer", _host_adamw, on_cpu=True)
@@ -106,5 +113,6 @@ EXPERTS = Kernel("experts_kernel", "lean", "library", "experts", _experts)  # a 
 # the gated MLP's product (swiglu.py), or a mixture of experts' gate
 MLP = Kernel("mlp_kernel", "compiled", "eager", "mlp", _mlp_product)
 ROTARY = Kernel("rotary_kernel", "compiled", "eager", "rotary", _rotary)  # the queries' and keys' rotary (rotary.py)
+SINKS = Kernel("sinks_kernel", "compiled", "eager", "sinks", _sinks)  # attention sinks' product (sinks.py)
 LOSS = Kernel("loss_kernel", "compiled", "eager", "loss", _anywhere)  # the cross-entropy over each chunk (loss.py)
-KERNELS = (NORM, EXPERTS, MLP, ROTARY, LOSS, OPTIMIZER)
+KERNELS = (NORM, EXPERTS, MLP, ROTARY, SINKS, LOSS, OPTIMIZER)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatrain import kept_attention, kernel_build, lean_experts, rotary
+from megatrain import kept_attention, kernel_build, lean_experts, rotary, sinks
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
 from megatrain.moe import capture_logits, is_router
@@ -51,17 +51,17 @@ class Template:
 class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
     chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py; a
-    mixture of experts' experts and their gate: lean_experts.py; the queries' and keys' rotary, while
-    a layer runs: rotary.py), their attention the library's, or, where some layers keep it for their
+    mixture of experts' experts and their gate: lean_experts.py; the queries' and keys' rotary and
+    the attention sinks' product, while a layer runs: rotary.py, sinks.py), their attention the library's, or, where some layers keep it for their
     recompute, that attention able to (`keep_attention`: kept_attention.py)."""
 
     def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
                  compiled_mlp: bool = False, lean_moe: bool = False, keep_attention: bool = False,
-                 compiled_rotary: bool = False):
+                 compiled_rotary: bool = False, compiled_sinks: bool = False):
         self.shape = shape
         self.mlp_chunk = mlp_chunk
         self.compiled_norms, self.compiled_mlp, self.lean_moe = compiled_norms, compiled_mlp, lean_moe
-        self.compiled_rotary = compiled_rotary
+        self.compiled_rotary, self.compiled_sinks = compiled_rotary, compiled_sinks
         self._config = kept_attention.config(shape) if keep_attention else shape.config
         self._norm_cls = getattr(shape.modeling, f"{shape.prefix}RMSNorm")
         self._rotary_cls = getattr(shape.modeling, f"{shape.prefix}RotaryEmbedding")
@@ -99,9 +99,16 @@ class Architecture:
         template.module.self_attn.layer_idx = index
         return template
 
+    @contextlib.contextmanager
     def running(self):
-        """What a layer's call runs under: the compiled rotary in place of the library's, or nothing."""
-        return rotary.applied(self.shape.modeling) if self.compiled_rotary else contextlib.nullcontext()
+        """What a layer's call runs under: the compiled rotary and sinks' product in place of the
+        library's, where they run."""
+        with contextlib.ExitStack() as stack:
+            if self.compiled_rotary:
+                stack.enter_context(rotary.applied(self.shape.modeling))
+            if self.compiled_sinks:
+                stack.enter_context(sinks.applied())
+            yield
 
     def norm_template(self) -> Template:
         if self._norm_template is None:

@@ -36,7 +36,7 @@ from megatrain.distributed import Comm, Flags, Ranks, SharedArena, shard_batch
 from megatrain.engine import Engine
 from megatrain.exports import Best, checkpoint_dir, rotate
 from megatrain.io import drop_previous, remove_dir, remove_stale, roll_back, write_json
-from megatrain.kernels import EXPERTS, MLP, NORM, OPTIMIZER, ROTARY
+from megatrain.kernels import EXPERTS, MLP, NORM, OPTIMIZER, ROTARY, SINKS
 from megatrain.metrics import PeakSampler, device_peak_allocated, model_flops
 from megatrain.planning import RunPlan, earlier_outputs, plan_run
 from megatrain.progress import bar, say
@@ -136,7 +136,8 @@ class Trainer:
             self.optimizer_kernel_note = f"{'built' if built.compiled else 'loaded'} {built.path}"
             self.setup_s["optimizer_kernel"] = built.seconds
         self.arch = Architecture(shape, s.mlp_chunk_tokens, NORM.runs(s), MLP.runs(s), lean_moe=EXPERTS.runs(s),
-                                 keep_attention=s.keep_attention_layers > 0, compiled_rotary=ROTARY.runs(s))
+                                 keep_attention=s.keep_attention_layers > 0, compiled_rotary=ROTARY.runs(s),
+                                 compiled_sinks=SINKS.runs(s))
         say(f"allocating the host store ({HostStore.nbytes(shape, s)[0] / GiB:.1f} GiB)", self.progress)
         clock = time.perf_counter()
         self.arena = flags = None

@@ -692,3 +692,30 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only):
         if "bias" not in name and "weights" not in name:  # sums, whose roundings may part by more near zero
             assert (error <= want.float().abs() * 2**-7).float().mean() > 0.999, name  # one bf16 rounding
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
+
+
+def test_sinks_kernel_is_the_library_flex_attention_on_the_gpu(tmp_path, cuda_only):
+    """engine.sinks_kernel: compiled (sinks.py) in a tiny GPT-OSS of bf16 with the library's flex
+    attention, the library's model around it: the logits to the bit (the sinks' product is one
+    rounding either way); the gradients (the factor's, summed over the head's width in another
+    order, reaches the sinks and, through the log-sum-exp, the queries and keys) within two bf16
+    roundings of the largest."""
+    import contextlib
+    from megatrain import sinks
+    model = tiny_checkpoint(tmp_path / "init", "tiny-gpt-oss", MOE["tiny-gpt-oss"]).to("cuda", torch.bfloat16)
+    model.set_attn_implementation("flex_attention")
+    model.train()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), generator=gen, device="cuda")
+    runs = []
+    for applied in (False, True):
+        model.zero_grad(set_to_none=True)
+        with sinks.applied() if applied else contextlib.nullcontext():
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
+    (want_logits, want), (got_logits, got) = runs
+    assert torch.equal(got_logits, want_logits)
+    assert set(got) == set(want) and any(n.endswith("sinks") for n in got)
+    for name in want:
+        assert (got[name] - want[name]).abs().max() <= 2 * 2**-7 * want[name].abs().max(), name

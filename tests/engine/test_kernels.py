@@ -150,6 +150,56 @@ def test_compiled_gpt_oss_rotary_is_the_library_rotary_to_the_bit(dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_sinks_product_is_the_broadcast_product(dtype):
+    """engine.sinks_kernel: compiled's product of the attention output (batch, queries, heads,
+    width) with each query's factor (a transposed (batch, heads, queries, 1) view): the broadcast
+    product's output and the output's gradient to the bit, the factor's gradient (the products,
+    each rounded, summed over the width) within float32 summation and one rounding of the exact sum."""
+    from megatrain import sinks
+    torch.manual_seed(0)
+    B, S, H, D = 2, 8, 4, 64
+    out = (3 * torch.randn(B, S, H, D)).to(dtype).requires_grad_()
+    factor = torch.rand(B, H, S, 1).to(dtype).transpose(1, 2).detach().requires_grad_()
+    grad = torch.randn(B, S, H, D, dtype=dtype)
+    results = []
+    for fn in (lambda o, f: o * f, sinks._Scaled.apply):
+        o, f = out.detach().clone().requires_grad_(), factor.detach().clone().requires_grad_()
+        y = fn(o, f)
+        y.backward(grad)
+        results.append((y, o.grad, f.grad))
+    (want_y, want_out, want_f), (got_y, got_out, got_f) = results
+    assert torch.equal(got_y, want_y) and torch.equal(got_out, want_out)
+    products = (grad * out.detach()).double()  # each product as the dtype rounds it
+    exact, magnitude = products.sum(-1, keepdim=True), products.abs().sum(-1, keepdim=True)
+    ulp = {torch.float32: 2**-24, torch.bfloat16: 2**-8}[dtype]
+    bound = (exact.abs() + D * 2**-24 * magnitude) * ulp + D * 2**-24 * magnitude
+    assert got_f.shape == want_f.shape and ((got_f.double() - exact).abs() <= bound).all()
+
+
+def test_sink_factor_renormalises_by_the_sink():
+    """The factor is exp(lse) / (exp(lse) + exp(sink)): the softmax's share of the scores once the
+    sink joins its denominator (float32 here, where the library's ops round little)."""
+    from megatrain import sinks
+    torch.manual_seed(0)
+    lse, sink = torch.randn(2, 4, 8), torch.randn(4)
+    want = lse.exp() / (lse.exp() + sink.view(1, -1, 1).exp())
+    torch.testing.assert_close(sinks.sink_factor(lse, sink).squeeze(-1), want)
+
+
+def test_the_sinks_kernel_stands_in_only_while_a_layer_runs():
+    """sinks.applied puts its attention over the library's flex attention in the shared interface
+    for the block and gives the library's back, even when the block raises."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from megatrain import sinks
+    library = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    with pytest.raises(RuntimeError, match="inside"):
+        with sinks.applied():
+            assert ALL_ATTENTION_FUNCTIONS["flex_attention"] is sinks.attention
+            raise RuntimeError("inside")
+    assert ALL_ATTENTION_FUNCTIONS["flex_attention"] is library
+
+
 def test_the_rotary_kernel_stands_in_only_while_a_layer_runs():
     """rotary.applied swaps the modeling module's function for its form's kernel for the block and
     gives it back, even when the block raises; Llama's form and GPT-OSS's are taken, Phi-3's partial
