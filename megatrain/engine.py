@@ -507,7 +507,11 @@ class Engine:
         with self.timeline.host(Track.HOST, Kind.EMBEDDING, "gather"):
             torch.index_select(table, 0, ids.reshape(-1), out=rows)
         h = torch.empty(ids.shape + (self.shape.hidden,), dtype=self.dtype, device=self.dev.torch)
+        # h's memory may be a block the compute stream has yet to read (Gemma's scaled rows free the
+        # last micro-batch's at once): the copy waits for what the compute stream was given
+        allocated = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.h2d):
+            self.dev.wait(self.dev.h2d, allocated)
             h.view(n, -1).copy_(rows, non_blocking=True)
             self.rows_free = ready = self.dev.record(self.dev.h2d)
         self.streamer.bytes_h2d += rows.numel() * rows.itemsize

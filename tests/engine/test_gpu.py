@@ -103,6 +103,24 @@ def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
+def test_embedding_copies_wait_for_the_compute_stream(tmp_path, cuda_only, monkeypatch):
+    """Gemma's scaled embedding frees a micro-batch's copied rows at once, and the next micro-batch's
+    rows may be copied into that memory: the copy must wait until the compute stream has read it.
+    With the compute stream held back before each micro-batch's embedding (a sleep on it, ~25 ms),
+    training is the run's without, to the bit."""
+    from megatrain.engine import Engine
+    tiny_checkpoint(tmp_path / "init", "tiny-gemma3", DENSE["tiny-gemma3"])
+    base = train(tmp_path, {})
+    embed = Engine._embed
+
+    def held_back(self, ids):
+        torch.cuda._sleep(50_000_000)  # on the compute stream, the step's current one
+        return embed(self, ids)
+    monkeypatch.setattr(Engine, "_embed", held_back)
+    held = train(tmp_path, {})
+    torch.testing.assert_close(held, base, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("engine", [{"checkpoint_every": 2}, {"checkpoint_every": 1, "no_recompute_layers": 1}])
 def test_kept_attention_keeps_numerics(tmp_path, cuda_only, monkeypatch, engine):
     """Recomputed layers that take their attention's output and log-sum-exp from the forward
@@ -462,20 +480,20 @@ def two_gpus() -> None:
         pytest.skip("needs 2 GPUs")
 
 
-# the mixtures of experts with a router loss (DeepSeek's, which has none, trains on two ranks as on
-# one in tests/distributed/test_data_parallel.py)
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3",
+                                    "tiny-deepseek-v2"])
 def test_two_gpus_track_one_gpu(tmp_path, cuda_only, preset):
     """Data-parallel MegaTrain on 2 GPUs (torchrun, NCCL, one shared host store) against 1 GPU with
     the same global batch, 20 steps: bf16 matmuls over 2 rows instead of 4 round differently, so the
     losses agree within bf16 tolerance and the updates point the same way; the two ranks report the
-    same losses (one global step). The mixtures of experts train with the router's loss, whose
-    routing counts are summed over the ranks (moe.py), and eager attention: flex attention, GPT-OSS's
+    same losses (one global step). The mixtures of experts with a router loss (all but DeepSeek's)
+    train with it, its routing counts summed over the ranks (moe.py), and eager attention: flex attention, GPT-OSS's
     default on a GPU, takes minutes to build in each of the three processes."""
     from helpers import torchrun
     two_gpus()
     model = tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])
-    assert preset == "tiny-qwen2" or model.config.output_router_logits
+    if preset in ("tiny-gpt-oss", "tiny-qwen3-moe", "tiny-mixtral"):
+        assert model.config.output_router_logits
     start = {k: v.clone() for k, v in model.state_dict().items()}
     batches = random_batches(STEPS, 2, BATCH, SEQ, model.config.vocab_size, pad=True)
     torch.save(batches, tmp_path / "batches.pt")
