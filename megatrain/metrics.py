@@ -132,7 +132,7 @@ def device_peak_allocated(device: torch.device) -> int | None:
 def environment(device: torch.device | None = None) -> dict:
     """Where a result was measured: GPU, link, CPU, host memory, library versions, git commit."""
     import transformers
-    changed = _git("status", "--porcelain", "--untracked-files=no")  # tracked files that differ from the commit
+    changed = git("status", "--porcelain", "--untracked-files=no")  # tracked files that differ from the commit
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -143,7 +143,7 @@ def environment(device: torch.device | None = None) -> dict:
         "host_memory_bytes": psutil.virtual_memory().total,  # some VMs grow this as memory is used
         "host_memory_stated_gb": float(os.environ["MEGATRAIN_HOST_MEMORY_GB"]) if os.environ.get("MEGATRAIN_HOST_MEMORY_GB") else None,
         # a copy of the tree without .git (a remote machine) passes the commit in the environment
-        "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or git("rev-parse", "HEAD"),
         "git_dirty": bool(changed),
         "git_dirty_paths": [line.split(maxsplit=1)[-1] for line in changed.splitlines()][:20] if changed else [],  # which ones
     }
@@ -234,10 +234,14 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str, cwd: str | None = None) -> str | None:
+    """git's output in `cwd` (default: this repository), None where git fails. Writes nothing into
+    the repository: `git status` would refresh the index file as a side effect, under a copy of the
+    tree another process may be making (experiments/workflow_gpu.sh --detach tars it)."""
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+                             cwd=cwd or os.path.dirname(os.path.abspath(__file__)),
+                             env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

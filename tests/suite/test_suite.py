@@ -609,11 +609,30 @@ def test_fsdp2_is_refused_by_its_device_count_before_it_allocates(monkeypatch):
     hf.require_device(spec(seven, 8, 2), cuda, lambda: device_need(spec(seven, 8, 2), "host"), "FSDP2")
 
 
+def test_reading_the_commit_writes_nothing_into_the_repository(tmp_path):
+    """`git status` refreshes a stale index file as a side effect; the result's reads of git must
+    not write it (a detached run tars the tree meanwhile: experiments/workflow_gpu.sh)."""
+    from megatrain.metrics import git
+
+    def run(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    run("init", "-q")
+    (tmp_path / "f").write_text("a")
+    run("add", "f")
+    run("commit", "-qm", "one")
+    index = tmp_path / ".git" / "index"
+    before = index.stat().st_mtime_ns
+    os.utime(tmp_path / "f", ns=(before + 2 * 10 ** 9,) * 2)  # the index's record of f is stale
+    assert git("status", "--porcelain", cwd=str(tmp_path)) == ""
+    assert index.stat().st_mtime_ns == before
+
+
 def test_the_environment_names_the_tracked_files_that_differ_from_the_commit(monkeypatch):
     """A GPU point's copy of the tree can differ from its commit; the result says in which files."""
     import megatrain.metrics as metrics
     answers = {"status": " M megatrain/store.py\nM  README.md\n", "rev-parse": "ab" * 20}
-    monkeypatch.setattr(metrics, "_git", lambda *args: answers[args[0]].strip())  # as _git gives them
+    monkeypatch.setattr(metrics, "git", lambda *args: answers[args[0]].strip())  # as git gives them
     monkeypatch.delenv("MEGATRAIN_GIT_COMMIT", raising=False)
     env = metrics.environment()
     assert env["git_dirty"] and env["git_dirty_paths"] == ["megatrain/store.py", "README.md"]

@@ -28,6 +28,7 @@ def test_a_run_folder_names_the_hardware_the_commit_and_the_machine(monkeypatch)
     assert re.fullmatch(r"\d{8}T\d{6}-abcdef0(-dirty)?-(cpu|\w+x\d+)-\d+g-\d+c", folder.name), folder.name
 
 
+@pytest.mark.alone  # its promote writes results/<its hardware>/ into the tree, which the committed tables' check reads
 def test_two_runs_of_one_machine_are_no_regression_and_promote_commits_the_second(tmp_path):
     hw = f"runs{os.getpid()}"
     grid = tmp_path / "grid.yaml"

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import yaml
 
+from megatrain.metrics import git
 from workflows.scripts import outputs
 
 RUNS = Path("runs")
@@ -58,11 +59,8 @@ def machine() -> str:
 
 
 def commit() -> str:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    head = os.environ.get("MEGATRAIN_GIT_COMMIT") or git("rev-parse", "HEAD") or "nocommit"
-    dirty = "-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    head = os.environ.get("MEGATRAIN_GIT_COMMIT") or git("rev-parse", "HEAD", cwd=".") or "nocommit"
+    dirty = "-dirty" if git("status", "--porcelain", "--untracked-files=no", cwd=".") else ""
     return head[:7] + dirty
 
 
