@@ -2,9 +2,7 @@
 and the machine, fitted on no measured step.
 
 Memory is the engine's own admission plan (megatrain.memory.plan) with the `auto` settings
-resolved for the machine's device (megatrain.resolve). Time takes the slowest of four resources,
-each working on its own share of the step while the others run (the engine overlaps them), plus
-the update that the next step waits for:
+resolved for the machine's device (megatrain.resolve). Time takes four resources:
 
   GPU        the FLOPs the step executes (Schedule.hardware_flops) at the machine's layer rate: one
              decoder layer's forward, recompute and backward alone on the device (the single-layer
@@ -16,8 +14,11 @@ the update that the next step waits for:
   CPU        AdamW over the host tiles: by the host kernel, at its rate over the layout on the
              machine's AdamW probe where it has one; else OPTIMIZER_BYTES per parameter at the
              host's memcpy rate (split masters: SPLIT_RATE of it); torch's ops likewise
-  tail       the first host tile's update (its gradient arrives last, its weights are read first)
-             less the device tiles' backward that hides it
+
+and the step is the engine's overlap of the GPU's and the CPU's work, simulated tile by tile
+(`_pipelined`: a host tile's update starts once its gradient has returned and must end before the
+next forward loads it), or the link's time where that is longer. The bound named is the largest of
+the four resources' times.
 
 Each machine's constants come from probes (link, memcpy, one layer), never from the steps the
 model is checked against: a machine is described once in machines/<name>.yaml, its GPU's layer
@@ -168,6 +169,72 @@ def _transfers(plan: list, buffers: int) -> list:
     return moved
 
 
+def _units(L: int, on_device: set, recomputed: int, layer_s: float, head_s: float, params: dict[str, int],
+           rate: float, load_s_per_param: float, return_s_per_param: float,
+           clipping: bool) -> tuple[list, list, list, list, list, bool]:
+    """A step's units in the order the forward reads them (the embedding where it is a host tile, the
+    layers, the head): each one's forward and backward seconds on the device (a layer's forward a
+    quarter of its time where it is recomputed, a third where not; the head's a third), its host
+    update's seconds (None: a device tile, updated on the device), its weights' load and its
+    gradient's return (this rank's part)."""
+    fwd, bwd, update, load, back = [], [], [], [], []
+    if params["embed"]:
+        fwd.append(0.0), bwd.append(0.0), load.append(0.0)
+        update.append(params["embed"] * rate), back.append(params["embed"] * return_s_per_param)
+    for i in range(L):
+        share = 1 / 4 if i < recomputed else 1 / 3
+        host = i not in on_device
+        fwd.append(layer_s * share), bwd.append(layer_s * (1 - share))
+        update.append(params["layer"] * rate if host else None)
+        load.append(params["layer"] * load_s_per_param if host else 0.0)
+        back.append(params["layer"] * return_s_per_param if host else 0.0)
+    host = "head" not in on_device
+    fwd.append(head_s / 3), bwd.append(head_s * 2 / 3)
+    update.append(params["head"] * rate if host else None)
+    load.append(params["head"] * load_s_per_param if host else 0.0)
+    back.append(params["head"] * return_s_per_param if host else 0.0)
+    return fwd, bwd, update, load, back, clipping
+
+
+def _pipelined(fwd: list[float], bwd: list[float], update: list[float | None], load: list[float],
+               back: list[float], clipping: bool, steps: int = 8) -> float:
+    """The steady step of the engine's overlap (host_executor.py), simulated: the device runs the
+    forward in order, each host unit once its last update is done and its weights loaded, then the
+    backward in reverse; a host unit's gradient lands once returned over the link after its backward
+    (the returns one after another; with clipping, every one at the last return's end), and the CPU's one worker runs, of the landed updates, the one the next
+    forward reads first (switching to an earlier unit's as it lands). The step: the last steps'
+    start times apart."""
+    n = len(fwd)
+    ready = [0.0] * n  # when each unit's weights are updated
+    t = cpu = link = 0.0
+    starts = []
+    for _ in range(steps):
+        starts.append(t)
+        for i in range(n):
+            t = max(t, ready[i] + load[i]) + fwd[i]
+        landed = {}
+        for i in reversed(range(n)):
+            t += bwd[i]
+            if update[i] is None:
+                ready[i] = t
+            else:
+                link = landed[i] = max(t, link) + back[i]
+        if clipping:
+            landed = dict.fromkeys(landed, link)
+        left = {i: update[i] for i in landed}
+        while left:
+            cpu = max(cpu, min(landed[i] for i in left))
+            i = min(j for j in left if landed[j] <= cpu)  # the landed one the next forward reads first
+            later = [landed[j] for j in left if j < i and landed[j] > cpu]  # an earlier unit landing meanwhile
+            run = min([left[i], *(x - cpu for x in later)])
+            cpu += run
+            left[i] -= run
+            if left[i] <= 1e-12:
+                del left[i]
+                ready[i] = cpu
+    return starts[-1] - starts[-2]
+
+
 def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     """`ran`: engine settings as a measured run used them where their defaults have changed since
     (the layer kernels, the gradient slabs), and how many of its kept attention layers its plan put
@@ -214,18 +281,23 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if moe is None:
         gpu = executed / dense - _compiled_saving(m, s, shape, sched, lens)
     else:  # the layers at their MoE probe's rate, the LM head (6 v h a token) at the dense layer's
-        head = 6 * shape.vocab * shape.hidden * sum(lens)
-        gpu = head / dense + (executed - head) / _layer_hw_rate(*moe)
-    first_host = embed or head if s.device_tiles == 0 else layer
-    tail = max(0.0, first_host * rate - gpu * len(on_device) / L)
+        head_flops = 6 * shape.vocab * shape.hidden * sum(lens)
+        gpu = head_flops / dense + (executed - head_flops) / _layer_hw_rate(*moe)
     # each rank updates its part of the host tiles with its share of the cores: one GPU's time
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),
              "cpu_optimizer": host_params * rate}
     if s.grad_slabs == 0:  # the ablation: compute waits for each layer's gradient copy and update
         bound, step = "serial", gpu + terms["d2h"] + terms["cpu_optimizer"]
+        tail = 0.0
     else:
         bound = max(terms, key=terms.get)
-        step = terms[bound] + tail
+        lm_head = 6 * shape.vocab * shape.hidden * sum(lens) / dense  # the LM head's forward and backward
+        units = _units(L, on_device, sched.recomputed_layers, (gpu - lm_head) / L, lm_head,
+                       {"embed": embed if s.device_tiles == 0 else 0, "layer": layer, "head": head}, rate,
+                       2 / (m.h2d_gbps * 1e9), 4 / R / (m.d2h_gbps * 1e9), s.clipping)
+        piped = _pipelined(*units)
+        step = max(piped, terms["h2d"], terms["d2h"])
+        tail = max(0.0, piped - max(gpu, terms["cpu_optimizer"]))  # the update's time the overlap leaves exposed
     return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
                       {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound,
                       _rounded_shadows(shape, s))

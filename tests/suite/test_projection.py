@@ -92,6 +92,31 @@ def test_without_gradient_slabs_the_step_is_the_sum_of_its_parts():
     assert len(rows) == 3 and all(abs(r["step_s"]["error"]) < 0.12 for r in rows)
 
 
+def test_the_step_overlaps_each_tiles_update_with_the_device_work_it_can():
+    """The simulated overlap (_pipelined), units in the forward's order. Device tiles only: the
+    device's time. One host tile whose update (5 s) the device cannot hide: it starts once the tile's
+    backward (2 s) has returned its gradient (0.5 s) and must end before the tile's next forward
+    (and its load, 0.25 s), so the step is that chain. The last tile's update hides behind the
+    first tile's work; the first tile's, whose gradient comes last, shows. With clipping every update waits for the
+    last gradient: never shorter."""
+    from suite.projection import _pipelined
+    none = [0.0, 0.0]
+    assert _pipelined([1, 1], [2, 2], [None, None], none, none, False) == pytest.approx(6)
+    assert _pipelined([1, 1], [2, 2], [None, 5], [0, 0.25], [0, 0.5], False) == pytest.approx(0.5 + 5 + 0.25 + 1 + 2)
+    # the last tile's update (2 s) runs while the device does the first tile's backward and forward (3 s);
+    # the first tile's gradient comes last and its weights are read first: its update shows whole
+    assert _pipelined([1, 1], [2, 2], [None, 2], none, none, False) == pytest.approx(6)
+    assert _pipelined([1, 1], [2, 2], [2, None], none, none, False) == pytest.approx(8)
+    for update in ([None, 5], [1, 1], [3, 0.5]):
+        assert _pipelined([1, 1], [2, 2], update, none, [0.1, 0.1], True) >= \
+            _pipelined([1, 1], [2, 2], update, none, [0.1, 0.1], False) - 1e-9
+    # the committed few-layer points where the exposed updates decide the step: GPT-OSS-120B's shape on 3
+    # and 4 layers (the max of the parts with the old tail: 31.5% and 18.2% under)
+    rows = {Path(r["point"]).name: r["step_s"] for r in check([ROOT / "results" / "h200" / "points" / "moe"])}
+    for name in ("120b_L3_megatrain.json", "120b_L4_megatrain.json"):
+        assert abs(rows[name]["error"]) < 0.1, (name, rows[name])
+
+
 def test_the_compiled_kernels_take_their_probed_saving_off_a_dense_step():
     """The compiled norms and MLP product save elementwise time, a token's and a hidden unit's: a
     dense step with them is its eager time less the machine's probed saving, scaled by its tokens,
