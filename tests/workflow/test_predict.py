@@ -14,7 +14,9 @@ GRID = ROOT / "workflows" / "grids" / "h200x8-scale.yaml"
 def test_a_grids_points_are_predicted_beside_one_gpu(tmp_path):
     """Every MegaTrain point of the eight-GPU host's grid, in the report and its JSON; a point on
     several GPUs set beside the one-GPU point of its model and batch per GPU (the model's ratio is
-    the GPU count: it leaves the gradient reduction out), its step band the data-parallel runs';
+    about the GPU count: it leaves the gradient reduction out; each rank returning only its part of
+    the gradient, and the device tiles each plan keeps, move the simulated overlap by under 1%), its
+    step band the data-parallel runs';
     every point within the host its profile's command states, as the grid was sized."""
     assert predict.main([str(GRID), "h200x8-assumed", "--out", str(tmp_path / "p")]) == 0
     rows = {f"{r['experiment']}/{r['id']}": r for r in json.loads((tmp_path / "p.json").read_text())["points"]}
@@ -23,7 +25,7 @@ def test_a_grids_points_are_predicted_beside_one_gpu(tmp_path):
     assert all(f"| {name} |" in (tmp_path / "p.md").read_text() for name in rows)
     for name in ("gpus/7b_g8", "gpus/14b_g4", "largest/32b_L88_g8", "moe/q30b_g8"):
         r = rows[name]
-        assert r["vs_one_gpu"] == pytest.approx(r["gpus"], rel=1e-3) and r["band_basis"].startswith("ranks>1"), r
+        assert r["vs_one_gpu"] == pytest.approx(r["gpus"], rel=0.01) and r["band_basis"].startswith("ranks>1"), r
     assert rows["gpus/7b_g1"]["vs_one_gpu"] is None and all(r["fits_host"] for r in rows.values())
 
 
