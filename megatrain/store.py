@@ -428,10 +428,10 @@ class HostStore:
 
         Each piece of INIT_CHUNK elements of a matrix draws from a generator of its own, seeded by the
         run's seed, its tile, its matrix and its place there, so the result depends on no order and
-        no thread count, and the pieces are filled in parallel (`in_parallel`), after the tile's arrays
-        are zeroed in pieces the same way: one thread's draws run
-        at about 0.2 G numbers per second, and a model of few wide layers (GPT-OSS-120B's shape on 3
-        layers: 5 tiles) would otherwise fill on as many threads as it has tiles; `only`: these tiles
+        no thread count, and the pieces are filled in parallel (`in_parallel`), after the tiles'
+        arrays are zeroed in pieces the same way: one thread's draws run at about 0.2 G numbers per
+        second, and a model of few wide layers (GPT-OSS-120B's shape on 3 layers: 5 tiles) would
+        otherwise fill on as many threads as it has tiles; `only`: these tiles
         (a shared store's other ranks fill their device tiles alone); `advance(n)` as each piece's n
         parameters are filled. The layers' buffers are zeros, as the library initialises
         DeepSeek-V3's correction bias.

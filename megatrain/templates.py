@@ -52,8 +52,9 @@ class Architecture:
     """The templates of one model, built for the run's MLP chunking (None: the whole MLP at once;
     chunked_mlp.py) and its kernels (the norms': lean_norm.py; the whole gated MLP's: swiglu.py; a
     mixture of experts' experts and their gate: lean_experts.py; the queries' and keys' rotary and
-    the attention sinks' product, while a layer runs: rotary.py, sinks.py), their attention the library's, or, where some layers keep it for their
-    recompute, that attention able to (`keep_attention`: kept_attention.py)."""
+    the attention sinks' product, while a layer runs: rotary.py, sinks.py), their attention the
+    library's, or, where some layers keep it for their recompute, that attention able to
+    (`keep_attention`: kept_attention.py)."""
 
     def __init__(self, shape: ModelShape, mlp_chunk: int | None = None, compiled_norms: bool = False,
                  compiled_mlp: bool = False, lean_moe: bool = False, keep_attention: bool = False,
