@@ -200,10 +200,10 @@ def _pipelined(fwd: list[float], bwd: list[float], update: list[float | None], l
                back: list[float], clipping: bool, steps: int = 8) -> float:
     """The steady step of the engine's overlap (host_executor.py), simulated: the device runs the
     forward in order, each host unit once its last update is done and its weights loaded, then the
-    backward in reverse; a host unit's gradient lands once returned over the link after its backward
-    (the returns one after another; with clipping, every one at the last return's end), and the CPU's one worker runs, of the landed updates, the one the next
-    forward reads first (switching to an earlier unit's as it lands). The step: the last steps'
-    start times apart."""
+    backward in reverse; a host unit's gradient lands once returned over the link after its
+    backward (the returns one after another; with clipping, every one at the last return's end), and
+    the CPU's one worker runs, of the landed updates, the one the next forward reads first
+    (switching to an earlier unit's as it lands). The step: the last steps' start times apart."""
     n = len(fwd)
     ready = [0.0] * n  # when each unit's weights are updated
     t = cpu = link = 0.0

@@ -487,8 +487,8 @@ def test_two_gpus_track_one_gpu(tmp_path, cuda_only, preset):
     the same global batch, 20 steps: bf16 matmuls over 2 rows instead of 4 round differently, so the
     losses agree within bf16 tolerance and the updates point the same way; the two ranks report the
     same losses (one global step). The mixtures of experts with a router loss (all but DeepSeek's)
-    train with it, its routing counts summed over the ranks (moe.py), and eager attention: flex attention, GPT-OSS's
-    default on a GPU, takes minutes to build in each of the three processes."""
+    train with it, its routing counts summed over the ranks (moe.py), and eager attention: flex
+    attention, GPT-OSS's default on a GPU, takes minutes to build in each of the three processes."""
     from helpers import torchrun
     two_gpus()
     model = tiny_checkpoint(tmp_path / "init", preset, OVERRIDES if preset == "tiny-qwen2" else MOE[preset])

@@ -97,8 +97,8 @@ def test_the_step_overlaps_each_tiles_update_with_the_device_work_it_can():
     device's time. One host tile whose update (5 s) the device cannot hide: it starts once the tile's
     backward (2 s) has returned its gradient (0.5 s) and must end before the tile's next forward
     (and its load, 0.25 s), so the step is that chain. The last tile's update hides behind the
-    first tile's work; the first tile's, whose gradient comes last, shows. With clipping every update waits for the
-    last gradient: never shorter."""
+    first tile's work; the first tile's, whose gradient comes last, shows. With clipping every
+    update waits for the last gradient: never shorter."""
     from suite.projection import _pipelined
     none = [0.0, 0.0]
     assert _pipelined([1, 1], [2, 2], [None, None], none, none, False) == pytest.approx(6)
