@@ -278,10 +278,10 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
     executed, dense = _causal(hw, shape, L, again, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
+    head_flops = 6 * shape.vocab * shape.hidden * sum(lens)  # the LM head's forward and backward, 6 v h a token
     if moe is None:
         gpu = executed / dense - _compiled_saving(m, s, shape, sched, lens)
-    else:  # the layers at their MoE probe's rate, the LM head (6 v h a token) at the dense layer's
-        head_flops = 6 * shape.vocab * shape.hidden * sum(lens)
+    else:  # the layers at their MoE probe's rate, the LM head at the dense layer's
         gpu = head_flops / dense + (executed - head_flops) / _layer_hw_rate(*moe)
     # each rank updates its part of the host tiles with its share of the cores: one GPU's time
     terms = {"gpu": gpu, "h2d": h2d / (m.h2d_gbps * 1e9), "d2h": d2h / (m.d2h_gbps * 1e9),
@@ -291,7 +291,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         tail = 0.0
     else:
         bound = max(terms, key=terms.get)
-        lm_head = 6 * shape.vocab * shape.hidden * sum(lens) / dense  # the LM head's forward and backward
+        lm_head = head_flops / dense
         units = _units(L, on_device, sched.recomputed_layers, (gpu - lm_head) / L, lm_head,
                        {"embed": embed if s.device_tiles == 0 else 0, "layer": layer, "head": head}, rate,
                        2 / (m.h2d_gbps * 1e9), 4 / R / (m.d2h_gbps * 1e9), s.clipping)
