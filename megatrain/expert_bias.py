@@ -121,6 +121,13 @@ if triton is not None:
         tl.store(dw_ptr + t64[:, None] * K + ks[None, :], dw, mask=tmask[:, None])
 
 
+def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows summed (rows in expert order, `counts` of them each): a bias's gradient.
+    torch's segment sum, told its lengths are valid (they are the routing's own counts): checking
+    them reads two device values on the host, a wait for the device in every layer's backward."""
+    return torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
+
+
 def runs(rows: torch.Tensor) -> bool:
     """Whether the kernels take these rows (a GPU's, contiguous, with Triton)."""
     return triton is not None and rows.is_cuda and rows.is_contiguous()
@@ -153,7 +160,7 @@ class BiasGate(torch.autograd.Function):
         d_y = torch.empty_like(y)
         _backward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, grad.contiguous(), d_y, rows, width,
                                              *ctx.constants, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-        d_bias = torch.segment_reduce(d_y, "sum", lengths=counts, axis=0) if ctx.needs_input_grad[1] else None
+        d_bias = expert_sums(d_y, counts) if ctx.needs_input_grad[1] else None
         return d_y, d_bias, None, None, None, None
 
 

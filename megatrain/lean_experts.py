@@ -148,7 +148,7 @@ class _BiasCombine(torch.autograd.Function):
         y, bias, ids, counts, weights, perm, inv = ctx.saved_tensors
         k = weights.shape[-1]
         d_y = _compiled_combine_grad_rows(grad, perm // k, weights.reshape(-1)[perm])
-        d_bias = torch.segment_reduce(d_y, "sum", lengths=counts, axis=0) if ctx.needs_input_grad[1] else None
+        d_bias = expert_bias.expert_sums(d_y, counts) if ctx.needs_input_grad[1] else None
         d_w = expert_bias.combine_grad_weights(grad, y, bias, ids, inv.view(weights.shape)).to(weights.dtype) \
             if ctx.needs_input_grad[4] else None
         return d_y, d_bias, None, None, d_w, None, None
@@ -194,7 +194,7 @@ class _ExpertBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         counts, = ctx.saved_tensors
-        d_bias = torch.segment_reduce(grad, "sum", lengths=counts, axis=0) if ctx.needs_input_grad[1] else None
+        d_bias = expert_bias.expert_sums(grad, counts) if ctx.needs_input_grad[1] else None
         return grad, d_bias, None, None, None
 
 

@@ -412,16 +412,10 @@ def test_moe_streaming_switches_keep_numerics(tmp_path, cuda_only, preset, engin
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("preset", list(MOE))
-@pytest.mark.parametrize("gate", [False, True], ids=["library-gate", "compiled-gate"])
-def test_lean_experts_compute_the_library_experts_in_bf16(cuda_only, preset, gate):
-    """engine.experts_kernel: lean (the GPU's default for a mixture of experts) against the library's
-    grouped-GEMM experts on the device in bf16, 4096 tokens, both measured against the library's
-    experts in float32: with the library's gate the forward bit for bit (the same kernels, the
-    sentinel masks and the gathers' backward apart); the gradients (the tokens' k rows summed in
-    float32 at once, where autograd's scatter adds them in bf16 one by one; the biases' rows as one
-    segment sum) and, with the compiled gate (engine.mlp_kernel, the GPU's default: float32 inside
-    the kernel), the forward too, no further from float32 than the library's own bf16 results."""
+def experts_on_gpu(preset: str, gate: bool):
+    """A tiny preset's library experts in bf16 on the GPU (weights drawn at 0.05), their lean copy
+    (with its compiled gate where `gate`), 4096 tokens' rows, the router's picks and weights, and an
+    output gradient."""
     import copy
     import importlib
     from megatrain import lean_experts
@@ -434,13 +428,26 @@ def test_lean_experts_compute_the_library_experts_in_bf16(cuda_only, preset, gat
     library = cls(hf).to("cuda", torch.bfloat16)
     for p in library.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    exact = copy.deepcopy(library).float()
     lean = copy.deepcopy(library)
     lean_experts.make_lean(lean, lean_experts.gate_kind(hf.model_type, hf.hidden_act) if gate else None)
     x = torch.randn(4096, hf.hidden_size, device="cuda", dtype=torch.bfloat16)
     weights, index = torch.topk(torch.randn(4096, library.num_experts, device="cuda").softmax(-1), hf.num_experts_per_tok)
-    weights = weights.to(torch.bfloat16)
-    grad = torch.randn_like(x)
+    return library, lean, x, index, weights.to(torch.bfloat16), torch.randn_like(x)
+
+
+@pytest.mark.parametrize("preset", list(MOE))
+@pytest.mark.parametrize("gate", [False, True], ids=["library-gate", "compiled-gate"])
+def test_lean_experts_compute_the_library_experts_in_bf16(cuda_only, preset, gate):
+    """engine.experts_kernel: lean (the GPU's default for a mixture of experts) against the library's
+    grouped-GEMM experts on the device in bf16, 4096 tokens, both measured against the library's
+    experts in float32: with the library's gate the forward bit for bit (the same kernels, the
+    sentinel masks and the gathers' backward apart); the gradients (the tokens' k rows summed in
+    float32 at once, where autograd's scatter adds them in bf16 one by one; the biases' rows as one
+    segment sum) and, with the compiled gate (engine.mlp_kernel, the GPU's default: float32 inside
+    the kernel), the forward too, no further from float32 than the library's own bf16 results."""
+    import copy
+    library, lean, x, index, weights, grad = experts_on_gpu(preset, gate)
+    exact = copy.deepcopy(library).float()
     runs = []
     for module, dtype in ((exact, torch.float32), (library, torch.bfloat16), (lean, torch.bfloat16)):
         xi, wi = x.to(dtype).clone().requires_grad_(), weights.to(dtype).clone().requires_grad_()
@@ -450,6 +457,26 @@ def test_lean_experts_compute_the_library_experts_in_bf16(cuda_only, preset, gat
     assert gate or torch.equal(runs[1][0], runs[2][0])
     for truth, theirs, ours in zip(*runs):
         assert (ours - truth).norm() <= 1.5 * (theirs - truth).norm() + 1e-6 * truth.norm()
+
+
+@pytest.mark.parametrize("preset", list(MOE))
+def test_lean_experts_never_wait_for_the_device(cuda_only, preset):
+    """The lean experts' forward and backward with the GPU's defaults (the compiled gate; GPT-OSS's
+    biases in Triton) issue without the host waiting for the device: a wait there stalls the issue
+    of the layer's later kernels (torch's sync debug mode raises at one; torch's segment sum, for
+    one, checks its lengths on the host unless told not to)."""
+    _, lean, x, index, weights, grad = experts_on_gpu(preset, gate=True)
+
+    def step():
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        lean(xi, index, wi).backward(grad)
+    step()  # builds the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-gpt-oss"])
