@@ -72,20 +72,32 @@ def _kernels(form: str):
     return (_compiled_rotate, _compiled_rotate_grad) if form == "llama" else (_compiled_halves, _compiled_halves_grad)
 
 
+def _in_layout(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """kernel(x, cos, sin) with the result in x's layout where x is (batch, heads, tokens, width)
+    over (batch, tokens, heads, width) memory, as the library's projections make it: the kernel
+    runs on the contiguous view and its result is transposed back (elementwise: the same numbers).
+    Attention's output and gradients follow their query's layout, so the library's transposes
+    around attention, and the projections' gradients' reshapes, are then views, not copies."""
+    if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return kernel(x.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)).transpose(1, 2)
+    return kernel(x, cos, sin)
+
+
 class _Rotary(torch.autograd.Function):
-    """x (..., head_dim) rotated by cos and sin (broadcast to it) in the `form`'s kernel; cos and
-    sin take no gradient (the engine makes them without one), and are all it keeps."""
+    """x (..., head_dim) rotated by cos and sin (broadcast to it) in the `form`'s kernel, in x's
+    layout (`_in_layout`); cos and sin take no gradient (the engine makes them without one), and are
+    all it keeps."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.form = form
-        return _kernels(form)[0](x, cos, sin)
+        return _in_layout(_kernels(form)[0], x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _kernels(ctx.form)[1](grad, cos, sin), None, None, None
+        return _in_layout(_kernels(ctx.form)[1], grad, cos, sin), None, None, None
 
 
 def _applying(form: str):

@@ -2,8 +2,8 @@
 
 The GPU test file holds every streaming switch to the default run's numbers bit for bit
 (tests/engine/test_gpu.py, test_moe_streaming_switches_keep_numerics). For GPT-OSS two switches
-(K = 1; kept layers with offloaded checkpoints) part from the default (docs/log.md, 2026-11-30;
-a strict xfail there). This trains the test's tiny model with the
+(K = 1; kept layers with offloaded checkpoints) parted from the default while the compiled rotary
+returned its queries and keys contiguous (docs/log.md, 2026-11-30). This trains the test's tiny model with the
 default engine and with each switch, in the test's order in one process and each run in a process
 of its own, with the GPU's compiled kernels and with some or all of them eager (the engine's
 *_kernel settings), and the default run again beside them: each run's

@@ -150,6 +150,27 @@ def test_compiled_gpt_oss_rotary_is_the_library_rotary_to_the_bit(dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("form", ["llama", "halves"])
+def test_compiled_rotary_keeps_the_projections_layout(form):
+    """The compiled rotary's queries and keys, and their gradients given in the same layout (as
+    attention returns them), stay (batch, heads, tokens, width) views of (batch, tokens, heads,
+    width) memory: the library's transposes around attention and the projections' gradients'
+    reshapes are then views; the numbers are those of the contiguous inputs."""
+    from megatrain import rotary
+    torch.manual_seed(0)
+    B, S, D = 2, 8, 16
+    fn = rotary.apply_rotary_pos_emb if form == "llama" else rotary.apply_rotary_halves
+    q = torch.randn(B, S, 4, D).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, 2, D).transpose(1, 2).requires_grad_()
+    angles = torch.randn(B, S, D // 2 if form == "halves" else D)
+    cos, sin = angles.cos(), angles.sin()
+    grads = torch.randn(B, S, 4, D).transpose(1, 2), torch.randn(B, S, 2, D).transpose(1, 2)
+    plain = [t.detach().contiguous().requires_grad_() for t in (q, k)]
+    runs = [_rotary_run(fn, *plain, cos, sin, [g.contiguous() for g in grads]), _rotary_run(fn, q, k, cos, sin, grads)]
+    for got, want in zip(runs[1], runs[0]):
+        assert got.transpose(1, 2).is_contiguous() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_sinks_product_is_the_broadcast_product(dtype):
     """engine.sinks_kernel: compiled's product of the attention output (batch, queries, heads,
