@@ -4,6 +4,8 @@ or had of updating it, beside the memory bandwidth that bounds them:
 
 - one_pass_whole, one_pass_split: the C++ kernel (fused_adamw.py), a whole or a split master
   (`engine.optimizer_kernel: compiled`, the engine's default);
+- one_pass_master: the C++ kernel on a whole float32 master with no shadow to write (a float32
+  run's tile; what a master streamed as it is, cast on the device, would update);
 - eager_whole, eager_split: torch's fused AdamW and the passes around it (`optimizer_kernel: eager`);
 - inductor_whole: the one-pass update of a whole master as torch.compile built it before the C++
   kernel replaced it (its function and options, kept here to compare; --no-inductor skips its
@@ -15,7 +17,7 @@ or had of updating it, beside the memory bandwidth that bounds them:
 
 Rounds interleave the paths (the first round is a warm-up, reported apart). Each path's implied
 bandwidth is its rate times the bytes it moves per parameter (`bytes_per_param`, counted from its
-passes: the one pass 30 whole and 28 split; eager whole 34, the shadow's recast a second pass;
+passes: the one pass 30 whole, 28 split and 28 a master alone; eager whole 34, the shadow's recast a second pass;
 eager split about 48, the join and split and their searches for ties around torch's 28).
 Prints a line per path; --out writes the JSON (config, environment, samples, medians).
 
@@ -41,7 +43,7 @@ from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
-BYTES = {"one_pass_whole": 30, "one_pass_split": 28, "eager_whole": 34, "eager_split": 48, "inductor_whole": 30,
+BYTES = {"one_pass_whole": 30, "one_pass_split": 28, "one_pass_master": 28, "eager_whole": 34, "eager_split": 48, "inductor_whole": 30,
          "torch_adamw_fused": 28, "stream_copy": 8, "stream_triad": 12}
 
 
@@ -88,9 +90,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     tiles = {}
-    for layout in ("whole", "split"):
-        tile = tiles[layout] = Tile(layout, Layout.of([ParamSpec("w", (n // 64, 64))]), torch.float32, torch.bfloat16,
-                                    False, False, split=layout == "split")
+    for layout in ("whole", "split", "master"):
+        tile = tiles[layout] = Tile(layout, Layout.of([ParamSpec("w", (n // 64, 64))]), torch.float32,
+                                    torch.float32 if layout == "master" else torch.bfloat16, False, False,
+                                    split=layout == "split")
         tile.reset()
         tile.write_master(torch.randn(n, generator=gen) * 0.02)
     scratch = adamw.Scratch()  # the host executor keeps one
@@ -107,11 +110,11 @@ def main() -> None:
         return run
 
     paths = {"one_pass_whole": tile_update("whole", True), "one_pass_split": tile_update("split", True),
-             "eager_whole": tile_update("whole", False), "eager_split": tile_update("split", False),
+             "one_pass_master": tile_update("master", True), "eager_whole": tile_update("whole", False), "eager_split": tile_update("split", False),
              "torch_adamw_fused": torch_adamw.step,
              "stream_copy": lambda: a.copy_(b), "stream_triad": lambda: torch.add(b, c, alpha=3.0, out=a)}
     if build.why is not None:
-        del paths["one_pass_whole"], paths["one_pass_split"]
+        del paths["one_pass_whole"], paths["one_pass_split"], paths["one_pass_master"]
     if not args.no_inductor:
         from megatrain.kernel_build import compiled
         kernel = compiled(inductor_update, **{"cpp.dynamic_threads": True, "cpp_wrapper": True})
