@@ -103,6 +103,20 @@ def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stage", [None, 1000])
+def test_whole_masters_cast_on_the_device_keep_numerics(tmp_path, cuda_only, monkeypatch, stage):
+    """Whole float32 masters (engine.split_masters: false) stream as they are and are cast to bf16
+    on the device (buffers.py), in chunks of buffers.STAGE elements (here also 1000, which divides
+    no tile: many chunks a load, and a short last one): training is the split default's, whose
+    loads move the shadow the host cast, to the bit."""
+    import megatrain.buffers
+    if stage:
+        monkeypatch.setattr(megatrain.buffers, "STAGE", stage)
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    runs = base_and(tmp_path, {"split_masters": False})
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
 def test_embedding_copies_wait_for_the_compute_stream(tmp_path, cuda_only, monkeypatch):
     """Gemma's scaled embedding frees a micro-batch's copied rows at once, and the next micro-batch's
     rows may be copied into that memory: the copy must wait until the compute stream has read it.
