@@ -11,9 +11,8 @@ Here kernels of 2-D tiles (a block of rows by a block of columns, each row's exp
 row, its bias row from the cache) read the unbiased rows and the biases:
 - `BiasGate`: the gate's output; back, the rows' gradient from the output's (the up bias's
   gradient, each expert's rows summed as before: a segment sum over its contiguous rows);
-- `combine`: each token's rows, biased, weighted by the router and summed; `combine_grad_weights`:
-  each weight's gradient, the token's gradient dotted with its biased row (the rows' gradient is
-  the unbiased weighting's, lean_experts.py).
+- `combine`: each token's rows, biased, weighted by the router and summed (its backward, which
+  reads no row, is the lean experts': lean_experts._DownCombine).
 The biased rows are never written. The arithmetic: each bias added and rounded to the rows' dtype
 as the library's add rounds it, the rest in float32, rounded once, as the compiled passes do (equal
 to rounding, not bit for bit, against the library's bf16 ops).
@@ -102,24 +101,6 @@ if triton is not None:
             total = total + _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width) * w[:, None]
         tl.store(out_ptr + t64[:, None] * width + c[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _combine_grad_weights_kernel(grad_ptr, y_ptr, b_ptr, ids_ptr, picks_ptr, dw_ptr, tokens, width,
-                                     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tmask = t < tokens
-        t64 = t.to(tl.int64)
-        ks = tl.arange(0, K)
-        dw = tl.zeros((BLOCK_R, K), dtype=tl.float32)
-        for c0 in range(0, width, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            mask = tmask[:, None] & (c < width)[None, :]
-            g = tl.load(grad_ptr + t64[:, None] * width + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(K):
-                p = tl.load(picks_ptr + t64 * K + j, mask=tmask, other=0)
-                part = tl.sum(g * _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width), axis=1)
-                dw += tl.where(ks[None, :] == j, part[:, None], 0.0)
-        tl.store(dw_ptr + t64[:, None] * K + ks[None, :], dw, mask=tmask[:, None])
-
 
 def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's rows summed (rows in expert order, `counts` of them each): a bias's gradient.
@@ -176,13 +157,3 @@ def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
     return out
 
-
-def combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor,
-                         picks: torch.Tensor) -> torch.Tensor:
-    """Each (token, pick) weight's gradient: the token's gradient dotted with its biased row, float32."""
-    tokens, k = picks.shape
-    dw = torch.empty(tokens, k, dtype=torch.float32, device=y.device)
-    _combine_grad_weights_kernel[(triton.cdiv(tokens, BLOCK_R),)](
-        grad.contiguous(), y, bias.contiguous(), ids, picks.contiguous(), dw, tokens, y.shape[1], K=k,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-    return dw
