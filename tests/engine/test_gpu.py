@@ -731,6 +731,26 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
 
 
+@pytest.mark.parametrize("width", [5760, 2880])
+def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
+    """expert_bias.expert_sums on the GPU (a Triton program per expert and block of columns, 2880 no
+    block divides) over bf16 rows of experts with none, one, a few and thousands: within float32
+    summation and one bf16 rounding of the exact sums, empty experts exactly zero, and the same bits
+    on a second run."""
+    from megatrain import expert_bias
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([0, 1, 37, 0, 4096, 3, 1000, 0], device="cuda")
+    rows = (4 * torch.randn(int(counts.sum()), width, generator=gen, device="cuda")).to(torch.bfloat16)
+    assert expert_bias.runs(rows)
+    got = expert_bias.expert_sums(rows, counts)
+    assert torch.equal(got, expert_bias.expert_sums(rows, counts)) and not got[counts == 0].any()
+    ids = torch.repeat_interleave(torch.arange(8, device="cuda"), counts)
+    exact = torch.zeros(8, width, dtype=torch.float64, device="cuda").index_add_(0, ids, rows.double())
+    size = torch.zeros(8, width, dtype=torch.float64, device="cuda").index_add_(0, ids, rows.double().abs())
+    bound = exact.abs() * 2**-8 + counts.unsqueeze(1) * 2**-24 * size
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 def test_sinks_kernel_is_the_library_flex_attention_on_the_gpu(tmp_path, cuda_only):
     """engine.sinks_kernel: compiled (sinks.py) in a tiny GPT-OSS of bf16 with the library's flex
     attention, the library's model around it: the logits to the bit (the sinks' product is one
