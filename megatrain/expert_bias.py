@@ -124,10 +124,10 @@ if triton is not None:
 def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's rows summed (rows in expert order, `counts` of them each), float32 inside: a
     bias's gradient. Where the kernels run, a program per expert and block of columns adds its rows
-    block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens on
-    the H200, 2.4 and 1.3 TB/s); elsewhere
-    torch's segment sum, told its lengths are valid (they are the routing's own counts: checking them
-    reads two device values on the host, a wait for the device in every layer's backward)."""
+    block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
+    on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
+    are the routing's own counts: checking them reads two device values on the host, a wait for the
+    device in every layer's backward)."""
     if not runs(rows):
         return torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
     width = rows.shape[1]

@@ -35,8 +35,9 @@ back is too: the router's weighting of the rows and their sum into token order i
 reads each row once (the library's product and gather write the rows twice more), and the tokens'
 gather's backward one kernel. The weighting's backward never reads the down projection's output
 (`_DownCombine`): each weight's gradient is taken through the projection's input, from the rows'
-gradient the projection's backward computes anyway, so a recomputed block's last layer, whose
-output nothing reads, leaves that projection out (unread_mlp.py), as the dense MLP does. Inside a
+unweighted gradient through the projection (the GEMM its backward runs, the weight applied after),
+so a recomputed block's last layer, whose output nothing reads, leaves that projection out
+(unread_mlp.py), as the dense MLP does. Inside a
 kernel the arithmetic stays in float32 where the library rounds each step to the compute dtype:
 equal to rounding, not bit for bit.
 """
