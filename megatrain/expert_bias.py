@@ -127,9 +127,10 @@ def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
     on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
     are the routing's own counts: checking them reads two device values on the host, a wait for the
-    device in every layer's backward)."""
+    device in every layer's backward), over float32 rows (it adds in the rows' dtype: bf16 sums of
+    500 rows parted from the exact by 3%)."""
     if not runs(rows):
-        return torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
+        return torch.segment_reduce(rows.float(), "sum", lengths=counts, axis=0, unsafe=True).to(rows.dtype)
     width = rows.shape[1]
     out = rows.new_empty(counts.numel(), width)
     _expert_sums_kernel[(counts.numel(), triton.cdiv(width, SUM_C))](
