@@ -127,9 +127,11 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     chosen: dict[str, str] = {}
     for kernel in KERNELS:
         chosen[kernel.setting] = kernel.choose(getattr(engine, kernel.setting), shape, machine, chosen)
+    auto_split = engine.split_masters == "auto" and chosen[OPTIMIZER.setting] == OPTIMIZER.own
+    split = splittable and (engine.split_masters is True or auto_split)  # auto: half a load's bytes, the update one pass
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
-        split_masters=splittable and engine.split_masters is True,
+        split_masters=split,
         checkpoint_every=engine.checkpoint_every, weight_buffers=engine.weight_buffers,
         offload_checkpoints=engine.offload_checkpoints,
         grad_slabs=4 if engine.grad_slabs == "auto" else engine.grad_slabs,  # auto's capped below, by the pieces
@@ -158,8 +160,6 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.grad_slabs == "auto":  # after device_tiles: the host tiles' pieces
         s = replace(s, grad_slabs=min(s.grad_slabs, _pieces(shape, s)))
-    if engine.split_masters == "auto" and splittable:  # half the bytes a load moves, where the update is one pass
-        s = replace(s, split_masters=OPTIMIZER.runs(s))
     if engine.grad_slabs == "auto":
         s = replace(s, grad_slabs=min(_slabs(shape, s, machine.host_available, data_bytes), _pieces(shape, s)))
     return s
