@@ -45,7 +45,9 @@ class MegaTrain(System):
         out = {"memory_plan": t.memory_plan.detail, "engine": dataclasses.asdict(t.settings),
                "master_dtype": t.settings.master_dtype, "compute_dtype": str(t.settings.compute),
                "setup_s": t.setup_s, "optimizer_kernel_note": t.optimizer_kernel_note,
-               "pinned_shadows": "exact"}  # registered at their size: store.Blocks
+               "pinned_shadows": "exact",  # registered at their size: store.Blocks
+               "whole_masters": "streamed",  # cast on the device, no bf16 shadow on the host (store.py)
+               "unread_experts": True}  # the recompute leaves out what nothing reads of the experts (lean_experts.py)
         if self.options.get("trace"):
             t.write_trace(self.options["trace"])
         if self.options.get("ceiling") and t.device.is_cuda:

@@ -1,7 +1,7 @@
 """One AdamW update of a range of a tile, by the tile's storage kind (store.Storage): torch's fused
 AdamW on a float32 view of the master (a device tile's on the current stream), or on the chunk of
-a split master joined for it, or the one-pass host kernel (fused_adamw.py); then the shadow. The
-same numbers on every path: the host and device executors (host_executor.py, device_executor.py)
+a split master joined for it, or the one-pass host kernel (fused_adamw.py). The same numbers on
+every path: the host and device executors (host_executor.py, device_executor.py)
 both call `adamw`.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Scratch:
 def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, update: Update, grad_scale: float = 1.0,
           found_inf: torch.Tensor | None = None, scratch: Scratch | None = None, compiled: bool = False) -> None:
     """Update elements [lo, hi) of a tile from `grad` (float32, hi - lo elements) times
-    `grad_scale`, then refresh that range of the shadow. A device tile's runs on the current
+    `grad_scale`. A device tile's runs on the current
     stream; its `found_inf` (a float32 scalar there, nonzero when the gradient is not finite) makes
     the kernel leave weights and moments as they are, without a host sync. `compiled`: a host tile
     with float32 masters updates in one pass over memory (fused_adamw.py), the same numbers as the
@@ -77,12 +77,11 @@ def adamw(tile: Tile, lo: int, hi: int, grad: torch.Tensor, update: Update, grad
 
 
 def _one_pass(tile: Tile, a: int, b: int, grad: torch.Tensor, update: Update, wd: float, grad_scale: float) -> None:
-    """The host kernel on elements [a, b) of a host tile with float32 masters, the shadow written in the same pass."""
-    kind = tile.storage
+    """The host kernel on elements [a, b) of a host tile with float32 masters (a split one's halves)."""
+    split_ = tile.storage is Storage.SPLIT
     fused_adamw.update(grad, tile.exp_avg[a:b], tile.exp_avg_sq[a:b], update.step, update.lr, wd, update.cfg,
-                       grad_scale, master=None if kind is Storage.SPLIT else tile.master[a:b],
-                       shadow=None if kind is Storage.MASTER_IS_SHADOW else tile.shadow[a:b],
-                       low=tile.low[a:b] if kind is Storage.SPLIT else None)
+                       grad_scale, master=None if split_ else tile.master[a:b],
+                       shadow=tile.shadow[a:b] if split_ else None, low=tile.low[a:b] if split_ else None)
 
 
 def _float_master(tile: Tile, a: int, b: int, scratch: Scratch | None) -> torch.Tensor:
@@ -94,9 +93,8 @@ def _float_master(tile: Tile, a: int, b: int, scratch: Scratch | None) -> torch.
 
 
 def _store_master(tile: Tile, a: int, b: int, param: torch.Tensor) -> None:
-    """The updated float32 `param` back where _float_master took it from, and into the shadow."""
+    """The updated float32 `param` back where _float_master took it from."""
     if tile.storage is Storage.SPLIT:
         split(param, tile.shadow[a:b], tile.low[a:b], tile.exp_avg_sq[a:b])
     elif tile.master_dtype != torch.float32:
         tile.master[a:b].copy_(param)
-    tile.refresh_shadow(a, b)

@@ -4,7 +4,10 @@ A *unit* is what one compute op needs on the device: a decoder layer's tile, or 
 norm plus the LM head, which is the embedding tile when tied). The streamer gets the step's plan
 (the unit each op uses, in order), merges consecutive uses of one unit into one load, and keeps
 `nbuf - 1` loads ahead of compute: load k goes to slot k % nbuf, after the buffer-free event of
-the load that last used that slot, and compute waits on its weights-ready event.
+the load that last used that slot, and compute waits on its weights-ready event. A tile whose
+master is not in the compute dtype (a whole float32 master with bf16 compute: store.py) is cast
+on the device: copied as it is into a staging buffer of STAGE elements, a chunk at a time, and
+cast from there into the weight buffer, on the load's stream.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import torch
 from megatrain.device import Device
 from megatrain.store import Tile
 from megatrain.timeline import Kind, Timeline, Track
+
+STAGE = 1 << 24  # elements a cast load stages on the device at a time (64 MB of float32)
 
 
 @dataclass(eq=False)
@@ -67,6 +72,7 @@ class WeightStreamer:
         self.free = [None] * nbuf  # buffer-free, per slot
         self.current = 0  # slot of the op last acquired
         self.bytes_h2d = 0
+        self.staging: torch.Tensor | None = None  # a cast load's chunk on the device (STAGE elements)
         self.wait_s = 0.0  # host time blocked until the optimizer had written a tile to stream
         self.peers = None  # the other ranks' update flags of the shared store (distributed.Flags)
 
@@ -106,6 +112,18 @@ class WeightStreamer:
             raise RuntimeError(f"{unit.name} is not the unit of the current op")
         return self.current
 
+    def _cast_in(self, into: torch.Tensor, source: torch.Tensor) -> None:
+        """A host tensor of another dtype into the device buffer `into`: STAGE elements at a time
+        copied as they are into the staging buffer, then cast into place on the device, on the
+        current stream (each chunk's cast before the next chunk's copy)."""
+        if self.staging is None or self.staging.dtype != source.dtype:
+            self.staging = torch.empty(STAGE, dtype=source.dtype, device=into.device)
+        for a in range(0, source.numel(), STAGE):
+            b = min(source.numel(), a + STAGE)
+            part = self.staging[: b - a]
+            part.copy_(source[a:b], non_blocking=True)
+            into[a:b].copy_(part)
+
     def wait_updated(self, tiles: list[Tile]) -> None:
         """Block the host until the optimizer has written these tiles' updates (timed); with
         data-parallel ranks, every rank's part of them (`peers`: distributed.Flags)."""
@@ -135,13 +153,17 @@ class WeightStreamer:
                 self.dev.wait(stream, self.free[slot])
             with self.timeline.stream(Track.H2D, stream, Kind.LOAD, unit.name):
                 for tile, offset in unit.segments:
-                    n = tile.layout.numel
+                    n, source = tile.layout.numel, tile.source
+                    into = self.flat[slot, offset: offset + n]
                     if tile.on_device:  # cast on the device, once its update has run
                         if tile.updated is not None:
                             self.dev.wait(stream, tile.updated)
                     else:
-                        self.bytes_h2d += n * tile.shadow.itemsize
-                    self.flat[slot, offset: offset + n].copy_(tile.source, non_blocking=True)
+                        self.bytes_h2d += n * source.itemsize
+                    if tile.on_device or source.dtype == into.dtype or not into.is_cuda:
+                        into.copy_(source, non_blocking=True)
+                    else:
+                        self._cast_in(into, source)
             self.ready[slot] = done = self.dev.record(stream)
         for tile in unit.tiles:
             tile.read_done = done

@@ -131,15 +131,14 @@ class ModelConfig:
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    # the masters AdamW updates: float32, full precision, 14 B/param on the host (master 4, moments 8,
-    # bf16 shadow 2; clipping keeps a float32 gradient besides: 18), 12 held split (split_masters,
-    # what auto does wherever the compiled update runs); bfloat16, not full precision,
-    # 10 B/param (the master is its own shadow; 14 with float32 compute, which keeps a float32 shadow)
+    # the masters AdamW updates: float32, full precision, 12 B/param on the host (master 4, moments 8;
+    # clipping keeps a float32 gradient besides: 16), whole (a load casts them to the compute dtype
+    # on the device) or split (split_masters); bfloat16, not full precision, 10 B/param
     master_dtype: Literal["float32", "bfloat16"] = "float32"
-    # float32 masters with bf16 compute held as the shadow plus their low 16 bits, exactly: 12 B/param
-    # instead of 14 (the compiled CPU update moves fewer bytes split, the eager one is 2-4x slower:
-    # docs/host-store.md); auto: wherever the compiled update runs (optimizer_kernel), else only when
-    # the 14-byte plan does not fit the host memory and the 12-byte one does (resolve.py)
+    # float32 masters with bf16 compute held as their bf16 shadow plus their low 16 bits, exactly, 12
+    # B/param as whole: a load moves the 2-byte shadow instead of the 4-byte master (the eager CPU
+    # update is 2-4x slower split: docs/host-store.md); auto: wherever the compiled update runs
+    # (optimizer_kernel)
     split_masters: bool | Literal["auto"] = "auto"
     checkpoint_every: int = 4  # K: keep one activation checkpoint every K layers
     weight_buffers: int = 2  # device weight buffers; 1 disables prefetch (ablation)
@@ -180,9 +179,9 @@ class EngineConfig:
     # stay there; keep_attention_layers auto then keeps as many as the device and the host hold
     offload_attention: bool = False
     optimizer_threads: int | None = None  # CPU threads for AdamW; None: torch's default
-    # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, the update and the
-    # bf16 shadow's refresh in one pass over memory: fused_adamw.py; needs a C++ compiler) or eager
-    # (torch's fused AdamW, and passes around it for the shadow or the split), the same numbers;
+    # the host AdamW of float32 masters, whole or split: compiled (a C++ kernel, one pass over memory:
+    # fused_adamw.py; needs a C++ compiler) or eager (torch's fused AdamW, and passes around it for
+    # the split), the same numbers;
     # auto: compiled where it builds, else eager
     optimizer_kernel: Literal["auto", "compiled", "eager"] = "auto"
     # the decoder layers' RMSNorms: eager (the library's ops, and autograd's backward through them)
@@ -252,7 +251,7 @@ class EngineSettings:
     device: str
     compute_dtype: Literal["float32", "bfloat16"]
     master_dtype: Literal["float32", "bfloat16"]
-    split_masters: bool  # host tiles keep float32 masters as the bf16 shadow plus the low halves
+    split_masters: bool  # host tiles keep float32 masters as a bf16 shadow plus the low halves
     checkpoint_every: int
     weight_buffers: int
     offload_checkpoints: bool

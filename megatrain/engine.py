@@ -501,11 +501,14 @@ class Engine:
             return torch.nn.functional.embedding(ids.to(self.dev.torch, non_blocking=True), table).to(self.dtype)
         self.streamer.wait_updated([tile])
         n = ids.numel()
-        table = tile.shadow[: spec.numel].view(spec.shape)
+        table = tile.source[: spec.numel].view(spec.shape)
         self.rows_free.synchronize()  # the previous micro-batch's copy out of `rows` is done
         rows = self.rows[: n * self.shape.hidden].view(n, self.shape.hidden)
         with self.timeline.host(Track.HOST, Kind.EMBEDDING, "gather"):
-            torch.index_select(table, 0, ids.reshape(-1), out=rows)
+            if table.dtype == rows.dtype:
+                torch.index_select(table, 0, ids.reshape(-1), out=rows)
+            else:  # a whole master's rows, cast as a load casts them (round to nearest even)
+                rows.copy_(table.index_select(0, ids.reshape(-1)))
         h = torch.empty(ids.shape + (self.shape.hidden,), dtype=self.dtype, device=self.dev.torch)
         # h's memory may be a block the compute stream has yet to read (Gemma's scaled rows free the
         # last micro-batch's at once): the copy waits for what the compute stream was given

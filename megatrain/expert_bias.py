@@ -11,9 +11,9 @@ Here kernels of 2-D tiles (a block of rows by a block of columns, each row's exp
 row, its bias row from the cache) read the unbiased rows and the biases:
 - `BiasGate`: the gate's output; back, the rows' gradient from the output's (the up bias's
   gradient, each expert's rows summed as before: a segment sum over its contiguous rows);
-- `combine`: each token's rows, biased, weighted by the router and summed; `combine_grad_weights`:
-  each weight's gradient, the token's gradient dotted with its biased row (the rows' gradient is
-  the unbiased weighting's, lean_experts.py).
+- `combine`: each token's rows, biased, weighted by the router and summed (its backward, which
+  reads no row, is the lean experts': lean_experts._DownCombine);
+- `expert_sums`: each expert's rows summed, the biases' gradients.
 The biased rows are never written. The arithmetic: each bias added and rounded to the rows' dtype
 as the library's add rounds it, the rest in float32, rounded once, as the compiled passes do (equal
 to rounding, not bit for bit, against the library's bf16 ops).
@@ -31,6 +31,7 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 BLOCK_R, BLOCK_C = 16, 64  # rows (tokens) and output columns a program (the gate's input: 2 x BLOCK_C columns)
+SUM_R, SUM_C = 32, 128  # the experts' sums: rows a step, columns a program
 
 if triton is not None:
     @triton.jit
@@ -86,6 +87,23 @@ if triton is not None:
         return (y.to(tl.float32) + b.to(tl.float32)).to(y.dtype).to(tl.float32)
 
     @triton.jit
+    def _expert_sums_kernel(rows_ptr, ends_ptr, out_ptr, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Expert program_id(0)'s rows (between the previous expert's end and its own) summed over a
+        block of columns, in float32, a block of rows a step: the same order on every run."""
+        e = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < width
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            x = tl.load(rows_ptr + r.to(tl.int64)[:, None] * width + c[None, :],
+                        mask=(r < end)[:, None] & cmask[None, :], other=0.0)
+            total += tl.sum(x.to(tl.float32), axis=0)
+        tl.store(out_ptr + e.to(tl.int64) * width + c, total.to(out_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
     def _combine_kernel(y_ptr, b_ptr, ids_ptr, picks_ptr, w_ptr, out_ptr, tokens, width, K: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -102,30 +120,22 @@ if triton is not None:
             total = total + _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width) * w[:, None]
         tl.store(out_ptr + t64[:, None] * width + c[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _combine_grad_weights_kernel(grad_ptr, y_ptr, b_ptr, ids_ptr, picks_ptr, dw_ptr, tokens, width,
-                                     K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tmask = t < tokens
-        t64 = t.to(tl.int64)
-        ks = tl.arange(0, K)
-        dw = tl.zeros((BLOCK_R, K), dtype=tl.float32)
-        for c0 in range(0, width, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            mask = tmask[:, None] & (c < width)[None, :]
-            g = tl.load(grad_ptr + t64[:, None] * width + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(K):
-                p = tl.load(picks_ptr + t64 * K + j, mask=tmask, other=0)
-                part = tl.sum(g * _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width), axis=1)
-                dw += tl.where(ks[None, :] == j, part[:, None], 0.0)
-        tl.store(dw_ptr + t64[:, None] * K + ks[None, :], dw, mask=tmask[:, None])
-
 
 def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Each expert's rows summed (rows in expert order, `counts` of them each): a bias's gradient.
-    torch's segment sum, told its lengths are valid (they are the routing's own counts): checking
-    them reads two device values on the host, a wait for the device in every layer's backward."""
-    return torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
+    """Each expert's rows summed (rows in expert order, `counts` of them each), float32 inside: a
+    bias's gradient. Where the kernels run, a program per expert and block of columns adds its rows
+    block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
+    on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
+    are the routing's own counts: checking them reads two device values on the host, a wait for the
+    device in every layer's backward), over float32 rows (it adds in the rows' dtype: bf16 sums of
+    500 rows parted from the exact by 3%)."""
+    if not runs(rows):
+        return torch.segment_reduce(rows.float(), "sum", lengths=counts, axis=0, unsafe=True).to(rows.dtype)
+    width = rows.shape[1]
+    out = rows.new_empty(counts.numel(), width)
+    _expert_sums_kernel[(counts.numel(), triton.cdiv(width, SUM_C))](
+        rows, counts.cumsum(0), out, width, BLOCK_R=SUM_R, BLOCK_C=SUM_C)
+    return out
 
 
 def runs(rows: torch.Tensor) -> bool:
@@ -176,13 +186,3 @@ def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
     return out
 
-
-def combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor,
-                         picks: torch.Tensor) -> torch.Tensor:
-    """Each (token, pick) weight's gradient: the token's gradient dotted with its biased row, float32."""
-    tokens, k = picks.shape
-    dw = torch.empty(tokens, k, dtype=torch.float32, device=y.device)
-    _combine_grad_weights_kernel[(triton.cdiv(tokens, BLOCK_R),)](
-        grad.contiguous(), y, bias.contiguous(), ids, picks.contiguous(), dw, tokens, y.shape[1], K=k,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-    return dw

@@ -1,20 +1,18 @@
 """The host AdamW of a tile with float32 masters in one pass over memory, for both layouts
 (`engine.optimizer_kernel: compiled`; the kernel is host_adamw.cpp).
 
-The eager update (adamw.adamw) is torch's fused AdamW plus passes around it: with a whole master
-the bf16 shadow is recast from it in a second pass; with a split master (store.py,
-docs/host-store.md) the master is joined into a float32 scratch, updated there and split back,
-several passes more. The update is bound by memory bandwidth, so here one loop reads each
-element's state once and writes it once: a whole master reads the gradient, the master and both
-moments and writes the master, the moments and the shadow (30 bytes a parameter with a float32
-gradient; the shadow, which the pass never reads, by non-temporal stores on x86, so that its cache
-lines are not read first for ownership, 2 bytes more); a split one reads the gradient, the shadow,
-the low half and both moments and writes all but the gradient (28 bytes). experiments/probes/adamw_rate.py times both against the eager
-update, torch's own fused AdamW and the machine's memory bandwidth. The clipping scale, where there is one, is applied in the same
-loop, not in a pass of its own.
+The eager update (adamw.adamw) is torch's fused AdamW, and with a split master (store.py,
+docs/host-store.md) passes around it: the master joined into a float32 scratch, updated there and
+split back. The update is bound by memory bandwidth, so here one loop reads each element's state
+once and writes it once: a whole master reads the gradient, the master and both moments and
+writes all but the gradient (28 bytes a parameter with a float32 gradient, torch's own); a split
+one reads the gradient, the shadow, the low half and both moments and writes all but the gradient
+(28 bytes, in five arrays). experiments/probes/adamw_rate.py times both against the eager update,
+torch's own fused AdamW and the machine's memory bandwidth. The clipping scale, where there is
+one, is applied in the same loop, not in a pass of its own.
 
 The arithmetic is torch's fused AdamW on the CPU, operation for operation (host_adamw.cpp), so a
-tile's master, moments and shadow are the eager update's to the bit, in either layout; the
+tile's master and moments are the eager update's to the bit, in either layout; the
 elements past a call's last full vector of torch's width take torch's scalar formula, as there.
 Which of its products and sums are fused multiply-adds differs between torch's builds and vector
 widths, so a process finds them once, when it loads the kernel: the forms whose update of a probe
@@ -130,9 +128,9 @@ def build() -> Build:
             if why is None:
                 try:
                     library = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one linked
-                    for fn in (library.megatrain_adamw_whole, library.megatrain_adamw_split):
-                        fn.restype = None  # (5 arrays, length, body, 7 scalars, bf16 grad, threads, form)
-                        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 7 + [ctypes.c_int] * 3
+                    for fn, arrays in ((library.megatrain_adamw_whole, 4), (library.megatrain_adamw_split, 5)):
+                        fn.restype = None  # (the arrays, length, body, 7 scalars, bf16 grad, threads, form)
+                        fn.argtypes = [ctypes.c_void_p] * arrays + [ctypes.c_int64] * 2 + [ctypes.c_double] * 7 + [ctypes.c_int] * 3
                 except OSError as e:
                     library, why = None, f"the built kernel {path} does not load: {e}"
             vector, scalar = (None, None) if library is None else _torch_forms(library)
@@ -168,7 +166,7 @@ def _torch_forms(library: ctypes.CDLL) -> tuple[int | None, int | None]:
             torch._fused_adamw_([p], [g], [m], [v], [], [torch.full((), 3.0)], lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
         else:
-            library.megatrain_adamw_whole(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), None, n,
+            library.megatrain_adamw_whole(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n,
                                           n - n % VECTOR, 3.0, lr, beta1, beta2, wd, eps, 1.0, 0, 1, form)
         return [t.view(torch.int32) for t in (p, m, v)]
 
@@ -193,10 +191,6 @@ def _vector_width() -> int:
 VECTOR = _vector_width()
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _check(n: int, *tensors: torch.Tensor | None) -> None:
     for t in tensors:
         assert t is None or (t.device.type == "cpu" and t.is_contiguous() and t.numel() == n), (t.device, t.shape)
@@ -206,9 +200,9 @@ def update(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, 
            weight_decay: float, cfg: OptimConfig, grad_scale: float = 1.0, *, master: torch.Tensor | None = None,
            shadow: torch.Tensor | None = None, low: torch.Tensor | None = None) -> None:
     """AdamW update number `step` (1-based), as torch's fused AdamW's one call on these elements,
-    of a whole float32 `master` (its bf16 `shadow` recast after, where given) or of a split one
-    (`shadow` and `low`, the flags in `exp_avg_sq`: store.py), from `grad` (float32 or bf16)
-    times `grad_scale`. All 1-D, of one length, contiguous, on the CPU."""
+    of a whole float32 `master` or of a split one (`shadow` and `low`, the flags in `exp_avg_sq`:
+    store.py), from `grad` (float32 or bf16) times `grad_scale`. All 1-D, of one length,
+    contiguous, on the CPU."""
     built = build()
     if built.library is None:
         raise RuntimeError(f"the host AdamW kernel is not available: {built.why}")
@@ -230,9 +224,9 @@ def update(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, 
     scalars = (n, n - n % VECTOR, float(step), lr, beta1, beta2, weight_decay, cfg.eps, grad_scale,
                int(grad.dtype == torch.bfloat16), torch.get_num_threads(), built.form)
     if low is None:
-        assert master is not None and master.dtype == torch.float32 and (shadow is None or shadow.dtype == torch.bfloat16)
+        assert master is not None and master.dtype == torch.float32 and shadow is None
         library.megatrain_adamw_whole(master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                                      _pointer(shadow), *scalars)
+                                      *scalars)
     else:
         assert master is None and shadow.dtype == torch.bfloat16 and low.dtype == torch.int16
         library.megatrain_adamw_split(shadow.data_ptr(), low.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
@@ -251,5 +245,3 @@ def _torch_tail(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                         beta2=beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
     if low is not None:
         split(param, shadow, low, exp_avg_sq)
-    elif shadow is not None:
-        shadow.copy_(param)

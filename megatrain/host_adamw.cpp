@@ -17,12 +17,8 @@
 // the main thread launches the GPU's work. OpenMP threads: `threads`, the caller's torch count.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <algorithm>
 #include <type_traits>
-#ifdef __SSE2__
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -134,67 +130,19 @@ constexpr int16_t TIE = -32768;  // a low half halfway between two bf16 values (
 
 // Elements [0, n) of one thread's range, the vector formula up to `body`. Plain loops over
 // restrict pointers with the step's constants by value: the compiler vectorises them.
-template <typename G, bool SHADOW>
-void whole_range(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
-                 uint16_t* __restrict shadow, int64_t n, int64_t body, const Step s) {
+template <typename G>
+void whole_range(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+                 int64_t body, const Step s) {
   for (int64_t i = 0; i < body; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
     vector_update(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
     p[i] = pi, m[i] = mi, v[i] = vi;
-    if (SHADOW) shadow[i] = to_bf16(bits(pi));
   }
   for (int64_t i = body; i < n; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
     scalar_update(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
     p[i] = pi, m[i] = mi, v[i] = vi;
-    if (SHADOW) shadow[i] = to_bf16(bits(pi));
   }
-}
-
-constexpr int64_t BLOCK = 256;  // shadow elements a thread gathers before it streams them out (512 bytes)
-
-// `bytes` (a multiple of 64) from `from` to `to`, both 64-byte aligned, by non-temporal stores on x86
-// (no read for ownership of `to`'s lines), by plain ones elsewhere
-inline void stream(uint16_t* to, const uint16_t* from, int64_t bytes) {
-  char* d = reinterpret_cast<char*>(to);
-  const char* f = reinterpret_cast<const char*>(from);
-#if defined(__AVX512F__)
-  for (int64_t k = 0; k < bytes; k += 64)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_load_si512(f + k));
-#elif defined(__AVX__)
-  for (int64_t k = 0; k < bytes; k += 32)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + k), _mm256_load_si256(reinterpret_cast<const __m256i*>(f + k)));
-#elif defined(__SSE2__)
-  for (int64_t k = 0; k < bytes; k += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + k), _mm_load_si128(reinterpret_cast<const __m128i*>(f + k)));
-#else
-  std::memcpy(d, f, bytes);
-#endif
-}
-
-// whole_range with a shadow, its whole cache lines written by `stream`: this pass never reads the
-// shadow, so a plain store would first read each line for ownership (2 bytes a parameter more).
-// Blocks of BLOCK elements are updated into an aligned buffer and streamed from there; the
-// elements before the shadow's first 64-byte boundary and after its last whole block take plain
-// stores. Each element takes the formula it takes in whole_range over [0, n).
-template <typename G>
-void whole_range_streamed(float* p, const G* g, float* m, float* v, uint16_t* shadow, int64_t n, int64_t body,
-                          const Step s) {
-  alignas(64) uint16_t buffer[BLOCK];
-  auto part = [&](int64_t lo, int64_t hi, uint16_t* out) {
-    whole_range<G, true>(p + lo, g + lo, m + lo, v + lo, out, hi - lo, std::clamp(body - lo, int64_t(0), hi - lo), s);
-  };
-  int64_t head = std::min(n, int64_t((64 - reinterpret_cast<uintptr_t>(shadow) % 64) % 64 / sizeof(uint16_t)));
-  part(0, head, shadow);
-  int64_t i = head;
-  for (; i + BLOCK <= n; i += BLOCK) {
-    part(i, i + BLOCK, buffer);
-    stream(shadow + i, buffer, sizeof buffer);
-  }
-  part(i, n, shadow + i);
-#ifdef __SSE2__
-  _mm_sfence();  // the streamed stores are weakly ordered: done before the caller (or the GPU's copy) reads them
-#endif
 }
 
 // store.join (take=True), the update, store.split, element by element: the master is the shadow's
@@ -254,19 +202,14 @@ void in_parallel(int64_t n, int64_t body, int threads, Fn fn) {
 
 extern "C" {
 
-// A whole float32 master `p` and its moments; `shadow` (bf16 bits, may be null) its round to
-// nearest even after; `grad` float32, or bf16 where `grad_bf16`.
-void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, uint16_t* shadow, int64_t n, int64_t body,
-                           double step, double lr, double beta1, double beta2, double weight_decay, double eps,
-                           double grad_scale, int grad_bf16, int threads, int form) {
+// A whole float32 master `p` and its moments; `grad` float32, or bf16 where `grad_bf16`.
+void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, int64_t n, int64_t body, double step,
+                           double lr, double beta1, double beta2, double weight_decay, double eps, double grad_scale,
+                           int grad_bf16, int threads, int form) {
   const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale, form);
   in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
-    auto run = [&](auto* g) {
-      using G = std::remove_cv_t<std::remove_pointer_t<decltype(g)>>;
-      if (shadow) whole_range_streamed<G>(p + lo, g + lo, m + lo, v + lo, shadow + lo, hi - lo, b - lo, s);
-      else whole_range<G, false>(p + lo, g + lo, m + lo, v + lo, nullptr, hi - lo, b - lo, s);
-    };
-    if (grad_bf16) run(static_cast<const uint16_t*>(grad)); else run(static_cast<const float*>(grad));
+    if (grad_bf16) whole_range(p + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
+    else whole_range(p + lo, static_cast<const float*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
   });
 }
 

@@ -208,7 +208,7 @@ class HostExecutor:
 
     def _update(self, tile: Tile, lo: int, hi: int, grad: torch.Tensor, scale: float) -> None:
         if tile.read_done is not None:
-            tile.read_done.synchronize()  # an H2D copy may still be reading the shadow
+            tile.read_done.synchronize()  # an H2D copy may still be reading the master (or shadow)
         adamw(tile, lo, hi, grad, self._step_update, scale, scratch=self._scratch, compiled=self.compiled)
 
     def _done(self, tile: Tile) -> None:

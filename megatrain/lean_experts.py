@@ -32,10 +32,14 @@ for the backward, as swiglu.py does for the dense MLP: GPT-OSS's clamped gate, (
 g sigmoid(1.702 g) with g = clamp(gate) over interleaved halves, and the SiLU gate of Qwen3-MoE
 and Mixtral, silu(gate) * up over concatenated ones. With the gate compiled, the rest of the way
 back is too: the router's weighting of the rows and their sum into token order is one kernel that
-reads each row once (the library's product and gather write the rows twice more), its backward one
-kernel for the rows' gradients and one for the weights', and the tokens' gather's backward one
-kernel. Inside a kernel the arithmetic stays in float32 where the library rounds each step to the
-compute dtype: equal to rounding, not bit for bit.
+reads each row once (the library's product and gather write the rows twice more), and the tokens'
+gather's backward one kernel. The weighting's backward never reads the down projection's output
+(`_DownCombine`): each weight's gradient is taken through the projection's input, from the rows'
+unweighted gradient through the projection (the GEMM its backward runs, the weight applied after),
+so a recomputed block's last layer, whose output nothing reads, leaves that projection out
+(unread_mlp.py), as the dense MLP does. Inside a
+kernel the arithmetic stays in float32 where the library rounds each step to the compute dtype:
+equal to rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.moe import _grouped_linear
+from transformers.integrations.moe import _grouped_linear, _grouped_mm
 
 from megatrain import expert_bias
 from megatrain.kernel_build import compiled
+from megatrain.unread_mlp import unread
 
 
 def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
@@ -78,19 +83,27 @@ def _combine(y: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor) -> tor
     return total.to(y.dtype)
 
 
-def _combine_grad_rows(grad: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """The gradient of each row (expert order): its token's, times the row's weight."""
-    return (grad[tokens].float() * row_weights.float().unsqueeze(-1)).to(grad.dtype)
+def _grad_rows(grad: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's gradient (expert order): its token's, as it is and times the row's weight."""
+    rows = grad[tokens]
+    return rows, (rows.float() * row_weights.float().unsqueeze(-1)).to(grad.dtype)
 
 
-def _combine_grad_weights(grad: torch.Tensor, y: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
-    """The gradient of each (token, pick) weight: the token's gradient dotted with the pick's row."""
-    g = grad.float()
-    return torch.stack([(y[picks[:, j]].float() * g).sum(dim=-1) for j in range(picks.shape[1])], dim=-1)
+def _grad_inputs(through: torch.Tensor, h: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's unweighted gradient through the down projection: the projection's input's
+    gradient (times the row's weight) and each row's <through, h>, float32."""
+    return ((through.float() * row_weights.float().unsqueeze(-1)).to(through.dtype),
+            (through.float() * h.float()).sum(dim=-1))
+
+
+def _bias_dots(rows: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's gradient dotted with its expert's bias, float32."""
+    return (rows.float() * bias[ids].float()).sum(dim=-1)
 
 
 _compiled_sum_picks, _compiled_combine = compiled(_sum_picks), compiled(_combine)
-_compiled_combine_grad_rows, _compiled_combine_grad_weights = compiled(_combine_grad_rows), compiled(_combine_grad_weights)
+_compiled_grad_rows, _compiled_grad_inputs = compiled(_grad_rows), compiled(_grad_inputs)
+_compiled_bias_dots = compiled(_bias_dots)
 
 
 class _ToExperts(torch.autograd.Function):
@@ -110,48 +123,49 @@ class _ToExperts(torch.autograd.Function):
         return summed, None, None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    """The compiled weighting and sum back to token order: y (rows in expert order, h) and the
-    router's weights (tokens, k) -> (tokens, h); back: each row's gradient and each weight's, a
-    pass each. Keeps y and the weights, as the library's product does."""
+class _DownCombine(torch.autograd.Function):
+    """The down projection's grouped GEMM over the rows h (expert order), its experts' bias where it
+    has one, the router's weighting and the sum back to token order, one function whose backward
+    never reads the projection's output: each weight's gradient, the token's gradient g dotted with
+    its row's output W h + b, is taken as <u, h> + <g, b>, u = g W the row's unweighted gradient
+    through the projection, whose product with the row's weight is h's gradient. So where nothing
+    reads the output (a recomputed block's last layer: unread_mlp.py) the forward leaves it out, and
+    the projection's GEMM with it. Keeps h and the routing, not the output."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y, weights, perm, inv)
-        return _compiled_combine(y, inv.view(weights.shape), weights)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        y, weights, perm, inv = ctx.saved_tensors
-        k = weights.shape[-1]
-        d_y = _compiled_combine_grad_rows(grad, perm // k, weights.reshape(-1)[perm]) \
-            if ctx.needs_input_grad[0] else None
-        d_w = _compiled_combine_grad_weights(grad, y, inv.view(weights.shape)).to(weights.dtype) \
-            if ctx.needs_input_grad[1] else None
-        return d_y, d_w, None, None
-
-
-class _BiasCombine(torch.autograd.Function):
-    """GPT-OSS's down projection's rows in expert order, unbiased, with their experts' bias, weighted
-    by the router and summed back to token order, one Triton pass (expert_bias.combine); back: the
-    rows' gradient as _Combine's (the bias passes it through), the bias's each expert's rows summed,
-    the weights' through the biased rows (expert_bias.combine_grad_weights)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                weights: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y, bias, ids, counts, weights, perm, inv)
-        return expert_bias.combine(y, bias, ids, inv.view(weights.shape), weights)
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                counts: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor,
+                inv: torch.Tensor, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(h, weight, bias, ids, counts, offsets, weights, perm, inv)
+        ctx.transposed = transposed
+        if unread():
+            return h.new_empty(weights.shape[0], weight.shape[2 if transposed else 1])
+        y = _grouped_linear(h, weight, offsets, is_transposed=transposed)
+        picks = inv.view(weights.shape)
+        if bias is None:
+            return _compiled_combine(y, picks, weights)
+        if expert_bias.runs(y):
+            return expert_bias.combine(y, bias, ids, picks, weights)
+        return _compiled_combine(_compiled_add_bias(y, bias, ids), picks, weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, bias, ids, counts, weights, perm, inv = ctx.saved_tensors
+        h, weight, bias, ids, counts, offsets, weights, perm, inv = ctx.saved_tensors
         k = weights.shape[-1]
-        d_y = _compiled_combine_grad_rows(grad, perm // k, weights.reshape(-1)[perm])
-        d_bias = expert_bias.expert_sums(d_y, counts) if ctx.needs_input_grad[1] else None
-        d_w = expert_bias.combine_grad_weights(grad, y, bias, ids, inv.view(weights.shape)).to(weights.dtype) \
-            if ctx.needs_input_grad[4] else None
-        return d_y, d_bias, None, None, d_w, None, None
+        row_weights = weights.reshape(-1)[perm]
+        rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
+        through = _grouped_mm(rows, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
+        d_h, dots = _compiled_grad_inputs(through, h, row_weights)
+        d_weight = None
+        if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w), as autograd's
+            d_weight = F.grouped_mm(h.t(), weighted, offs=offsets) if ctx.transposed \
+                else F.grouped_mm(weighted.t(), h, offs=offsets)
+        d_bias = None
+        if bias is not None:
+            dots = dots + _compiled_bias_dots(rows, bias, ids)
+            d_bias = expert_bias.expert_sums(weighted, counts) if ctx.needs_input_grad[2] else None
+        d_weights = dots[inv].view(weights.shape).to(weights.dtype)
+        return d_h, d_weight, d_bias, None, None, None, d_weights, None, None, None
 
 
 class _FromExperts(torch.autograd.Function):
@@ -273,17 +287,17 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
     if self.megatrain_bias_gate is not None and expert_bias.runs(rows) and k & (k - 1) == 0:
-        # GPT-OSS's biases inside the gate's kernels and the weighting's (expert_bias.py)
+        # GPT-OSS's up projection's bias inside the gate's kernels, its down projection's inside the
+        # weighting's (expert_bias.py)
         out = _grouped_linear(rows, up, offsets, is_transposed=self.is_transposed)
         out = expert_bias.BiasGate.apply(out, up_bias, expert_ids, counts, *self.megatrain_bias_gate)
-        out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed)
-        return _BiasCombine.apply(out, self.down_proj_bias, expert_ids, counts, top_k_weights, perm,
-                                  inv).to(hidden_states.dtype)
-    out = linear(rows, up, up_bias)
-    out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
-    out = linear(out, self.down_proj, self.down_proj_bias if self.has_bias else None)
+    else:
+        out = linear(rows, up, up_bias)
+        out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
     if self.megatrain_fused:
-        return _Combine.apply(out, top_k_weights, perm, inv).to(hidden_states.dtype)
+        return _DownCombine.apply(out, self.down_proj, self.down_proj_bias if self.has_bias else None, expert_ids,
+                                  counts, offsets, top_k_weights, perm, inv, self.is_transposed).to(hidden_states.dtype)
+    out = linear(out, self.down_proj, self.down_proj_bias if self.has_bias else None)
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     return _FromExperts.apply(out, perm, inv, k).to(hidden_states.dtype)
 

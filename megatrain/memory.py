@@ -8,7 +8,7 @@ stops with both numbers and what to change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from megatrain import kept_attention, schedule
@@ -17,7 +17,8 @@ from megatrain.distributed import slab_numel
 from megatrain.kernels import MLP
 from megatrain.shapes import ModelShape
 from megatrain.adamw import SCRATCH_BYTES
-from megatrain.store import PAGE, HostStore, Layout, can_split, pinned_bytes
+from megatrain.buffers import STAGE
+from megatrain.store import PAGE, HostStore, Layout, pinned_bytes
 from megatrain.units import GiB
 
 HOST_OVERHEAD = 2 * GiB  # interpreter, torch, CUDA context on the host side
@@ -38,7 +39,6 @@ class MemoryPlan:
     device_bytes: int
     detail: dict[str, int]
     clipping: bool  # the store keeps a float32 gradient per parameter
-    split_saves: int = 0  # host bytes engine.split_masters=true would save (0: split already, or not applicable)
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,6 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     B = max((b.end - b.start for b in recomputed), default=0)  # the largest one's layers (the graphs held at once)
     store_host, store_device = HostStore.nbytes(shape, s)
     R = s.local_ranks  # the host store is shared by the host's ranks; the rest is per rank
-    split_saves = 0
-    if not s.split_masters and can_split(s.master, s.compute):
-        split_saves = max(0, store_host - HostStore.nbytes(shape, replace(s, split_masters=True))[0] - R * SCRATCH_BYTES)
     host = {
         "store": store_host,
         "optimizer_scratch": R * SCRATCH_BYTES if s.split_masters else 0,  # a split tile's chunk, joined
@@ -110,6 +107,8 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     chunk = min(s.loss_chunk_tokens, tokens)
     device = {
         "weight_buffers": s.weight_buffers * unit * c,
+        # a load of whole masters in another dtype than the compute's stages them on the device (buffers.py)
+        "load_staging": STAGE * s.master.itemsize if s.master != s.compute and not s.split_masters else 0,
         # float32 step gradients: a block's layers' plus one still returning (no more than the
         # model has), and the head's; untied, also the embedding's (kept through the backward for
         # its rows)
@@ -144,7 +143,7 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
         "device_tiles": store_device + (max(0, T - 1) * layer * 4 if s.clipping else 0),
     }
     return MemoryPlan(sum(host.values()), sum(device.values()),
-                      {**host, **{"device." + k: b for k, b in device.items()}}, s.clipping, split_saves)
+                      {**host, **{"device." + k: b for k, b in device.items()}}, s.clipping)
 
 
 def admit(p: MemoryPlan, host_available: int, device_available: int | None,
@@ -171,17 +170,12 @@ def admit(p: MemoryPlan, host_available: int, device_available: int | None,
             "the ranks' shared host store goes to /dev/shm, whose size limit is below it: remount it larger "
             "(mount -o remount,size=...) or make the store smaller"))
     if p.host_bytes > host_available:
-        split = ""
-        if p.split_saves:  # off, or auto with even the split plan over the host
-            split = (("engine.split_masters=true (which makes it fit" if p.host_bytes - p.split_saves <= host_available
-                      else f"engine.split_masters=true (saves {p.split_saves / GiB:.1f} GiB")
-                     + ": float32 masters in 12 bytes per parameter instead of 14, a slower CPU update), ")
         shortages.append(Shortage(
             "host", p.host_bytes, host_available,
             f"store {p.detail['store'] / GiB:.1f} GiB, gradient slabs {p.detail['grad_slabs'] / GiB:.1f} GiB; "
             + ("clipping keeps a float32 gradient per parameter, optim.max_grad_norm=null saves 4 bytes per "
                "parameter; " if p.clipping else "")
-            + "fewer engine.grad_slabs (each holds one layer's float32 gradient, a rank's part of it), " + split + "engine.master_dtype=bfloat16, "
+            + "fewer engine.grad_slabs (each holds one layer's float32 gradient, a rank's part of it), engine.master_dtype=bfloat16, "
             "a smaller model, or state engine.host_memory_gb if the OS under-reports it"))
     if device_available is not None and p.device_bytes > device_available:
         acts = sum(p.detail[f"device.{k}"] for k in ("block_activations", "checkpoints", "kept_graphs", "kept_attention"))

@@ -127,9 +127,11 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
     chosen: dict[str, str] = {}
     for kernel in KERNELS:
         chosen[kernel.setting] = kernel.choose(getattr(engine, kernel.setting), shape, machine, chosen)
+    auto_split = engine.split_masters == "auto" and chosen[OPTIMIZER.setting] == OPTIMIZER.own
+    split = splittable and (engine.split_masters is True or auto_split)  # auto: half a load's bytes, the update one pass
     s = EngineSettings(
         device=engine.device, compute_dtype=compute, master_dtype=engine.master_dtype,
-        split_masters=splittable and engine.split_masters is True,
+        split_masters=split,
         checkpoint_every=engine.checkpoint_every, weight_buffers=engine.weight_buffers,
         offload_checkpoints=engine.offload_checkpoints,
         grad_slabs=4 if engine.grad_slabs == "auto" else engine.grad_slabs,  # auto's capped below, by the pieces
@@ -158,9 +160,6 @@ def resolve(engine: EngineConfig, data: DataConfig, optim: OptimConfig, shape: M
         s = replace(s, device_tiles=_most_that_fit(shape, s, "device_tiles", shape.num_layers + 1, bound))
     if engine.grad_slabs == "auto":  # after device_tiles: the host tiles' pieces
         s = replace(s, grad_slabs=min(s.grad_slabs, _pieces(shape, s)))
-    if engine.split_masters == "auto" and splittable:  # after device_tiles: they take bytes off the host
-        s = replace(s, split_masters=OPTIMIZER.runs(s) or _split_needed(shape, s, machine.host_available, data_bytes,
-                                                                         engine.grad_slabs == "auto"))
     if engine.grad_slabs == "auto":
         s = replace(s, grad_slabs=min(_slabs(shape, s, machine.host_available, data_bytes), _pieces(shape, s)))
     return s
@@ -236,19 +235,6 @@ def _mlp_chunk(shape: ModelShape, s: EngineSettings, device_free: int | None) ->
         return None
     candidates = [c for c in MLP_CHUNKS if c < s.tokens]
     return next((c for c in candidates if fits(c)), candidates[-1] if candidates else None)
-
-
-def _split_needed(shape: ModelShape, s: EngineSettings, host_available: int, data_bytes: int,
-                  slabs_auto: bool) -> bool:
-    """Whether the host takes the plan only with split masters: the 14-byte one over it, the 12-byte one
-    within, at the run's gradient slabs; where neither is and the slabs are auto, the same question at
-    the fewest slabs (a GPT-OSS-120B layer's slab is 16 GiB pinned: two fewer can decide it)."""
-    def fits(split: bool, slabs: int = s.grad_slabs) -> bool:
-        return memory.plan(shape, replace(s, split_masters=split, grad_slabs=slabs), data_bytes).host_bytes <= host_available
-    whole, split = fits(False), fits(True)
-    if whole or split:
-        return not whole
-    return slabs_auto and not fits(False, GRAD_SLABS[-1]) and fits(True, GRAD_SLABS[-1])
 
 
 def _pieces(shape: ModelShape, s: EngineSettings) -> int:

@@ -217,19 +217,21 @@ class Schedule:
         return sum(b.recomputed for b in self.blocks)
 
     def hardware_flops(self, shape: ModelShape, mlp_chunk: int | None, seq_lengths: list[int],
-                       kept_lengths: Sequence[int] = ()) -> float:
+                       kept_lengths: Sequence[int] = (), lean_experts: bool = False) -> float:
         """FLOPs the step executes: the model's, plus the recomputed layers' second forward, less the
-        MLP projections a recomputed block's last layer leaves out (unread_mlp.py), plus the chunked
-        MLP's gate and up projections that every backward runs again (chunked_mlp.py), less the
-        attention core of the layers that keep it, for the sequences whose micro-batch kept it
-        (`kept_lengths`: by the engine's StepResult.attention_kept; a micro-batch with a mask did not)."""
+        MLP projections a recomputed block's last layer leaves out (unread_mlp.py; a mixture's experts'
+        with the lean experts' compiled gate, `lean_experts`), plus the chunked MLP's gate and up
+        projections that every backward runs again (chunked_mlp.py), less the attention core of the
+        layers that keep it, for the sequences whose micro-batch kept it (`kept_lengths`: by the
+        engine's StepResult.attention_kept; a micro-batch with a mask did not)."""
         R = self.recomputed_layers  # the first R layers: the last no_recompute_layers keep their graphs
         flops = model_flops(shape.matmul_params(), shape.attention(), seq_lengths)
         flops += recompute_flops(sum(shape.layer_matmul_params(i) for i in range(R)), shape.attention(range(R)), seq_lengths)
         flops -= attention_flops(shape.attention(self.attention_kept), list(kept_lengths))
         mlp = shape.mlp_matmul_params()
-        unread = mlp if mlp_chunk else (mlp // 3 if shape.gated_mlp else 0)
-        flops -= sum(2 * n * unread * self.recomputed_blocks for n in seq_lengths)
+        unread = mlp * self.recomputed_blocks if mlp_chunk else \
+            sum(shape.unread_params(b.end - 1, lean_experts) for b in self.blocks if b.recomputed)
+        flops -= sum(2 * n * unread for n in seq_lengths)
         if mlp_chunk:
             flops += sum(2 * n * 2 * mlp // 3 * shape.num_layers for n in seq_lengths)
         return flops

@@ -268,6 +268,7 @@ class ModelShape:
             return self.top_k * expert_ffn + shared, self.top_k * (2 * c.hidden_size + 7 * expert_ffn) + 4 * shared
         widths = [mlp(specs) for specs in self.layer_layouts]
         self.ffn, self.mlp_kept = max(ffn for ffn, _ in widths), max(kept for _, kept in widths)
+        self.expert_ffn = expert_ffn if self.experts else 0
         self.embed_specs = [ParamSpec("weight", (self.vocab, self.hidden))]
         self.head_specs = [ParamSpec("norm.weight", (self.hidden,), gemma)]
         if not self.tied:
@@ -361,6 +362,15 @@ class ModelShape:
         dense = sum(s.numel for s in specs if s.matmul and not s.expert)
         experts = sum(s.numel for s in specs if s.matmul and s.expert)
         return dense + (experts * self.top_k // self.experts if active and self.experts else experts)
+
+    def unread_params(self, index: int, lean_experts: bool) -> int:
+        """Matmul weights a token leaves out of the recompute of layer `index` where nothing reads its
+        output (a recomputed block's last layer: unread_mlp.py): a gated MLP's down projection, or,
+        with the lean experts' compiled gate (`lean_experts`: lean_experts._DownCombine), the down
+        projections of a mixture's top-k experts."""
+        if any(s.expert for s in self.specs(index)):
+            return self.top_k * self.expert_ffn * self.hidden if lean_experts else 0
+        return self.hidden * self.ffn if self.gated_mlp else 0
 
     def mlp_matmul_params(self) -> int:
         """Matmul weights of one decoder layer's gated MLP (gate, up and down projections)."""

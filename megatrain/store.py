@@ -1,23 +1,25 @@
 """The host store: all persistent training state, one layer-contiguous tile per decoder layer.
 
 A tile holds, for its parameters laid out flat (decayed matrices first, then norms and biases,
-each aligned to 64 elements): the master weights and both AdamW moments in one page-aligned block,
-and the `shadow`: the compute-dtype copy that streams to the device, kept in pinned memory so each
-layer reaches the GPU in one DMA. When the master's dtype is the compute dtype (bf16 masters on
-GPU, float32 on CPU) the shadow is the master itself.
+each aligned to 64 elements): the master weights, in pinned memory so that each layer reaches the
+GPU in one DMA, and both AdamW moments in one page-aligned block. A load copies the master to the
+device as it is; where its dtype is not the compute dtype (float32 masters with bf16 compute) it is
+cast there, the same round to nearest even as a cast on the host, so nothing on the host holds a
+compute-dtype copy to keep current: the update moves torch's fused AdamW's bytes, 28 a parameter
+with a float32 gradient, and a tile is 12 bytes a parameter.
 
 Float32 masters with bf16 compute can be held split (`engine.split_masters`, docs/host-store.md):
-the shadow, the float32 master rounded to nearest even, is the master's high half, and the block
-keeps only its low 16 bits (`low`), so the master is 2 + 2 bytes, the shadow included, and a tile
-12 bytes per parameter with the moments instead of 14, for a slower CPU update. The master is
-recovered exactly from the two halves (`join`); the one case two halves cannot tell apart, a
-master exactly halfway between two bf16 values and rounded down, is flagged in the sign bit of its
-`exp_avg_sq`, which AdamW never makes negative.
+the `shadow`, the float32 master rounded to nearest even, is the master's high half, pinned, and
+the block keeps only its low 16 bits (`low`), so the master is 2 + 2 bytes and a load copies the
+shadow alone: half the bytes over the link of a whole master's load. The master is recovered
+exactly from the two halves (`join`); the one case two halves cannot tell apart, a master exactly
+halfway between two bf16 values and rounded down, is flagged in the sign bit of its `exp_avg_sq`,
+which AdamW never makes negative.
 
 Gradients are summed over the micro-batches on the device and update a tile straight from the
 pinned slab they return into (see host_executor.py). Only clipping, whose global norm is known at the
 step's end, makes every tile keep a float32 gradient buffer (+4 bytes per parameter): pinned, like the
-shadow, so that the gradient returns straight into it, with no slab and no copy on the host.
+master, so that the gradient returns straight into it, with no slab and no copy on the host.
 
 Tiles: 'embed' (the token embedding, also the LM head when tied), 'layer.0' ... 'layer.L-1',
 and 'head' (final norm, plus the LM head when untied). The store is built tile by tile from a
@@ -27,7 +29,7 @@ Device tiles (`engine.device_tiles`): the first tiles the forward reads (the emb
 layers 0, 1, ...) can keep their master and moments in spare device memory instead, updated on the
 device. Their gradients are the last of a step to arrive and their weights the first the next step
 needs, so on the host their update is the one that stays exposed; on the device it takes
-milliseconds. Such a tile has no host memory and no shadow: a load casts its master on the device.
+milliseconds. Such a tile has no host memory: a load casts its master on the device.
 """
 from __future__ import annotations
 
@@ -96,9 +98,9 @@ def page_aligned(nbytes: int) -> torch.Tensor:
 
 class Blocks:
     """Where a store's page-aligned blocks come from (`take(nbytes)`: fresh memory, or the ranks'
-    shared file: distributed.py), the pinned ones, the shadows the device copies from, registered
-    with CUDA (cudaHostRegister) at their exact size until `close`. Not torch's pinned allocator:
-    it rounds each block up to a power of two, and a 14B layer's 550 MB shadow took 1 GiB."""
+    shared file: distributed.py), the pinned ones, the masters and shadows the device copies from,
+    registered with CUDA (cudaHostRegister) at their exact size until `close`. Not torch's pinned
+    allocator: it rounds each block up to a power of two, and a 14B layer's 550 MB shadow took 1 GiB."""
 
     def __init__(self, take: Callable[[int], torch.Tensor] = page_aligned, register: bool = False):
         self.take = take
@@ -152,10 +154,9 @@ def tile_bytes(numel: int, master: torch.dtype, compute: torch.dtype, grad: bool
     def seg(dtype: torch.dtype) -> int:
         return -(-numel * dtype.itemsize // PAGE) * PAGE
     state = (2 + grad) * seg(torch.float32)
-    if master == compute:  # the master is its own shadow
-        return seg(master) + state
-    kept = seg(torch.int16) if split and can_split(master, compute) else seg(master)  # the low halves, or the whole master
-    return kept + state + seg(compute)
+    if split and can_split(master, compute):  # the shadow and the low halves
+        return seg(compute) + seg(torch.int16) + state
+    return seg(master) + state
 
 
 # ---- split masters (docs/host-store.md) ----
@@ -239,28 +240,26 @@ def join(shadow: torch.Tensor, low: torch.Tensor, exp_avg_sq: torch.Tensor, out:
 class Storage(Enum):
     """Where a tile keeps its master and what a load streams from: each kind's tensors (None where
     the kind has none) and its path through the update (adamw.py)."""
-    DEVICE = "device"  # master and moments in device memory; a load casts the master there (no shadow)
-    MASTER_IS_SHADOW = "master is shadow"  # master in the compute dtype, pinned: it streams as it is
-    MASTER_AND_SHADOW = "master and shadow"  # a whole master in the block, recast into the pinned shadow
-    SPLIT = "split"  # float32 master as the bf16 shadow (its high half) and `low` in the block
+    DEVICE = "device"  # master and moments in device memory; a load casts the master there
+    MASTER = "master"  # a whole master, pinned: a load copies it as it is and casts it on the device
+    SPLIT = "split"  # float32 master as the pinned bf16 shadow (its high half) and `low` in the block
 
 
 class Tile:
     def __init__(self, name: str, layout: Layout, master: torch.dtype, compute: torch.dtype, pinned: bool,
                  grad: bool, device: torch.device | None = None, alloc: Alloc | None = None, split: bool = False):
-        """`device`: keep master and moments there (a device tile: no shadow, no gradient buffer);
+        """`device`: keep master and moments there (a device tile: no gradient buffer);
         `alloc(nbytes, pinned)`: where the host blocks come from (its store's `Blocks`);
-        `split`: a host tile with float32 masters and a bf16 shadow keeps only the masters' low halves."""
+        `split`: a host tile with float32 masters and bf16 compute keeps the masters as a bf16 shadow
+        and their low halves."""
         alloc = alloc or Blocks(register=pinned)  # a tile alone (probes, tests); a store passes its own
         self.name = name
         self.layout = layout
         self.master_dtype = master
         if device is not None:
             self.storage = Storage.DEVICE
-        elif master == compute:
-            self.storage = Storage.MASTER_IS_SHADOW
         else:
-            self.storage = Storage.SPLIT if split and can_split(master, compute) else Storage.MASTER_AND_SHADOW
+            self.storage = Storage.SPLIT if split and can_split(master, compute) else Storage.MASTER
         n = layout.numel
         state = [torch.float32] * 2  # the moments
         self.grad: torch.Tensor | None = None
@@ -270,24 +269,20 @@ class Tile:
         if self.storage is Storage.DEVICE:  # the step's gradient stays in its device accumulator until the update
             self.master = torch.empty(n, dtype=master, device=device)
             self.exp_avg, self.exp_avg_sq = torch.empty(2, n, dtype=torch.float32, device=device)
-        elif self.storage is Storage.MASTER_IS_SHADOW:
+        elif self.storage is Storage.MASTER:
             (self.master,) = _carve(alloc(-(-n * master.itemsize // PAGE) * PAGE, pinned), n, [master])
-            self.shadow = self.master
             self.exp_avg, self.exp_avg_sq = self._block(n, state, alloc)
         else:
-            if self.storage is Storage.SPLIT:
-                self.low, self.exp_avg, self.exp_avg_sq = self._block(n, [torch.int16, *state], alloc)
-            else:  # bf16 masters with float32 compute stream a float32 copy too
-                self.master, self.exp_avg, self.exp_avg_sq = self._block(n, [master, *state], alloc)
+            self.low, self.exp_avg, self.exp_avg_sq = self._block(n, [torch.int16, *state], alloc)
             (self.shadow,) = _carve(alloc(-(-n * compute.itemsize // PAGE) * PAGE, pinned), n, [compute])
         if grad and not self.on_device:  # the step's gradient returns into it from the device
             (self.grad,) = _carve(alloc(-(-n * 4 // PAGE) * PAGE, pinned), n, [torch.float32])
-        # Set while the shadow holds the current weights; cleared from the moment the main thread
+        # Set while the master holds the current weights; cleared from the moment the main thread
         # hands the tile's last gradient of a step to the optimizer until the update is written.
         self.ready = threading.Event()
         self.ready.set()
         self.version = 0  # incremented by each optimizer update
-        self.read_done = None  # device event: the last H2D copy out of the shadow has finished
+        self.read_done = None  # device event: the last H2D copy out of the master (or shadow) has finished
         self.updated = None  # device tiles: event after the last update was issued on the compute stream
 
     @property
@@ -301,8 +296,8 @@ class Tile:
 
     @property
     def source(self) -> torch.Tensor:
-        """What a load copies into a device buffer: the pinned shadow, or a device tile's master."""
-        return self.master if self.on_device else self.shadow
+        """What a load copies into a device buffer: the master, or a split tile's shadow."""
+        return self.shadow if self.storage is Storage.SPLIT else self.master
 
     def read_master(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of the master in its dtype: a view, or a split tile's, joined (a copy)."""
@@ -316,8 +311,8 @@ class Tile:
         return [self.read_master(o, o + s.numel).view(s.shape) for s, o in zip(self.layout.specs, self.layout.offsets)]
 
     def write_master(self, values: torch.Tensor, lo: int = 0) -> None:
-        """Set elements [lo, lo + values.numel()) of the master, and of the shadow. A split tile's
-        flags live in `exp_avg_sq`: write the moments first."""
+        """Set elements [lo, lo + values.numel()) of the master. A split tile's flags live in
+        `exp_avg_sq`: write the moments first."""
         hi = lo + values.numel()
         values = values.reshape(-1)
         if self.storage is Storage.SPLIT:  # through float32 chunks of _DRAW elements: a checkpoint's bf16 tensor is not widened whole
@@ -327,17 +322,15 @@ class Tile:
                       self.exp_avg_sq[a:b])
             return
         self.master[lo:hi].copy_(values)
-        self.refresh_shadow(lo, hi)
 
     def draw_normal(self, lo: int, n: int, std: float, gen: torch.Generator) -> None:
-        """Elements [lo, lo + n) of the master drawn from N(0, std) by `gen`, and of the shadow. A
-        whole float32 master on the host takes the draws in place, the same numbers a drawn tensor
+        """Elements [lo, lo + n) of the master drawn from N(0, std) by `gen`. A whole float32
+        master on the host takes the draws in place, the same numbers a drawn tensor
         holds (torch's normal_ does not depend on where the elements sit); the others go through
         one. In place, the store's fill skips a fresh temporary per matrix: on the 2-core machine
         two threads filling 8 x 70 M elements took 1.24 s in place against 1.72-2.31 s through them."""
-        if self.master_dtype == torch.float32 and self.storage in (Storage.MASTER_IS_SHADOW, Storage.MASTER_AND_SHADOW):
+        if self.master_dtype == torch.float32 and self.storage is Storage.MASTER:
             self.master[lo:lo + n].normal_(0.0, std, generator=gen)
-            self.refresh_shadow(lo, lo + n)
         else:  # in chunks of _DRAW, each a multiple of 16 and the last at least _DRAW long: torch
             # draws a float tensor's normals as blocks of 16 from one stream of uniforms, so the
             # chunks hold the numbers of one whole draw
@@ -347,17 +340,12 @@ class Tile:
                 self.write_master(torch.empty(end - start).normal_(0.0, std, generator=gen), start)
                 start = end
 
-    def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
-        """Recast the shadow of a tile that keeps a whole master in another dtype than the shadow's."""
-        if self.storage is Storage.MASTER_AND_SHADOW:
-            self.shadow[lo:hi].copy_(self.master[lo:hi])
-
     def arrays(self) -> list[torch.Tensor]:
         """The tile's flat arrays: master, low halves, shadow, moments, gradient buffer (those it keeps)."""
         return [t for t in (self.master, self.low, self.shadow, self.exp_avg, self.exp_avg_sq, self.grad) if t is not None]
 
     def reset(self) -> None:
-        """Zero the master (shadow included), the moments and the gradient buffer."""
+        """Zero the master (a split one's halves), the moments and the gradient buffer."""
         for t in self.arrays():
             t.zero_()
         self.ready.set()
@@ -390,7 +378,7 @@ class HostStore:
                                               for (name, specs), at in zip(shape.units(), where, strict=True)]
         # each layer's persistent buffers, float32 on the compute device as the library keeps them
         # (DeepSeek-V3's e_score_correction_bias: _keep_in_fp32_modules_strict), never trained: no tile
-        # holds them, so no update, weight decay or bf16 shadow reaches them; every rank has its own
+        # holds them, so no update or weight decay reaches them; every rank has its own
         self.buffers = [[torch.zeros(b.shape, dtype=torch.float32, device=device) for b in shape.buffer_specs(i)]
                         for i in range(shape.num_layers)]
 
@@ -445,7 +433,7 @@ class HostStore:
             tile.draw_normal(lo, n, std, torch.Generator().manual_seed(_seed(*key)))
             advance(n)
         # the arrays zeroed in pieces on every thread too: their memory (all but the registered
-        # shadows) is first written here, its pages faulted in, which a thread a tile did on 5 threads
+        # masters and shadows) is first written here, its pages faulted in, which a thread a tile did on 5 threads
         # for GPT-OSS-120B's shape on 3 layers
         in_parallel(torch.Tensor.zero_, [(t[a:a + INIT_CHUNK],) for _, tile in tiles for t in tile.arrays()
                                          for a in range(0, t.numel(), INIT_CHUNK)])

@@ -192,7 +192,8 @@ class Trainer:
         lengths = [n for mb in microbatches for n in mb.sequence_lengths()]  # every rank's rows
         flops = model_flops(a.matmul_params(), a.attention(), lengths)
         kept = [n for mb, k in zip(microbatches, r.attention_kept) if k for n in mb.sequence_lengths()]
-        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, lengths, kept)
+        hw = self.engine.schedule(len(microbatches)).hardware_flops(a, self.settings.mlp_chunk_tokens, lengths, kept,
+                                                                    EXPERTS.runs(self.settings) and MLP.runs(self.settings))
         self.sampler.sample()
         return {
             "step": self.step,

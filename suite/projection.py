@@ -235,11 +235,17 @@ def _pipelined(fwd: list[float], bwd: list[float], update: list[float | None], l
     return starts[-1] - starts[-2]
 
 
-def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
+def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER, shadows: bool = False,
+            experts_read: bool = False) -> Projection:
     """`ran`: engine settings as a measured run used them where their defaults have changed since
     (the layer kernels, the gradient slabs), and how many of its kept attention layers its plan put
     in host memory (offloaded_attention_layers); by default those of the points made before the
-    compiled kernels were a GPU's default; {}: the engine's defaults."""
+    compiled kernels were a GPU's default; {}: the engine's defaults. `shadows`: the run held whole
+    float32 masters beside a bf16 shadow, as the store did before they streamed as they are (a
+    result without `info.whole_masters`): 2 bytes more a parameter on the host, a load moved the
+    shadow, and nothing was staged on the device. `experts_read`: the run's recompute computed the
+    lean experts' down projection where nothing read it, as before lean_experts._DownCombine (a
+    result without `info.unread_experts`)."""
     offloaded = ran.get("offloaded_attention_layers")
     cfg, shape = _engine_inputs(spec, {k: v for k, v in ran.items() if k != "offloaded_attention_layers"})
     device_gib = cfg.engine.device_memory_gb or m.device_gib  # a run's stated bound, as its plan took it
@@ -253,7 +259,8 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     sched = Schedule(L, s.checkpoint_every, s.no_recompute_layers, M, keep)
     flops = model_flops(shape.matmul_params(), shape.attention(), [spec.seq_len] * spec.batch_size * M)
     lens = [spec.seq_len] * (spec.batch_size // R) * M  # one rank's rows
-    hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens, lens)  # synthetic rows: no mask
+    hw = sched.hardware_flops(shape, s.mlp_chunk_tokens, lens, lens,  # synthetic rows: no mask
+                              EXPERTS.runs(s) and MLP.runs(s) and not experts_read)
     layer = Layout.of(shape.layer_specs).numel
     head = Layout.of(shape.head_specs).numel + (shape.vocab * shape.hidden if shape.tied else 0)
     embed = 0 if shape.tied else shape.vocab * shape.hidden
@@ -261,8 +268,11 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
     if shape.tied and s.device_tiles:
         on_device.add("head")  # the tied embedding is the head's weight
         head -= shape.vocab * shape.hidden
+    # a load moves a whole master as it is (cast on the device), a split one's (or an old run's) bf16 shadow
+    whole = not s.split_masters and s.master != s.compute
+    streamed = s.master.itemsize if whole and not shadows else s.compute.itemsize
     h2d = sum(layer if isinstance(u, int) else head for u in _transfers(sched.loads, s.weight_buffers)
-              if u not in on_device) * 2
+              if u not in on_device) * streamed
     if s.device_tiles == 0:
         h2d += M * s.tokens * shape.hidden * 2  # the embedding's rows, gathered on the host
     host_layers = L - len(on_device - {"head"})
@@ -294,11 +304,16 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER) -> Projection:
         lm_head = head_flops / dense
         units = _units(L, on_device, sched.recomputed_layers, (gpu - lm_head) / L, lm_head,
                        {"embed": embed if s.device_tiles == 0 else 0, "layer": layer, "head": head}, rate,
-                       2 / (m.h2d_gbps * 1e9), 4 / R / (m.d2h_gbps * 1e9), s.clipping)
+                       streamed / (m.h2d_gbps * 1e9), 4 / R / (m.d2h_gbps * 1e9), s.clipping)
         piped = _pipelined(*units)
         step = max(piped, terms["h2d"], terms["d2h"])
         tail = max(0.0, piped - max(gpu, terms["cpu_optimizer"]))  # the update's time the overlap leaves exposed
-    return Projection(p.host_bytes, p.device_bytes, step, flops / step / 1e12,
+    host_bytes, device_bytes = p.host_bytes, p.device_bytes
+    if whole and shadows:
+        host_bytes += sum(-(-Layout.of(specs).numel * s.compute.itemsize // PAGE) * PAGE
+                          for k, (_, specs) in enumerate(shape.units()) if k >= s.device_tiles)
+        device_bytes -= p.detail["device.load_staging"]
+    return Projection(host_bytes, device_bytes, step, flops / step / 1e12,
                       {**terms, "tail": tail, "h2d_bytes": h2d, "d2h_bytes": d2h}, bound,
                       _rounded_shadows(shape, s))
 
@@ -346,13 +361,15 @@ def check(roots: list[Path]) -> list[dict]:
         ran |= {k: engine[k] for k in ("device_tiles", "no_recompute_layers", "mlp_chunk_tokens",
                                       "offloaded_attention_layers") if k in engine}
         run_spec = RunSpec.from_dict(spec)
+        shadows = (r.get("info") or {}).get("whole_masters") != "streamed"  # the store before whole masters streamed
+        experts_read = not (r.get("info") or {}).get("unread_experts")  # before the recompute left them out
         if "split_masters" in engine:
             ran["split_masters"] = engine["split_masters"]
         elif "split_masters" not in run_spec.options.get("engine", {}):  # recorded since auto split with the
             ran["split_masters"] = False                                  # compiled update; before, only to fit
-            if project(run_spec, m, ran).host_bytes > m.host_gib * GiB:
+            if project(run_spec, m, ran, shadows, experts_read).host_bytes > m.host_gib * GiB:
                 ran["split_masters"] = True
-        pr = project(run_spec, m, ran)
+        pr = project(run_spec, m, ran, shadows, experts_read)
         med, peak = r["median"], r.get("peak") or {}
         # the allocator the point ran with: shadows at their exact size, or (a result without
         # `pinned_shadows`) torch's power-of-two pinned blocks

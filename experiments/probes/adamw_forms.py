@@ -17,7 +17,7 @@ print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability(), "vect
       "form", build.form, "scalar tail", build.scalar_tail, "why not", build.why)
 whole = ctypes.CDLL(str(build.path)).megatrain_adamw_whole  # loaded here too where the load refused it
 whole.restype = None
-whole.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 7 + [ctypes.c_int] * 3
+whole.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_double] * 7 + [ctypes.c_int] * 3
 gen = torch.Generator().manual_seed(0)
 for name, n, forms in (("vector", 64 * fused_adamw.VECTOR, fused_adamw.VECTOR_FORMS),
                        ("scalar", fused_adamw.VECTOR - 1, fused_adamw.SCALAR_FORMS)):
@@ -30,7 +30,7 @@ for name, n, forms in (("vector", 64 * fused_adamw.VECTOR, fused_adamw.VECTOR_FO
         want = [t.view(torch.int32) for t in (p, m, v)]
         for form in forms:
             p, g, m, v = (t.clone() for t in state)
-            whole(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), None, n, n - n % fused_adamw.VECTOR, 3.0,
+            whole(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, n - n % fused_adamw.VECTOR, 3.0,
                   1e-3, beta1, 0.999, 0.1, 1e-8, 1.0, 0, 1, form)
             wrong = [int((t.view(torch.int32) != w).sum()) for t, w in zip((p, m, v), want)]
             print(f"{name} beta1 {beta1} form {form}: elements that differ (master, exp_avg, exp_avg_sq) {wrong} of {n}")

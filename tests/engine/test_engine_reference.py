@@ -331,6 +331,36 @@ def test_recompute_skips_the_down_projection_nothing_reads(tmp_path, monkeypatch
     torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_recompute_skips_the_experts_down_projection_nothing_reads(tmp_path, monkeypatch, preset):
+    """With the lean experts and their compiled gate, a recomputed block's last layer leaves out its
+    experts' down projection and weighting (lean_experts._DownCombine): 2 blocks of 2 layers, 3
+    steps: 6 left out; and training is bit-identical to computing them (float32 on the CPU)."""
+    import megatrain.engine
+    import megatrain.lean_experts
+    from megatrain.unread_mlp import unread
+    tiny_checkpoint(tmp_path / "init", preset, {"num_hidden_layers": 4})
+    left_out = []
+    forward = megatrain.lean_experts._DownCombine.forward
+    monkeypatch.setattr(megatrain.lean_experts._DownCombine, "forward",
+                        staticmethod(lambda ctx, *a: (unread() and left_out.append(1)) or forward(ctx, *a)))
+
+    def trained():
+        _, trainer = make_trainer(tmp_path, preset, {}, 2, 1, 0.5, {"mlp_kernel": "compiled", "experts_kernel": "lean"})
+        try:
+            losses = [trainer.train_step(mbs)["loss"] for mbs in random_batches(3, 1, BATCH, SEQ, trainer.shape.vocab, True)]
+            return losses, store_params(trainer)
+        finally:
+            trainer.close()
+    skipped = trained()
+    assert len(left_out) == 3 * 2
+    monkeypatch.setattr(megatrain.engine, "output_unused", contextlib.nullcontext)
+    left_out.clear()
+    computed = trained()
+    assert not left_out
+    torch.testing.assert_close(skipped, computed, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("chunked", [True, False])
 def test_hardware_flops_count_the_recompute_and_the_chunks(tmp_path, K, chunked):

@@ -103,6 +103,20 @@ def test_streaming_switches_keep_numerics(tmp_path, cuda_only, engine):
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stage", [None, 1000])
+def test_whole_masters_cast_on_the_device_keep_numerics(tmp_path, cuda_only, monkeypatch, stage):
+    """Whole float32 masters (engine.split_masters: false) stream as they are and are cast to bf16
+    on the device (buffers.py), in chunks of buffers.STAGE elements (here also 1000, which divides
+    no tile: many chunks a load, and a short last one): training is the split default's, whose
+    loads move the shadow the host cast, to the bit."""
+    import megatrain.buffers
+    if stage:
+        monkeypatch.setattr(megatrain.buffers, "STAGE", stage)
+    tiny_checkpoint(tmp_path / "init", "tiny-qwen2", OVERRIDES)
+    runs = base_and(tmp_path, {"split_masters": False})
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
 def test_embedding_copies_wait_for_the_compute_stream(tmp_path, cuda_only, monkeypatch):
     """Gemma's scaled embedding frees a micro-batch's copied rows at once, and the next micro-batch's
     rows may be copied into that memory: the copy must wait until the compute stream has read it.
@@ -687,9 +701,9 @@ def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
     assert ((runs[0].double() - exact).abs() <= bound).all()
 
 
-def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only):
+def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatch):
     """GPT-OSS's biases inside the kernels around them (expert_bias.py: the up projection's in the
-    clamped gate, the down projection's in the router's weighting, Triton kernels each way) against
+    clamped gate, Triton kernels each way, the down projection's in the router's weighting) against
     the lean experts' compiled passes (each bias added by a pass of its own), bf16, at GPT-OSS's
     expert width (2880, which no column block divides) and at rows no row block divides: the outputs
     and the rows' gradients within one rounding of the compiled passes' (each takes float32 inside;
@@ -703,24 +717,25 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only):
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device="cuda")
     counts = torch.bincount(ids, minlength=experts)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     rows = ids.numel()
     weights = top.values.softmax(-1).to(torch.bfloat16)
     bf16 = lambda *shape: (4 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
-    y_up, b_up, y_down, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(rows, width), bf16(experts, width)
+    y_up, b_up, h, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(rows, width), bf16(experts, width)
+    down = bf16(experts, width, width) / 64  # (experts, in, out): GPT-OSS's transposed layout
     g_gate, g_out = bf16(rows, width), bf16(tokens, width)
     results = []
     for fused in (False, True):
-        y1, b1, y2, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, y_down, b_down, weights))
+        monkeypatch.setattr(expert_bias, "runs", lambda rows, fused=fused: fused)
+        y1, b1, h2, w_down, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, h, down, b_down, weights))
         if fused:
-            assert expert_bias.runs(y1)
             gated = expert_bias.BiasGate.apply(y1, b1, ids, counts, limit, alpha)
-            out = lean_experts._BiasCombine.apply(y2, b2, ids, counts, w, perm, inv)
         else:
             gated = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped",
                                              limit, alpha)
-            out = lean_experts._Combine.apply(lean_experts._ExpertBias.apply(y2, b2, ids, counts, True), w, perm, inv)
+        out = lean_experts._DownCombine.apply(h2, w_down, b2, ids, counts, offsets, w, perm, inv, True)
         torch.autograd.backward([gated, out], [g_gate, g_out])
-        results.append((gated, y1.grad, b1.grad, out, y2.grad, b2.grad, w.grad))
+        results.append((gated, y1.grad, b1.grad, out, h2.grad, b2.grad, w.grad))
     names = ("gate", "gate rows' gradient", "up bias's gradient", "weighting", "down rows' gradient",
              "down bias's gradient", "weights' gradient")
     for name, want, got in zip(names, *results):
@@ -728,6 +743,26 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only):
         if "bias" not in name and "weights" not in name:  # sums, whose roundings may part by more near zero
             assert (error <= want.float().abs() * 2**-7).float().mean() > 0.999, name  # one bf16 rounding
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
+
+
+@pytest.mark.parametrize("width", [5760, 2880])
+def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
+    """expert_bias.expert_sums on the GPU (a Triton program per expert and block of columns, 2880 no
+    block divides) over bf16 rows of experts with none, one, a few and thousands: within float32
+    summation and one bf16 rounding of the exact sums, empty experts exactly zero, and the same bits
+    on a second run."""
+    from megatrain import expert_bias
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([0, 1, 37, 0, 4096, 3, 1000, 0], device="cuda")
+    rows = (4 * torch.randn(int(counts.sum()), width, generator=gen, device="cuda")).to(torch.bfloat16)
+    assert expert_bias.runs(rows)
+    got = expert_bias.expert_sums(rows, counts)
+    assert torch.equal(got, expert_bias.expert_sums(rows, counts)) and not got[counts == 0].any()
+    ids = torch.repeat_interleave(torch.arange(8, device="cuda"), counts)
+    exact = torch.zeros(8, width, dtype=torch.float64, device="cuda").index_add_(0, ids, rows.double())
+    size = torch.zeros(8, width, dtype=torch.float64, device="cuda").index_add_(0, ids, rows.double().abs())
+    bound = exact.abs() * 2**-8 + counts.unsqueeze(1) * 2**-24 * size
+    assert ((got.double() - exact).abs() <= bound).all()
 
 
 def test_sinks_kernel_is_the_library_flex_attention_on_the_gpu(tmp_path, cuda_only):

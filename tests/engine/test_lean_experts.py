@@ -81,26 +81,59 @@ def test_compiled_gates_compute_the_library_gates(preset):
         assert (up[:, ::2] > library.limit).any() and (up[:, 1::2].abs() > library.limit).any()
     calls = []
     kernel = lean_experts._GATES[kind]
-    fused = ("_compiled_combine", "_compiled_combine_grad_rows", "_compiled_combine_grad_weights", "_compiled_sum_picks",
-             *(("_compiled_add_bias",) if library.has_bias else ()))
+    fused = ("_compiled_combine", "_compiled_grad_rows", "_compiled_grad_inputs", "_compiled_sum_picks",
+             *(("_compiled_add_bias", "_compiled_bias_dots") if library.has_bias else ()))
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(lean_experts._GATES, kind, tuple(lambda *a, k=k: calls.append(k) or k(*a) for k in kernel))
         for name in fused:
             patch.setattr(lean_experts, name, lambda *a, k=getattr(lean_experts, name), n=name: calls.append(n) or k(*a))
         ref, got = _run(library, x, index, weights, grad), _run(lean, x, index, weights, grad)
-    # the compiled gate and weighting, forward and backward, and GPT-OSS's two bias additions
-    assert len(calls) == 6 + 2 * library.has_bias and set(fused) <= set(calls)
+    # the compiled gate and weighting, forward and backward, and GPT-OSS's two bias additions and
+    # the down bias's part of the weights' gradient
+    assert len(calls) == 6 + 3 * library.has_bias and set(fused) <= set(calls)
     # at these magnitudes the products cancel: float32 rounding compared over each whole tensor
     for a, b in [(got[0], ref[0]), (got[1], ref[1]), (got[2], ref[2]), *((got[3][n], ref[3][n]) for n in ref[3])]:
         assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("tokens", [37, 1], ids=["every-expert", "most-experts-idle"])
+def test_unread_output_leaves_the_down_projection_out(preset, tokens):
+    """With the gate compiled, the experts whose output nothing reads (unread_mlp.output_unused)
+    run one grouped GEMM fewer (the down projection's) and compute no output, and their gradients
+    are those of the run that computed it, to the bit: the weighting's backward never reads it."""
+    from transformers.integrations import moe
+
+    from megatrain.unread_mlp import output_unused
+    hf, library, _ = _experts(preset)
+    lean = copy.deepcopy(library)
+    lean_experts.make_lean(lean, lean_experts.gate_kind(hf.model_type, hf.hidden_act))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hf.hidden_size, generator=gen)
+    weights, index = torch.topk(torch.randn(tokens, library.num_experts, generator=gen).softmax(-1), hf.num_experts_per_tok)
+    grad = torch.randn(tokens, hf.hidden_size, generator=gen)
+    gemms = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "_grouped_mm", lambda *a, f=moe._grouped_mm, **kw: gemms.append(1) or f(*a, **kw))
+        computed = _run(lean, x, index, weights, grad)
+        forward = len(gemms)
+        gemms.clear()
+        lean.zero_grad()
+        with output_unused():
+            unread = _run(lean, x, index, weights, grad)
+        assert len(gemms) == forward - 1
+    for got, want in [*zip(unread[1:3], computed[1:3]), *((unread[3][n], computed[3][n]) for n in computed[3])]:
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_bias_addition_is_the_library_addition(dtype):
     """The experts' biases added by the compiled pass that reads each row's bias through its expert:
     the library's gathered copy added in place, to the bit; the rows' gradient passed as it comes,
-    the biases' each expert's rows summed (the gather's backward: float32 summation order, zero for
-    an expert no row reaches)."""
+    the biases' each expert's rows summed in float32 and rounded once (zero for an expert no row
+    reaches): float32 within its summation order of the gather's backward; bf16 the exact sums
+    rounded, to the bit (a few bf16 rows add exactly in float32; the gather's backward adds in bf16
+    and parts from them)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.tensor([0, 0, 0, 2, 2, 3, 5, 5, 5, 5, 5])  # sorted: experts 1 and 4 reach no row
     counts = torch.bincount(ids, minlength=6)
@@ -113,8 +146,11 @@ def test_compiled_bias_addition_is_the_library_addition(dtype):
     assert torch.equal(got, want)
     (want_out, want_bias), (got_out, got_bias) = (torch.autograd.grad(y, (out, bias), grad) for y in (want, got))
     assert torch.equal(got_out, want_out) and not got_bias[[1, 4]].any()
-    tol = 1e-6 if dtype == torch.float32 else None  # bf16: the dtype's own, each sum rounded once
-    torch.testing.assert_close(got_bias, want_bias, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_bias, want_bias, rtol=1e-6, atol=1e-6)
+    else:
+        exact = torch.zeros(bias.shape, dtype=torch.float64).index_add_(0, ids, grad.double())
+        assert torch.equal(got_bias, exact.to(dtype))
 
 
 def test_lean_experts_leave_the_library_experts_class_as_it_was():

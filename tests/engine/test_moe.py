@@ -194,7 +194,8 @@ def test_refusals_name_the_setting():
 
 def test_hardware_flops_recompute_the_active_weights_of_the_recomputed_layers():
     """The schedule's hardware FLOPs for a mixture of experts: the model's, plus one forward of each
-    recomputed layer at its active weights and own window; the experts' output is computed in full."""
+    recomputed layer at its active weights and own window; the experts' output computed in full, or,
+    with the lean experts' compiled gate, left out of each recomputed block's last layer."""
     from megatrain.metrics import recompute_flops
     from megatrain.schedule import Schedule
     s = shape_of("tiny-gpt-oss")
@@ -203,6 +204,10 @@ def test_hardware_flops_recompute_the_active_weights_of_the_recomputed_layers():
     again = recompute_flops(3 * s.layer_matmul_params(), s.attention(range(3)), lengths)  # layers 0-2
     assert again == sum(n * (2 * 3 * s.layer_matmul_params() + 4 * 64 * (6 + n + 6)) for n in [16, 9])
     assert Schedule(4, 2, 1, 1).hardware_flops(s, None, lengths) == model + again
+    # with the lean experts' compiled gate the last layers of the two recomputed blocks (1 and 2)
+    # leave their top-k experts' down projections out
+    down = s.top_k * s.config.intermediate_size * s.hidden
+    assert Schedule(4, 2, 1, 1).hardware_flops(s, None, lengths, (), True) == model + again - 2 * sum(2 * n * down for n in lengths)
 
 
 def test_random_init_is_the_librarys_kind():

@@ -49,15 +49,16 @@ def test_padding_is_what_no_parameter_holds():
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_host_bytes_per_parameter(split):
-    """float32 masters: 14 bytes per parameter without clipping (master, moments, bf16 shadow), 18
-    with it (a float32 gradient waits for the global norm); split (engine.split_masters), 12 and 16:
-    the master's low halves beside the shadow that is its high halves."""
+    """float32 masters with bf16 compute: 12 bytes per parameter without clipping (master and
+    moments; no bf16 copy: a load casts on the device), 16 with it (a float32 gradient waits for the
+    global norm); split (engine.split_masters) as many: the master's low halves beside the shadow
+    that is its high halves."""
     arch = shape_of("tiny-llama", num_hidden_layers=8)
     engine = EngineConfig(split_masters=split)
-    for clipping, per_param in ((False, 14 - 2 * split), (True, 18 - 2 * split)):
+    for clipping, per_param in ((False, 12), (True, 16)):
         store = HostStore(arch, settings(arch, engine, clipping=clipping))
         layer = store.layers[0]
-        assert (layer.storage is Storage.SPLIT) == split and (layer.master is None) == split
+        assert (layer.storage is Storage.SPLIT) == split and (layer.master is None) == split == (layer.shadow is not None)
         assert (layer.grad is not None) == clipping and (store.embed.grad is not None) == clipping
         per_layer = HostStore.nbytes(arch, settings(arch, engine, clipping=clipping))[0]
         deeper = shape_of("tiny-llama", num_hidden_layers=16)
@@ -103,7 +104,8 @@ def test_random_init_depends_on_no_thread_count_or_tile_subset(monkeypatch):
 def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeypatch):
     """A tile's seeded draws, in place into a whole float32 master or through a tensor otherwise
     (in chunks, here also of 64 elements: 1961 = 29 x 64 + 105), are the numbers torch draws into a
-    tensor of their own (the store's init did so before), in the master and in its bf16 shadow."""
+    tensor of their own (the store's init did so before), in the master (and a split one's bf16
+    shadow)."""
     monkeypatch.setattr(store_module, "_DRAW", chunk)
     drawn = []
     write = Tile.write_master
@@ -122,4 +124,4 @@ def test_drawn_weights_are_those_of_a_drawn_tensor(master, split, chunk, monkeyp
         with tile.plain_state() as state:
             got = state["master"][offset: offset + spec.numel]
             assert torch.equal(got.float(), want.to(master).float())
-        assert torch.equal(tile.shadow[offset: offset + spec.numel], want.to(torch.bfloat16))
+        assert torch.equal(tile.source[offset: offset + spec.numel].to(torch.bfloat16), want.to(master).to(torch.bfloat16))

@@ -102,4 +102,4 @@ def test_the_settings_reference_is_generated_from_the_config():
         assert meaning, f"{key} has no comment in megatrain/config.py"
         assert f"| `{key}` |" in doc and f"  {key}: " in help_text
     master = next(m for _, k, _, _, m in settings_fields() if k == "engine.master_dtype")
-    assert "14 B/param" in master and "10 B/param" in master  # docs/architecture.md's bytes per parameter
+    assert "12 B/param" in master and "10 B/param" in master  # docs/architecture.md's bytes per parameter
