@@ -1,24 +1,20 @@
-"""Probe: the host AdamW's rate, in one process, on one tile of N elements (float32 masters, bf16
-shadow, float32 gradient; all of torch's threads unless --threads), for every way the engine has
-or had of updating it, beside the memory bandwidth that bounds them:
+"""Probe: the host AdamW's rate, in one process, on one tile of N elements (float32 masters,
+float32 gradient, bf16 compute; all of torch's threads unless --threads), for every way the engine
+has of updating it, beside the memory bandwidth that bounds them:
 
-- one_pass_whole, one_pass_split: the C++ kernel (fused_adamw.py), a whole or a split master
-  (`engine.optimizer_kernel: compiled`, the engine's default);
-- one_pass_master: the C++ kernel on a whole float32 master with no shadow to write (a float32
-  run's tile; what a master streamed as it is, cast on the device, would update);
+- one_pass_whole, one_pass_split: the C++ kernel (fused_adamw.py), a whole master (pinned, streamed
+  as it is and cast on the device: no shadow to write) or a split one (its bf16 shadow and low
+  halves) (`engine.optimizer_kernel: compiled`, the engine's default);
 - eager_whole, eager_split: torch's fused AdamW and the passes around it (`optimizer_kernel: eager`);
-- inductor_whole: the one-pass update of a whole master as torch.compile built it before the C++
-  kernel replaced it (its function and options, kept here to compare; --no-inductor skips its
-  build, tens of seconds on a machine's first run);
-- torch_adamw_fused: torch.optim.AdamW(fused=True) on N float32 parameters, no shadow;
+- torch_adamw_fused: torch.optim.AdamW(fused=True) on N float32 parameters;
 - stream_copy, stream_triad: torch's a.copy_(b) and torch.add(b, c, alpha=s, out=a) on N floats,
   all threads; STREAM's byte counts (8 and 12 bytes an element, no write-allocate). torch's ops are
   not a tuned STREAM (no streaming stores), so their bandwidth is a floor of the machine's.
 
 Rounds interleave the paths (the first round is a warm-up, reported apart). Each path's implied
 bandwidth is its rate times the bytes it moves per parameter (`bytes_per_param`, counted from its
-passes: the one pass 30 whole, 28 split and 28 a master alone; eager whole 34, the shadow's recast a second pass;
-eager split about 48, the join and split and their searches for ties around torch's 28).
+passes: the one pass 28 either layout, torch's 28; eager split about 48, the join and split and
+their searches for ties around torch's 28).
 Prints a line per path; --out writes the JSON (config, environment, samples, medians).
 
 On the GPU host (16 cores, under 3 minutes):
@@ -29,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -43,19 +38,8 @@ from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
-BYTES = {"one_pass_whole": 30, "one_pass_split": 28, "one_pass_master": 28, "eager_whole": 34, "eager_split": 48, "inductor_whole": 30,
-         "torch_adamw_fused": 28, "stream_copy": 8, "stream_triad": 12}
-
-
-def inductor_update(param, grad, exp_avg, exp_avg_sq, shadow, decay, step_size, bc2_sqrt, beta1: float,
-                    beta2: float, eps: float) -> None:
-    """The inductor-built update the C++ kernel replaced: torch's fused AdamW's arithmetic and the
-    shadow's cast, in one loop."""
-    param.mul_(decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    param.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps))
-    shadow.copy_(param)
+BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
+         "stream_copy": 8, "stream_triad": 12}
 
 
 def environment() -> dict:
@@ -76,7 +60,6 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1 << 28, help="elements of the tile (default 2^28)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--no-inductor", action="store_true", help="skip the inductor-built update")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -90,10 +73,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     tiles = {}
-    for layout in ("whole", "split", "master"):
+    for layout in ("whole", "split"):
         tile = tiles[layout] = Tile(layout, Layout.of([ParamSpec("w", (n // 64, 64))]), torch.float32,
-                                    torch.float32 if layout == "master" else torch.bfloat16, False, False,
-                                    split=layout == "split")
+                                    torch.bfloat16, False, False, split=layout == "split")
         tile.reset()
         tile.write_master(torch.randn(n, generator=gen) * 0.02)
     scratch = adamw.Scratch()  # the host executor keeps one
@@ -110,31 +92,11 @@ def main() -> None:
         return run
 
     paths = {"one_pass_whole": tile_update("whole", True), "one_pass_split": tile_update("split", True),
-             "one_pass_master": tile_update("master", True), "eager_whole": tile_update("whole", False), "eager_split": tile_update("split", False),
+             "eager_whole": tile_update("whole", False), "eager_split": tile_update("split", False),
              "torch_adamw_fused": torch_adamw.step,
              "stream_copy": lambda: a.copy_(b), "stream_triad": lambda: torch.add(b, c, alpha=3.0, out=a)}
     if build.why is not None:
-        del paths["one_pass_whole"], paths["one_pass_split"], paths["one_pass_master"]
-    if not args.no_inductor:
-        from megatrain.kernel_build import compiled
-        kernel = compiled(inductor_update, **{"cpp.dynamic_threads": True, "cpp_wrapper": True})
-        tile = tiles["whole"]
-        beta1, beta2 = cfg.betas
-
-        def inductor():
-            step["k"] += 1
-            t = step["k"]
-            def scalar(x):
-                return torch.tensor(x, dtype=torch.float32)
-            kernel(tile.master, grad, tile.exp_avg, tile.exp_avg_sq, tile.shadow, scalar(1 - lr * cfg.weight_decay),
-                   scalar(lr / (1 - beta1 ** t)), scalar(math.sqrt(1 - beta2 ** t)), beta1, beta2, cfg.eps)
-        start = time.perf_counter()
-        try:
-            inductor()  # the build
-            paths["inductor_whole"] = inductor
-            setup["inductor_build_s"] = time.perf_counter() - start
-        except Exception as e:  # a machine where inductor cannot build: a result, not a crash
-            setup["inductor_build_s"], setup["inductor_error"] = None, f"{type(e).__name__}: {e}"
+        del paths["one_pass_whole"], paths["one_pass_split"]
 
     samples = {name: [] for name in paths}
     for _ in range(args.rounds + 1):
