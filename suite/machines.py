@@ -47,9 +47,9 @@ class MachineModel:
     # seconds the compiled norms and MLP product save in the layer probe's forward, recompute and
     # backward, and its shape; None: a machine without the pair of probes, timed eager
     compiled_saving: tuple[float, Shape] | None = None
-    # the host kernel's AdamW, G parameters/s over whole and split masters on all the host's cores
-    # (experiments/probes/adamw_rate.py: one_pass_whole, one_pass_split); None: a machine without the
-    # probe, whose update is timed by its host copy
+    # the host kernel's AdamW, G parameters/s over split masters, whole ones and whole ones with a
+    # bf16 shadow, those the probe had, on all the host's cores (experiments/probes/adamw_rate.py,
+    # Probe.adamw); None: a machine without the probe, whose update is timed by its host copy
     adamw_gps: dict[str, float] | None = None
 
 
@@ -81,8 +81,18 @@ class Probe:
         return self.get("variants", variant, "ceilings", "default", key)
 
     def adamw(self) -> dict[str, float]:
-        """A host AdamW probe's (experiments/probes/adamw_rate.py) median rates of the host kernel."""
-        return {layout: self.get("report", f"one_pass_{layout}", "median_g_params_per_s") for layout in ("whole", "split")}
+        """A host AdamW probe's (experiments/probes/adamw_rate.py) median rates of the host kernel:
+        split masters', and by the bytes each path recorded, a whole master's alone (28 B a
+        parameter: `one_pass_whole`, or `one_pass_master` in files from before whole masters
+        streamed as they are) and with its bf16 shadow (30 B: those files' `one_pass_whole`), each
+        that the file has."""
+        report = self.get("report")
+        rates = {"split": self.get("report", "one_pass_split", "median_g_params_per_s")}
+        for path in ("one_pass_whole", "one_pass_master"):
+            if isinstance(report.get(path), dict):
+                layout = {28: "whole", 30: "shadow"}[self.get("report", path, "bytes_per_param")]
+                rates[layout] = self.get("report", path, "median_g_params_per_s")
+        return rates
 
     def layer_shape(self) -> Shape:
         return self.get("preset"), self.get("batch"), self.get("seq")
@@ -167,7 +177,7 @@ def load(path: Path) -> MachineModel:
         moe = f", MoE layers of {', '.join(g.moe_layers)}" if g.moe_layers else ""
         if desc.get("adamw"):
             adamw = Probe(desc["adamw"], named_in).adamw()
-            optimizer = f"; AdamW {adamw['whole']:.2f} / {adamw['split']:.2f} G params/s whole / split ({desc['adamw']})"
+            optimizer = f"; AdamW {' / '.join(f'{v:.2f}' for v in adamw.values())} G params/s {' / '.join(adamw)} ({desc['adamw']})"
         source = (f"{_need(desc, 'lent', named_in)} ({_need(desc, 'gpus', named_in)} x {g.env}, {cores} cores): "
                   f"pinned {rates[0]:.1f}/{rates[1]:.1f} GB/s, host copy {rates[2]:.1f} GB/s ({bandwidth.path})"
                   f"{optimizer}; "

@@ -9,7 +9,8 @@ resolved for the machine's device (megatrain.resolve). Time takes four resources
              probe, Engine.layer_ceiling), as hardware FLOP/s, with the eager kernels; with the
              compiled norms and MLP product, less the time they save: elementwise work, so a
              token's and a hidden unit's, measured by a pair of probes (MachineModel.compiled_saving)
-  H2D, D2H   the weights each load moves (bf16) and the float32 gradients each host tile returns,
+  H2D, D2H   the weights each load moves (a whole master as it is, a split one's bf16 shadow) and
+             the float32 gradients each host tile returns,
              plus offloaded checkpoints, at the probe's pinned link bandwidth
   CPU        AdamW over the host tiles: by the host kernel, at its rate over the layout on the
              machine's AdamW probe where it has one; else OPTIMIZER_BYTES per parameter at the
@@ -52,15 +53,17 @@ from suite.machines import MACHINES, MachineModel
 from suite.spec import RunSpec
 
 # AdamW per parameter on the host: read the gradient, master and both moments (4 B each), write the
-# master, the moments and the bf16 shadow
-OPTIMIZER_BYTES = 4 * 4 + 3 * 4 + 2
-# split masters (engine.split_masters): the update's rate over the whole masters', by the host
-# kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 3.77 over
-# 3.50 G params/s on the one-GPU H200 host's 16 threads (results/h200/probes/adamw_rate); torch's
-# ops, the only path of split tiles before it, 0.41 on the 2-core CPU machine (0.55 on that H200
-# host, 0.26 on the four-GPU host's 64 cores): for a machine without a host AdamW probe of its own
-# (`adamw:` in its description), whose rates then time the host kernel (_update_s_per_param)
-SPLIT_RATE = {"compiled": 1.08, "eager": 0.41}
+# master and the moments; before whole masters streamed as they are, a whole master's bf16 shadow too
+OPTIMIZER_BYTES = 4 * 4 + 3 * 4
+SHADOW_BYTES = 2
+# split masters (engine.split_masters): the update's rate over a whole master's, by the host
+# kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 4.086 over
+# 4.113 G params/s on the one-GPU H200 host's 16 threads (results/h200/probes/adamw_rate/master.json);
+# torch's ops, the only path of split tiles before it, 0.41 of the whole masters' (then with their
+# shadow) on the 2-core CPU machine (0.55 on that H200 host, 0.26 on the four-GPU host's 64 cores):
+# for a machine without a host AdamW probe of its own (`adamw:` in its description), whose rates
+# then time the host kernel (_update_s_per_param)
+SPLIT_RATE = {"compiled": 0.99, "eager": 0.41}
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
 # engine.experts_kernel defaulted to compiled and lean on a GPU
@@ -284,7 +287,7 @@ def project(spec: RunSpec, m: MachineModel, ran: dict = EAGER, shadows: bool = F
     offloaded = s.offloaded_attention_layers * M * kept_attention.kept_bytes(shape, s.tokens, 2)
     h2d, d2h = h2d + offloaded, d2h + offloaded
     host_params = host_layers * layer + head + (embed if s.device_tiles == 0 else 0)
-    rate = _update_s_per_param(m, s)
+    rate = _update_s_per_param(m, s, whole and shadows)
     again = [i for i in range(sched.recomputed_layers) if i not in keep]  # attention recomputed
     executed, dense = _causal(hw, shape, L, again, lens), _layer_hw_rate(m.layer_tflops, m.probe)
     moe = m.moe_layers.get(shape.family, {}).get(experts_variant(s))
@@ -472,12 +475,19 @@ def _paper_rows() -> tuple[dict, ...]:
     return tuple(rows)
 
 
-def _update_s_per_param(m: MachineModel, s) -> float:
+def _update_s_per_param(m: MachineModel, s, shadow: bool) -> float:
     """The host's AdamW, seconds a parameter: the machine's probed rate of the host kernel over the
-    run's master layout, or its host copy's."""
-    if m.adamw_gps and s.optimizer_kernel == "compiled":
-        return 1 / (m.adamw_gps["split" if s.split_masters else "whole"] * 1e9)
-    return OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE[s.optimizer_kernel] if s.split_masters else 1.0)
+    run's master layout (`shadow`: a whole master that wrote its bf16 shadow too; where the probe
+    timed only one of the two whole layouts, the other at its bandwidth), or its host copy's."""
+    moved = {"whole": OPTIMIZER_BYTES, "shadow": OPTIMIZER_BYTES + SHADOW_BYTES}
+    key = "shadow" if shadow else "whole"
+    gps = m.adamw_gps
+    if gps and s.optimizer_kernel == "compiled":
+        if s.split_masters:
+            return 1 / (gps["split"] * 1e9)
+        other = "whole" if shadow else "shadow"
+        return 1 / (gps[key] * 1e9) if key in gps else moved[key] / (gps[other] * 1e9 * moved[other])
+    return moved[key] / (m.host_copy_gbps * 1e9) / (SPLIT_RATE[s.optimizer_kernel] if s.split_masters else 1.0)
 
 
 def _pct(x: float | None) -> str:

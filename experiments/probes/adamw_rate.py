@@ -9,7 +9,11 @@ has of updating it, beside the memory bandwidth that bounds them:
 - torch_adamw_fused: torch.optim.AdamW(fused=True) on N float32 parameters;
 - stream_copy, stream_triad: torch's a.copy_(b) and torch.add(b, c, alpha=s, out=a) on N floats,
   all threads; STREAM's byte counts (8 and 12 bytes an element, no write-allocate). torch's ops are
-  not a tuned STREAM (no streaming stores), so their bandwidth is a floor of the machine's.
+  not a tuned STREAM (no streaming stores), so their bandwidth is a floor of the machine's;
+- c_copy, c_triad and c_copy_nt, c_triad_nt: STREAM's copy and triad in C++ (host_stream.cpp,
+  built here with the machine's compiler, -O3 -march=native, OpenMP on torch's threads), with plain
+  stores and with non-temporal ones, which do not read the written lines first: the machine's
+  bandwidth as STREAM measures it (the best of them), where a C++ compiler is.
 
 Rounds interleave the paths (the first round is a warm-up, reported apart). Each path's implied
 bandwidth is its rate times the bytes it moves per parameter (`bytes_per_param`, counted from its
@@ -24,12 +28,16 @@ On the 2-core CPU machine: --n 16777216.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import statistics
+import shutil
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,7 +47,25 @@ from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
 BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
-         "stream_copy": 8, "stream_triad": 12}
+         "stream_copy": 8, "stream_triad": 12, "c_copy": 8, "c_triad": 12, "c_copy_nt": 8, "c_triad_nt": 12}
+STREAM_SOURCE = Path(__file__).with_name("host_stream.cpp")
+
+
+def stream_library(directory: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """host_stream.cpp built into `directory` and loaded, or None and why not."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        return None, "no C++ compiler (c++, or $CXX)"
+    out = os.path.join(directory, "host_stream.so")
+    done = subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", str(STREAM_SOURCE),
+                           "-o", out], capture_output=True, text=True)
+    if done.returncode:
+        return None, f"{cxx} failed: {done.stderr.strip()[-300:]}"
+    library = ctypes.CDLL(out)
+    library.host_stream_copy.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    library.host_stream_triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int,
+                                                                   ctypes.c_int]
+    return library, None
 
 
 def environment() -> dict:
@@ -97,6 +123,14 @@ def main() -> None:
              "stream_copy": lambda: a.copy_(b), "stream_triad": lambda: torch.add(b, c, alpha=3.0, out=a)}
     if build.why is not None:
         del paths["one_pass_whole"], paths["one_pass_split"]
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as directory:
+        library, setup["stream_build_error"] = stream_library(directory)
+    if library is not None:
+        for nt, suffix in ((0, ""), (1, "_nt")):
+            paths[f"c_copy{suffix}"] = lambda nt=nt: library.host_stream_copy(a.data_ptr(), b.data_ptr(), n, threads, nt)
+            paths[f"c_triad{suffix}"] = lambda nt=nt: library.host_stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(),
+                                                                                3.0, n, threads, nt)
 
     samples = {name: [] for name in paths}
     for _ in range(args.rounds + 1):
@@ -111,7 +145,7 @@ def main() -> None:
         report[name] = {"median_g_params_per_s": n / median / 1e9, "best_g_params_per_s": n / min(timed) / 1e9,
                         "bytes_per_param": BYTES[name], "median_gb_per_s": BYTES[name] * n / median / 1e9,
                         "samples_s": timed, "warmup_s": warm}
-        unit = "G elements/s" if name.startswith("stream") else "G params/s"
+        unit = "G elements/s" if name.startswith(("stream", "c_")) else "G params/s"
         print(f"{name:18s} {report[name]['median_g_params_per_s']:7.3f} {unit} (best {report[name]['best_g_params_per_s']:.3f})"
               f"  {report[name]['median_gb_per_s']:7.2f} GB/s at {BYTES[name]} B/param")
     print("set-up:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in setup.items()}))

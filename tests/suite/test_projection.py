@@ -181,17 +181,27 @@ def test_predictions_carry_the_band_of_the_measured_errors():
 
 def test_the_host_update_is_timed_at_the_machines_adamw_probe():
     """A machine with a host AdamW probe (the one-GPU H200's) times the host kernel's update at the
-    probe's rate over the run's master layout; torch's ops, or a machine without the probe, by the
-    host copy."""
+    probe's rate over the run's master layout: split, a whole master alone, or (a point from before
+    whole masters streamed as they are) a whole master writing its shadow too; a probe that timed one
+    of the two whole layouts gives the other at its bandwidth (28 bytes and 30). torch's ops, or a
+    machine without the probe, by the host copy."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
-    from suite.projection import OPTIMIZER_BYTES, SPLIT_RATE, _update_s_per_param
+    from suite.projection import OPTIMIZER_BYTES, SHADOW_BYTES, SPLIT_RATE, _update_s_per_param
     m, other = MACHINES["h200-single"], MACHINES["h200x4"]
-    assert m.adamw_gps == pytest.approx({"whole": 3.619, "split": 3.845}, abs=0.001) and other.adamw_gps is None
+    assert m.adamw_gps == pytest.approx({"whole": 4.113, "split": 4.086, "shadow": 3.804}, abs=0.001)
+    assert other.adamw_gps is None
+    older = replace(m, adamw_gps={"split": 3.845, "shadow": 3.619})  # a probe file from before: no master alone
     for split in (False, True):
         kernel, eager = (SimpleNamespace(optimizer_kernel=k, split_masters=split) for k in ("compiled", "eager"))
-        assert _update_s_per_param(m, kernel) == 1 / (m.adamw_gps["split" if split else "whole"] * 1e9)
-        assert _update_s_per_param(m, eager) == pytest.approx(
-            OPTIMIZER_BYTES / (m.host_copy_gbps * 1e9) / (SPLIT_RATE["eager"] if split else 1))
-        assert _update_s_per_param(other, kernel) == pytest.approx(
-            OPTIMIZER_BYTES / (other.host_copy_gbps * 1e9) / (SPLIT_RATE["compiled"] if split else 1))
+        for shadow in (False, True):
+            layout = "split" if split else "shadow" if shadow else "whole"
+            moved = OPTIMIZER_BYTES + (SHADOW_BYTES if shadow else 0)
+            assert _update_s_per_param(m, kernel, shadow) == 1 / (m.adamw_gps[layout] * 1e9)
+            assert _update_s_per_param(older, kernel, shadow) == pytest.approx(
+                1 / (3.845e9 if split else 3.619e9 * 30 / moved))
+            assert _update_s_per_param(m, eager, shadow) == pytest.approx(
+                moved / (m.host_copy_gbps * 1e9) / (SPLIT_RATE["eager"] if split else 1))
+            assert _update_s_per_param(other, kernel, shadow) == pytest.approx(
+                moved / (other.host_copy_gbps * 1e9) / (SPLIT_RATE["compiled"] if split else 1))
