@@ -103,3 +103,11 @@ def test_the_settings_reference_is_generated_from_the_config():
         assert f"| `{key}` |" in doc and f"  {key}: " in help_text
     master = next(m for _, k, _, _, m in settings_fields() if k == "engine.master_dtype")
     assert "12 B/param" in master and "10 B/param" in master  # docs/architecture.md's bytes per parameter
+
+
+def test_the_architecture_names_every_engine_module():
+    """docs/architecture.md's module table names each of the engine's modules (a module added
+    without its line there fails)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "megatrain").glob("*.py") if p.name != "__init__.py")
+    assert [m for m in modules if f"`{m}`" not in text] == []
