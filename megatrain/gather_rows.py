@@ -15,7 +15,7 @@ try:
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
-ROWS, COLUMNS, WARPS = 4, 512, 4  # a program's block (experiments/probes/expert_rows.py)
+ROWS, COLUMNS, WARPS = 16, 128, 4  # a program's block (experiments/probes/expert_rows.py)
 
 if triton is not None:
     @triton.jit
