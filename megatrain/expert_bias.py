@@ -31,7 +31,7 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 BLOCK_R, BLOCK_C = 16, 64  # rows (tokens) and output columns a program (the gate's input: 2 x BLOCK_C columns)
-SUM_R, SUM_C = 32, 128  # the experts' sums: rows a step, columns a program
+SUM_R, SUM_C = 128, 64  # the experts' sums: rows a step, columns a program (experiments/probes/expert_rows.py)
 
 if triton is not None:
     @triton.jit

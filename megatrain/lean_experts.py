@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import _grouped_linear, _grouped_mm
 
-from megatrain import expert_bias
+from megatrain import expert_bias, gather_rows
 from megatrain.kernel_build import compiled
 from megatrain.unread_mlp import unread
 
@@ -114,7 +114,7 @@ class _ToExperts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, k: int, fused: bool) -> torch.Tensor:
         ctx.save_for_backward(inv)
         ctx.k, ctx.fused = k, fused
-        return x[perm // k]
+        return gather_rows.gather(x, perm // k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -745,6 +745,17 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
 
 
+@pytest.mark.parametrize("width", [2880, 2048, 100])
+def test_rows_gathered_into_expert_order_are_torchs_on_the_gpu(cuda_only, width):
+    """gather_rows.gather on the GPU (a Triton program per block of rows and of columns; 2880 and
+    100 no column block divides, 1031 x 4 rows no row block) copies torch's index to the bit."""
+    from megatrain import gather_rows
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1031, width, generator=gen, device="cuda").to(torch.bfloat16)
+    index = torch.rand(1031 * 4, generator=gen, device="cuda").argsort() // 4
+    assert torch.equal(gather_rows.gather(x, index), x[index])
+
+
 @pytest.mark.parametrize("width", [5760, 2880])
 def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
     """expert_bias.expert_sums on the GPU (a Triton program per expert and block of columns, 2880 no
