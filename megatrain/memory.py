@@ -79,9 +79,9 @@ def plan(shape: ModelShape, s: EngineSettings, data_bytes: int = 0) -> MemoryPla
     layer = max(Layout.of(specs).numel for specs in shape.layer_layouts)  # the largest layer (DeepSeek's MoE ones)
     head = Layout.of(shape.head_specs).numel + (v * h if shape.tied else 0)
     unit = max(layer, head)
-    # per token, what a layer's MLP (or router and experts) keeps for its backward; the compiled
-    # SwiGLU keeps gate and up, not the activation too (swiglu.py)
-    mlp = shape.mlp_kept - (shape.ffn if MLP.runs(s) else 0)
+    # per token, what a layer's MLP (or router and experts) keeps for its backward, with the
+    # library's code or the compiled kernels (ModelShape.mlp_kept_compiled)
+    mlp = shape.mlp_kept_compiled if MLP.runs(s) else shape.mlp_kept
     scores = s.tokens // s.seq_len * shape.attention_scores(s.seq_len)  # eager attention's, per micro-batch
     attn_kept = FAMILY_ATTN_KEPT.get(shape.family, ATTN_KEPT)
     T, N, chunk_mlp = s.device_tiles, s.no_recompute_layers, s.mlp_chunk_tokens

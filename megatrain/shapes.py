@@ -254,20 +254,26 @@ class ModelShape:
         # backward reads it
         self.gated_mlp = all(chunkable(probe.mlp, self.hidden_act) for probe in kinds) and not gemma
         # the MLP's width a token's activations have, and what it keeps per token for its backward, in
-        # elements, of the widest layer: gate's and up's outputs, the activation and their product for a
-        # dense one; a mixture of experts' grouped experts keep, per pick, the gathered input and the
-        # output (2 h) and about 7 of the expert's width (saved-tensor hooks on GPT-OSS and Qwen3-MoE
-        # layers; docs/moe.md), DeepSeek's shared experts (a dense MLP) beside them
+        # elements, of the widest layer, with the library's code and with the engine's compiled kernels
+        # (engine.mlp_kernel): gate's and up's outputs, the activation and their product for a dense
+        # one, the compiled product not the activation; a mixture of experts' grouped experts keep,
+        # per pick, the gathered input and the output (2 h), about 7 of the expert's width and the
+        # routing's indices (18 bf16 elements), the lean ones with their compiled gate (a GPU's
+        # default) the gathered input, the gate's input and output (3 of the width) and three int64
+        # indices (12 bf16 elements, 13 with the experts' counts and offsets): saved-tensor hooks on
+        # GPT-OSS and Qwen3-MoE experts (tests/engine/test_lean_experts.py); DeepSeek's shared experts
+        # (a dense MLP, the library's) beside them
         expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
         shared = (getattr(c, "n_shared_experts", None) or 0) * expert_ffn if self.experts else 0
 
-        def mlp(specs: list[ParamSpec]) -> tuple[int, int]:
+        def mlp(specs: list[ParamSpec]) -> tuple[int, int, int]:
             if not any(s.expert for s in specs):
                 ffn = getattr(c, "intermediate_size", 4 * c.hidden_size)
-                return ffn, 4 * ffn
-            return self.top_k * expert_ffn + shared, self.top_k * (2 * c.hidden_size + 7 * expert_ffn) + 4 * shared
+                return ffn, 4 * ffn, 3 * ffn
+            return (self.top_k * expert_ffn + shared, self.top_k * (2 * c.hidden_size + 7 * expert_ffn + 18) + 4 * shared,
+                    self.top_k * (c.hidden_size + 3 * expert_ffn + 13) + 4 * shared)
         widths = [mlp(specs) for specs in self.layer_layouts]
-        self.ffn, self.mlp_kept = max(ffn for ffn, _ in widths), max(kept for _, kept in widths)
+        self.ffn, self.mlp_kept, self.mlp_kept_compiled = (max(w[i] for w in widths) for i in range(3))
         self.expert_ffn = expert_ffn if self.experts else 0
         self.embed_specs = [ParamSpec("weight", (self.vocab, self.hidden))]
         self.head_specs = [ParamSpec("norm.weight", (self.hidden,), gemma)]

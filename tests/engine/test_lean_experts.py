@@ -157,3 +157,40 @@ def test_lean_experts_leave_the_library_experts_class_as_it_was():
     """make_lean changes the one module (a template's), never the library's class."""
     _, library, lean = _experts("tiny-qwen3-moe")
     assert "forward" in vars(lean) and "forward" not in vars(library)
+
+
+@pytest.mark.parametrize("preset,width", [("tiny-gpt-oss", 256), ("tiny-qwen3-moe", 128)])
+def test_the_memory_plan_counts_what_the_experts_keep(preset, width):
+    """What the experts save for their backward, through saved-tensor hooks (bf16, hidden 256, 2048
+    tokens; the inputs and weights not counted), per pick: the library's within ModelShape.mlp_kept's
+    count, the lean ones with their compiled gate within mlp_kept_compiled's and less than one element
+    below it (the gathered input, the gate's input and output, the routing's indices)."""
+    from tests.helpers import shape_of
+    widths = {"intermediate_size" if preset == "tiny-gpt-oss" else "moe_intermediate_size": width}
+    hf = load_hf_config(ModelConfig(preset=preset, overrides={"hidden_size": 256, **widths}), cuda=False)
+    modeling = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
+    cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("Experts"))
+    tokens, k = 2048, hf.num_experts_per_tok
+    shape = shape_of(preset, hidden_size=256, **widths)
+    kept = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        module = cls(hf).to(torch.bfloat16)
+        if lean:
+            lean_experts.make_lean(module, lean_experts.gate_kind(hf.model_type, hf.hidden_act))
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
+        weights = torch.rand(tokens, k).softmax(-1).to(torch.bfloat16).requires_grad_()
+        given = {t.untyped_storage().data_ptr() for t in (x, weights, *module.parameters())}
+        saved = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in given:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x, torch.rand(tokens, module.num_experts).topk(k).indices, weights)
+        out.float().sum().backward()
+        kept[lean] = sum(saved.values()) / 2 / (tokens * k)  # bf16 elements a pick
+    assert kept[False] <= shape.mlp_kept / k
+    assert shape.mlp_kept_compiled / k - 1 < kept[True] <= shape.mlp_kept_compiled / k
