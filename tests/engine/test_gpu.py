@@ -756,6 +756,18 @@ def test_rows_gathered_into_expert_order_are_torchs_on_the_gpu(cuda_only, width)
     assert torch.equal(gather_rows.gather(x, index), x[index])
 
 
+@pytest.mark.parametrize("preset,width", [("tiny-gpt-oss", 256), ("tiny-qwen3-moe", 128)])
+def test_the_memory_plan_counts_what_the_experts_keep_on_the_gpu(cuda_only, preset, width):
+    """As on the CPU (test_lean_experts.py), with the GPU's kernels (GPT-OSS's biases inside Triton
+    kernels, expert_bias.py): the lean experts keep within mlp_kept_compiled's count a pick and less
+    than one element below it, the library's within mlp_kept's."""
+    from tests.engine.test_lean_experts import kept_per_pick
+    shape, kept = kept_per_pick(preset, width, "cuda")
+    k = shape.top_k
+    assert kept[False] <= shape.mlp_kept / k
+    assert shape.mlp_kept_compiled / k - 1 < kept[True] <= shape.mlp_kept_compiled / k
+
+
 @pytest.mark.parametrize("width", [5760, 2880])
 def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
     """expert_bias.expert_sums on the GPU (a Triton program per expert and block of columns, 2880 no

@@ -12,7 +12,7 @@ import torch
 
 from megatrain import lean_experts
 from megatrain.config import ModelConfig
-from megatrain.shapes import load_hf_config
+from megatrain.shapes import ModelShape, load_hf_config
 
 
 def _experts(preset: str):
@@ -159,27 +159,24 @@ def test_lean_experts_leave_the_library_experts_class_as_it_was():
     assert "forward" in vars(lean) and "forward" not in vars(library)
 
 
-@pytest.mark.parametrize("preset,width", [("tiny-gpt-oss", 256), ("tiny-qwen3-moe", 128)])
-def test_the_memory_plan_counts_what_the_experts_keep(preset, width):
+def kept_per_pick(preset: str, width: int, device: str) -> tuple[ModelShape, dict[bool, float]]:
     """What the experts save for their backward, through saved-tensor hooks (bf16, hidden 256, 2048
-    tokens; the inputs and weights not counted), per pick: the library's within ModelShape.mlp_kept's
-    count, the lean ones with their compiled gate within mlp_kept_compiled's and less than one element
-    below it (the gathered input, the gate's input and output, the routing's indices)."""
+    tokens; the inputs and weights not counted), in bf16 elements a pick: the library's (False) and
+    the lean ones with their compiled gate (True); and the shape the memory plan counts them by."""
     from tests.helpers import shape_of
     widths = {"intermediate_size" if preset == "tiny-gpt-oss" else "moe_intermediate_size": width}
     hf = load_hf_config(ModelConfig(preset=preset, overrides={"hidden_size": 256, **widths}), cuda=False)
     modeling = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
     cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("Experts"))
     tokens, k = 2048, hf.num_experts_per_tok
-    shape = shape_of(preset, hidden_size=256, **widths)
     kept = {}
     for lean in (False, True):
         torch.manual_seed(0)
-        module = cls(hf).to(torch.bfloat16)
+        module = cls(hf).to(device=device, dtype=torch.bfloat16)
         if lean:
             lean_experts.make_lean(module, lean_experts.gate_kind(hf.model_type, hf.hidden_act))
-        x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
-        weights = torch.rand(tokens, k).softmax(-1).to(torch.bfloat16).requires_grad_()
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
+        weights = torch.rand(tokens, k, device=device).softmax(-1).to(torch.bfloat16).requires_grad_()
         given = {t.untyped_storage().data_ptr() for t in (x, weights, *module.parameters())}
         saved = {}
 
@@ -189,8 +186,18 @@ def test_the_memory_plan_counts_what_the_experts_keep(preset, width):
                 saved[storage.data_ptr()] = storage.nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(x, torch.rand(tokens, module.num_experts).topk(k).indices, weights)
+            out = module(x, torch.rand(tokens, module.num_experts, device=device).topk(k).indices, weights)
         out.float().sum().backward()
-        kept[lean] = sum(saved.values()) / 2 / (tokens * k)  # bf16 elements a pick
+        kept[lean] = sum(saved.values()) / 2 / (tokens * k)
+    return shape_of(preset, hidden_size=256, **widths), kept
+
+
+@pytest.mark.parametrize("preset,width", [("tiny-gpt-oss", 256), ("tiny-qwen3-moe", 128)])
+def test_the_memory_plan_counts_what_the_experts_keep(preset, width):
+    """Per pick, what the experts keep (kept_per_pick): the library's within ModelShape.mlp_kept's
+    count, the lean ones with their compiled gate within mlp_kept_compiled's and less than one element
+    below it (the gathered input, the gate's input and output, the routing's indices)."""
+    shape, kept = kept_per_pick(preset, width, "cpu")
+    k = shape.top_k
     assert kept[False] <= shape.mlp_kept / k
     assert shape.mlp_kept_compiled / k - 1 < kept[True] <= shape.mlp_kept_compiled / k
