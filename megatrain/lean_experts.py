@@ -96,14 +96,17 @@ def _grad_inputs(through: torch.Tensor, h: torch.Tensor, row_weights: torch.Tens
             (through.float() * h.float()).sum(dim=-1))
 
 
-def _bias_dots(rows: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Each row's gradient dotted with its expert's bias, float32."""
-    return (rows.float() * bias[ids].float()).sum(dim=-1)
+def _grad_rows_biased(grad: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor, bias: torch.Tensor,
+                      ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_grad_rows, and each row's gradient dotted with its expert's bias (float32) in the same pass
+    over the rows: <g, b>, a weight's gradient's bias term."""
+    rows, weighted = _grad_rows(grad, tokens, row_weights)
+    return rows, weighted, (rows.float() * bias[ids].float()).sum(dim=-1)
 
 
 _compiled_sum_picks, _compiled_combine = compiled(_sum_picks), compiled(_combine)
 _compiled_grad_rows, _compiled_grad_inputs = compiled(_grad_rows), compiled(_grad_inputs)
-_compiled_bias_dots = compiled(_bias_dots)
+_compiled_grad_rows_biased = compiled(_grad_rows_biased)
 
 
 class _ToExperts(torch.autograd.Function):
@@ -153,7 +156,10 @@ class _DownCombine(torch.autograd.Function):
         h, weight, bias, ids, counts, offsets, weights, perm, inv = ctx.saved_tensors
         k = weights.shape[-1]
         row_weights = weights.reshape(-1)[perm]
-        rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
+        if bias is None:
+            rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
+        else:
+            rows, weighted, bias_dots = _compiled_grad_rows_biased(grad.contiguous(), perm // k, row_weights, bias, ids)
         through = _grouped_mm(rows, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
         d_h, dots = _compiled_grad_inputs(through, h, row_weights)
         d_weight = None
@@ -162,7 +168,7 @@ class _DownCombine(torch.autograd.Function):
                 else F.grouped_mm(weighted.t(), h, offs=offsets)
         d_bias = None
         if bias is not None:
-            dots = dots + _compiled_bias_dots(rows, bias, ids)
+            dots = dots + bias_dots
             d_bias = expert_bias.expert_sums(weighted, counts) if ctx.needs_input_grad[2] else None
         d_weights = dots[inv].view(weights.shape).to(weights.dtype)
         return d_h, d_weight, d_bias, None, None, None, d_weights, None, None, None
