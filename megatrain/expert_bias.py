@@ -9,8 +9,11 @@ projection: 1.5 GB at 8 x 4096 tokens of GPT-OSS-20B), which the next kernel rea
 biases inside inductor's gate and weighting kernels was slower than those passes (docs/moe.md).
 Here kernels of 2-D tiles (a block of rows by a block of columns, each row's expert read once a
 row, its bias row from the cache) read the unbiased rows and the biases:
-- `BiasGate`: the gate's output; back, the rows' gradient from the output's (the up bias's
-  gradient, each expert's rows summed as before: a segment sum over its contiguous rows);
+- `gate`: the gate's output; `gate_backward`: the rows' gradient from the down projection's input
+  gradient before the router's weight (`through`, lean_experts._DownCombine), that weight applied
+  and rounded as the weighting's backward rounds it, and each row's <through, h> (h the gate's
+  output, computed again from the rows as the forward computes it), the router weight's gradient's
+  term: the gate's output gradient is never written;
 - `combine`: each token's rows, biased, weighted by the router and summed (its backward, which
   reads no row, is the lean experts': lean_experts._DownCombine);
 - `expert_sums`: each expert's rows summed, the biases' gradients.
@@ -63,15 +66,23 @@ if triton is not None:
                  mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _backward_kernel(y_ptr, b_ptr, ids_ptr, d_ptr, dy_ptr, rows, width, limit, alpha,
+    def _backward_kernel(y_ptr, b_ptr, ids_ptr, t_ptr, w_ptr, dy_ptr, dots_ptr, rows, width, limit, alpha,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """From `through` (t) and each row's router weight (w): the gate's output gradient t w,
+        rounded to the rows' dtype, taken back through the gate into dy; and the tile's part of
+        each row's <t, h>, float32, into dots (rows, column blocks)."""
         r, c, c2, rmask, cmask, c2mask = _tiles(tl.program_id(0), tl.program_id(1), rows, width, BLOCK_R, BLOCK_C)
         gate, up = _biased(y_ptr, b_ptr, ids_ptr, r, c2, rmask, c2mask, width, BLOCK_R, BLOCK_C)
-        d = tl.load(d_ptr + r.to(tl.int64)[:, None] * width + c[None, :], mask=rmask[:, None] & cmask[None, :],
-                    other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + r.to(tl.int64)[:, None] * width + c[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + r, mask=rmask, other=0.0).to(tl.float32)
+        d = (t.to(tl.float32) * w[:, None]).to(t.dtype).to(tl.float32)
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)
         sig = tl.sigmoid(g * alpha)
+        h = ((u + 1) * (g * sig)).to(t.dtype).to(tl.float32)
+        tl.store(dots_ptr + r.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), tl.sum(t.to(tl.float32) * h, axis=1),
+                 mask=rmask)
         d_gate = tl.where(gate <= limit, d * (u + 1) * sig * (1 + alpha * g * (1 - sig)), 0.0)  # clamp passes where it did not clip
         d_up = tl.where((up >= -limit) & (up <= limit), d * g * sig, 0.0)
         dy = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_C))
@@ -147,31 +158,28 @@ def _grid(rows: int, width: int) -> tuple[int, int]:
     return triton.cdiv(rows, BLOCK_R), triton.cdiv(width, BLOCK_C)
 
 
-class BiasGate(torch.autograd.Function):
+def gate(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """y (rows in expert order, 2 w: gate and up interleaved, no bias yet), the up projection's bias
-    (experts, 2 w), each row's expert `ids` (sorted) and each expert's row count -> the clamped gate
-    of y + bias[ids] (rows, w); back: y's gradient and the bias's, each expert's rows summed."""
+    (experts, 2 w) and each row's expert `ids` (sorted) -> the clamped gate of y + bias[ids] (rows, w)."""
+    rows, width = y.shape[0], y.shape[1] // 2
+    h = y.new_empty(rows, width)
+    _forward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, h, rows, width, limit, alpha,
+                                        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    return h
 
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                limit: float, alpha: float) -> torch.Tensor:
-        rows, width = y.shape[0], y.shape[1] // 2
-        h = y.new_empty(rows, width)
-        _forward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, h, rows, width, limit, alpha,
-                                            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-        ctx.save_for_backward(y, bias, ids, counts)
-        ctx.constants = (limit, alpha)
-        return h
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        y, bias, ids, counts = ctx.saved_tensors
-        rows, width = y.shape[0], y.shape[1] // 2
-        d_y = torch.empty_like(y)
-        _backward_kernel[_grid(rows, width)](y, bias.contiguous(), ids, grad.contiguous(), d_y, rows, width,
-                                             *ctx.constants, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-        d_bias = expert_sums(d_y, counts) if ctx.needs_input_grad[1] else None
-        return d_y, d_bias, None, None, None, None
+def gate_backward(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, through: torch.Tensor,
+                  row_weights: torch.Tensor, limit: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate`'s inputs and, from the down projection, each row's gradient through it before the
+    router's weight (`through`, rows x w) and that weight -> y's gradient, and each row's
+    <through, gate's output> in float32."""
+    rows, width = y.shape[0], y.shape[1] // 2
+    d_y = torch.empty_like(y)
+    grid = _grid(rows, width)
+    dots = torch.empty(rows, grid[1], dtype=torch.float32, device=y.device)
+    _backward_kernel[grid](y, bias.contiguous(), ids, through.contiguous(), row_weights.contiguous(), d_y, dots, rows,
+                           width, limit, alpha, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    return d_y, dots.sum(dim=1)
 
 
 def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch.Tensor,

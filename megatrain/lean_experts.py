@@ -133,14 +133,22 @@ class _DownCombine(torch.autograd.Function):
     its row's output W h + b, is taken as <u, h> + <g, b>, u = g W the row's unweighted gradient
     through the projection, whose product with the row's weight is h's gradient. So where nothing
     reads the output (a recomputed block's last layer: unread_mlp.py) the forward leaves it out, and
-    the projection's GEMM with it. Keeps h and the routing, not the output."""
+    the projection's GEMM with it. Keeps h and the routing, not the output.
+
+    With `gate` (GPT-OSS's clamped gate's constants, where expert_bias's kernels run) the input is
+    the up projection's rows before their bias (`up_bias`) and the gate, h made from them here, and
+    the backward takes u back through the gate in one pass (expert_bias.gate_backward): h's gradient
+    is never written. Keeps those rows too (the gate's own input)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                 counts: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor,
-                inv: torch.Tensor, transposed: bool) -> torch.Tensor:
-        ctx.save_for_backward(h, weight, bias, ids, counts, offsets, weights, perm, inv)
-        ctx.transposed = transposed
+                inv: torch.Tensor, transposed: bool, up_bias: torch.Tensor | None = None,
+                gate: tuple[float, float] | None = None) -> torch.Tensor:
+        h = x if gate is None else expert_bias.gate(x, up_bias, ids, *gate)
+        ctx.save_for_backward(h, weight, bias, ids, counts, offsets, weights, perm, inv,
+                              *((None, None) if gate is None else (x, up_bias)))
+        ctx.transposed, ctx.gate = transposed, gate
         if unread():
             return h.new_empty(weights.shape[0], weight.shape[2 if transposed else 1])
         y = _grouped_linear(h, weight, offsets, is_transposed=transposed)
@@ -153,7 +161,7 @@ class _DownCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, weight, bias, ids, counts, offsets, weights, perm, inv = ctx.saved_tensors
+        h, weight, bias, ids, counts, offsets, weights, perm, inv, x, up_bias = ctx.saved_tensors
         k = weights.shape[-1]
         row_weights = weights.reshape(-1)[perm]
         if bias is None:
@@ -161,7 +169,10 @@ class _DownCombine(torch.autograd.Function):
         else:
             rows, weighted, bias_dots = _compiled_grad_rows_biased(grad.contiguous(), perm // k, row_weights, bias, ids)
         through = _grouped_mm(rows, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
-        d_h, dots = _compiled_grad_inputs(through, h, row_weights)
+        if ctx.gate is None:
+            d_x, dots = _compiled_grad_inputs(through, h, row_weights)
+        else:
+            d_x, dots = expert_bias.gate_backward(x, up_bias, ids, through, row_weights, *ctx.gate)
         d_weight = None
         if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w), as autograd's
             d_weight = F.grouped_mm(h.t(), weighted, offs=offsets) if ctx.transposed \
@@ -171,7 +182,8 @@ class _DownCombine(torch.autograd.Function):
             dots = dots + bias_dots
             d_bias = expert_bias.expert_sums(weighted, counts) if ctx.needs_input_grad[2] else None
         d_weights = dots[inv].view(weights.shape).to(weights.dtype)
-        return d_h, d_weight, d_bias, None, None, None, d_weights, None, None, None
+        d_up_bias = expert_bias.expert_sums(d_x, counts) if ctx.gate is not None and ctx.needs_input_grad[10] else None
+        return d_x, d_weight, d_bias, None, None, None, d_weights, None, None, None, d_up_bias, None
 
 
 class _FromExperts(torch.autograd.Function):
@@ -293,13 +305,14 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
     if self.megatrain_bias_gate is not None and expert_bias.runs(rows) and k & (k - 1) == 0:
-        # GPT-OSS's up projection's bias inside the gate's kernels, its down projection's inside the
-        # weighting's (expert_bias.py)
+        # GPT-OSS's up projection's bias inside the gate's kernels, the gate inside the down
+        # projection's function, its bias inside the weighting's kernel (expert_bias.py)
         out = _grouped_linear(rows, up, offsets, is_transposed=self.is_transposed)
-        out = expert_bias.BiasGate.apply(out, up_bias, expert_ids, counts, *self.megatrain_bias_gate)
-    else:
-        out = linear(rows, up, up_bias)
-        out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
+        return _DownCombine.apply(out, self.down_proj, self.down_proj_bias, expert_ids, counts, offsets, top_k_weights,
+                                  perm, inv, self.is_transposed, up_bias,
+                                  self.megatrain_bias_gate).to(hidden_states.dtype)
+    out = linear(rows, up, up_bias)
+    out = self.megatrain_gate(out) if self.has_gate else self.act_fn(out)
     if self.megatrain_fused:
         return _DownCombine.apply(out, self.down_proj, self.down_proj_bias if self.has_bias else None, expert_ids,
                                   counts, offsets, top_k_weights, perm, inv, self.is_transposed).to(hidden_states.dtype)

@@ -702,13 +702,14 @@ def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
 
 
 def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatch):
-    """GPT-OSS's biases inside the kernels around them (expert_bias.py: the up projection's in the
-    clamped gate, Triton kernels each way, the down projection's in the router's weighting) against
-    the lean experts' compiled passes (each bias added by a pass of its own), bf16, at GPT-OSS's
-    expert width (2880, which no column block divides) and at rows no row block divides: the outputs
-    and the rows' gradients within one rounding of the compiled passes' (each takes float32 inside;
-    their sigmoids and sums may part in the last place), the biases' and weights' gradients (sums)
-    as close."""
+    """GPT-OSS's biases and gate inside the kernels around them (expert_bias.py: the up projection's
+    bias in the clamped gate's kernels, the gate's backward in one pass from the down projection's
+    input gradient before the router's weight, the down projection's bias in the router's weighting)
+    against the lean experts' compiled passes (each bias added by a pass of its own, the gate and
+    the weighting's backward apart), bf16, at GPT-OSS's expert width (2880, which no column block
+    divides) and at rows no row block divides: the output and the rows' gradients within one
+    rounding of the compiled passes' (each takes float32 inside; their sigmoids and sums may part in
+    the last place), the biases', weights' and down projection's gradients (sums) as close."""
     from megatrain import expert_bias, lean_experts
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts, width, tokens, k, limit, alpha = 8, 2880, 1031, 4, 7.0, 1.702
@@ -721,26 +722,27 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
     rows = ids.numel()
     weights = top.values.softmax(-1).to(torch.bfloat16)
     bf16 = lambda *shape: (4 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
-    y_up, b_up, h, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(rows, width), bf16(experts, width)
+    y_up, b_up, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(experts, width)
     down = bf16(experts, width, width) / 64  # (experts, in, out): GPT-OSS's transposed layout
-    g_gate, g_out = bf16(rows, width), bf16(tokens, width)
+    g_out = bf16(tokens, width)
     results = []
     for fused in (False, True):
         monkeypatch.setattr(expert_bias, "runs", lambda rows, fused=fused: fused)
-        y1, b1, h2, w_down, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, h, down, b_down, weights))
+        y1, b1, w_down, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, down, b_down, weights))
         if fused:
-            gated = expert_bias.BiasGate.apply(y1, b1, ids, counts, limit, alpha)
+            out = lean_experts._DownCombine.apply(y1, w_down, b2, ids, counts, offsets, w, perm, inv, True, b1,
+                                                  (limit, alpha))
         else:
-            gated = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped",
-                                             limit, alpha)
-        out = lean_experts._DownCombine.apply(h2, w_down, b2, ids, counts, offsets, w, perm, inv, True)
-        torch.autograd.backward([gated, out], [g_gate, g_out])
-        results.append((gated, y1.grad, b1.grad, out, h2.grad, b2.grad, w.grad))
-    names = ("gate", "gate rows' gradient", "up bias's gradient", "weighting", "down rows' gradient",
+            h = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped",
+                                         limit, alpha)
+            out = lean_experts._DownCombine.apply(h, w_down, b2, ids, counts, offsets, w, perm, inv, True)
+        out.backward(g_out)
+        results.append((out, y1.grad, b1.grad, w_down.grad, b2.grad, w.grad))
+    names = ("output", "up rows' gradient", "up bias's gradient", "down projection's gradient",
              "down bias's gradient", "weights' gradient")
     for name, want, got in zip(names, *results):
         error = (got.float() - want.float()).abs()
-        if "bias" not in name and "weights" not in name:  # sums, whose roundings may part by more near zero
+        if name in ("output", "up rows' gradient"):  # not sums, whose roundings may part by more near zero
             assert (error <= want.float().abs() * 2**-7).float().mean() > 0.999, name  # one bf16 rounding
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
 
