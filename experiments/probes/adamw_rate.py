@@ -15,7 +15,10 @@ has of updating it, beside the memory bandwidth that bounds them:
   stores and with non-temporal ones, which do not read the written lines first: the machine's
   bandwidth as STREAM measures it (the best of them), where a C++ compiler is.
 
-Rounds interleave the paths (the first round is a warm-up, reported apart). Each path's implied
+Rounds interleave the paths (the first round is a warm-up, reported apart); each AdamW path's rate
+over torch's fused AdamW's is taken round by round (`of_torch`: the median and range of the
+rounds' ratios), which the host's bandwidth, varying between runs, moves less than it moves
+either rate. Each path's implied
 bandwidth is its rate times the bytes it moves per parameter (`bytes_per_param`, counted from its
 passes: the one pass 28 either layout, torch's 28; eager split about 48, the join and split and
 their searches for ties around torch's 28).
@@ -145,9 +148,15 @@ def main() -> None:
         report[name] = {"median_g_params_per_s": n / median / 1e9, "best_g_params_per_s": n / min(timed) / 1e9,
                         "bytes_per_param": BYTES[name], "median_gb_per_s": BYTES[name] * n / median / 1e9,
                         "samples_s": timed, "warmup_s": warm}
-        unit = "G elements/s" if name.startswith(("stream", "c_")) else "G params/s"
-        print(f"{name:18s} {report[name]['median_g_params_per_s']:7.3f} {unit} (best {report[name]['best_g_params_per_s']:.3f})"
-              f"  {report[name]['median_gb_per_s']:7.2f} GB/s at {BYTES[name]} B/param")
+        stream = name.startswith(("stream", "c_"))
+        if not stream and name != "torch_adamw_fused":  # its rate over torch's, round by round
+            ratios = [t / s for s, t in zip(timed, samples["torch_adamw_fused"][1:])]
+            report[name]["of_torch"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        paired = report[name].get("of_torch")
+        print(f"{name:18s} {report[name]['median_g_params_per_s']:7.3f} {'G elements/s' if stream else 'G params/s'}"
+              f" (best {report[name]['best_g_params_per_s']:.3f})  {report[name]['median_gb_per_s']:7.2f} GB/s at"
+              f" {BYTES[name]} B/param" + (f"  {paired['median']:.2f} of torch's a round ({paired['min']:.2f}-"
+                                          f"{paired['max']:.2f})" if paired else ""))
     print("set-up:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in setup.items()}))
     if args.out:
         with open(args.out, "w") as f:
