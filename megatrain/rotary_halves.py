@@ -9,8 +9,9 @@ a program reads a block of tokens' rows whole (every head's two halves) and each
 once for all its heads.
 
 It takes rows as the engine's projections make them: (batch, tokens, heads, width) contiguous, cos
-and sin (batch or 1, tokens, 1, width / 2) with unit stride along the width (rotary._in_layout
-gives them so); `runs` says whether a call can, else rotary.py's compiled kernel runs.
+and sin (batch or 1, tokens, 1, width / 2) in any strides (the library's GPT-OSS rotary makes them
+tokens-fastest: its frequencies are a transposed product); `runs` says whether a call can, else
+rotary.py's compiled kernel runs.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:
     @triton.jit
-    def _halves_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, tokens, seq, cos_batch, cos_token,
+    def _halves_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, tokens, seq, cos_batch, cos_token, cos_width,
                        HEADS: tl.constexpr, HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         h = tl.arange(0, HEADS)
@@ -38,7 +39,7 @@ if triton is not None:
         t64 = t.to(tl.int64)
         row = t64[:, None, None] * (HEADS * 2 * HALF) + h[None, :, None] * (2 * HALF) + j[None, None, :]
         mask = tmask[:, None, None] & (h < HEADS)[None, :, None] & (j < HALF)[None, None, :]
-        trig = (t64 // seq * cos_batch + t64 % seq * cos_token)[:, None, None] + j[None, None, :]
+        trig = (t64 // seq * cos_batch + t64 % seq * cos_token)[:, None, None] + j[None, None, :] * cos_width
         tmask3 = tmask[:, None, None] & (j < HALF)[None, None, :]
         x1 = tl.load(x_ptr + row, mask=mask, other=0.0)
         x2 = tl.load(x_ptr + row + HALF, mask=mask, other=0.0)
@@ -63,14 +64,14 @@ def _power_of_two(n: int) -> bool:
 
 def runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes x (batch, tokens, heads, width), contiguous on a GPU, bf16 or fp16,
-    with cos and sin (batch or 1, tokens, 1, width / 2) of unit stride along the width, the heads
-    and half the width powers of two."""
+    with cos and sin (batch or 1, tokens, 1, width / 2) of the same strides, the heads and half the
+    width powers of two."""
     if triton is None or not x.is_cuda or x.dim() != 4 or not x.is_contiguous() or x.dtype not in HALF_DTYPES:
         return False
     B, S, H, D = x.shape
     return (_power_of_two(H) and D % 2 == 0 and _power_of_two(D // 2) and cos.shape == sin.shape
             and cos.dim() == 4 and cos.shape[1:] == (S, 1, D // 2) and cos.shape[0] in (1, B)
-            and cos.stride() == sin.stride() and cos.stride(3) == 1 and cos.dtype == sin.dtype)
+            and cos.stride() == sin.stride() and cos.dtype == sin.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
@@ -80,6 +81,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
     out = torch.empty_like(x)
     batch_stride = cos.stride(0) if cos.shape[0] == B and B > 1 else 0
     _halves_kernel[(triton.cdiv(B * S, TOKENS),)](
-        x, cos, sin, out, B * S, S, batch_stride, cos.stride(1), HEADS=H, HALF=D // 2, BACKWARD=backward,
+        x, cos, sin, out, B * S, S, batch_stride, cos.stride(1), cos.stride(3), HEADS=H, HALF=D // 2, BACKWARD=backward,
         BLOCK_T=TOKENS)
     return out

@@ -750,7 +750,7 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
 def test_gpt_oss_rotary_kernel_is_the_library_rotary_to_the_bit_on_the_gpu(cuda_only, monkeypatch):
     """GPT-OSS's rotary on the GPU (rotary_halves.py, a Triton program a block of tokens, taking the
     queries and keys as the projections make them: 64 and 8 heads of 64, 2 x 1031 tokens, which no
-    block of tokens divides, cos and sin per sequence) in bf16: the library's output and gradients
+    block of tokens divides, cos and sin per sequence in the library's strides) in bf16: the library's output and gradients
     to the bit; the kernel, not the compiled fallback, ran for both."""
     from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as library
     from megatrain import rotary, rotary_halves
@@ -758,7 +758,8 @@ def test_gpt_oss_rotary_kernel_is_the_library_rotary_to_the_bit_on_the_gpu(cuda_
     B, S, D = 2, 1031, 64
     bf16 = lambda *shape: (3 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
     q, k = bf16(B, S, 64, D).transpose(1, 2).requires_grad_(), bf16(B, S, 8, D).transpose(1, 2).requires_grad_()
-    angles = torch.randn(B, S, D // 2, generator=gen, device="cuda")
+    # tokens-fastest, as the library's rotary embedding makes them (a transposed product of frequencies)
+    angles = torch.randn(B, D // 2, S, generator=gen, device="cuda").transpose(1, 2)
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     grads = bf16(B, S, 64, D).transpose(1, 2), bf16(B, S, 8, D).transpose(1, 2)
     ran = []
