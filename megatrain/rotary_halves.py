@@ -2,8 +2,9 @@
 
 Each half of a head's width rotated by the other with cos and sin of half the width:
 cat(x1 cos - x2 sin, x2 cos + x1 sin), and back cat(g1 cos + g2 sin, g2 cos + (-g1) sin), each
-product and sum rounded to the dtype where the library's ops round it: the library's numbers to the
-bit, as the compiled kernel gives them. Inductor's build of that function ran at about 1.2 TB/s on
+product and sum rounded to the dtype where the library's ops round it, with Triton's fusing of a
+product and a sum into one multiply-add off (as inductor's emulate_precision_casts has it): the
+library's numbers to the bit, as the compiled kernel gives them. Inductor's build of that function ran at about 1.2 TB/s on
 the H200 (GPT-OSS-20B's queries, 64 heads of 64, at 8 x 4096 tokens), the Llama form's at 3.3: here
 a program reads a block of tokens' rows whole (every head's two halves) and each token's cos and sin
 once for all its heads.
@@ -24,8 +25,7 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 TOKENS = 4  # tokens a program (every head of each)
-# the dtypes whose rounding after each product keeps it apart from the sum (in float32 the compiler
-# may fuse a product and a sum into one multiply-add, which the library's two ops are not)
+# the dtypes it takes (the GPU test's); float32 layers take the compiled kernel
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:
@@ -82,5 +82,5 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
     batch_stride = cos.stride(0) if cos.shape[0] == B and B > 1 else 0
     _halves_kernel[(triton.cdiv(B * S, TOKENS),)](
         x, cos, sin, out, B * S, S, batch_stride, cos.stride(1), cos.stride(3), HEADS=H, HALF=D // 2, BACKWARD=backward,
-        BLOCK_T=TOKENS)
+        BLOCK_T=TOKENS, enable_fp_fusion=False)  # a product fused into a sum's multiply-add skips its rounding
     return out
