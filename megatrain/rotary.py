@@ -19,7 +19,9 @@ concatenation (in the H200 layer probe of GPT-OSS-20B at 8 x 4096 tokens, 24 of 
 unvectorised bf16 products, 12 of its 29 bf16 sums and its 6 concatenations, by their call sites
 on the CPU). Here that too is one kernel each way, the library's own ops
 built with each result rounded to the dtype where the library rounds it (inductor's
-emulate_precision_casts): the library's output and gradients to the bit.
+emulate_precision_casts): the library's output and gradients to the bit; on a GPU, in bf16, a
+Triton program a block of tokens with the same roundings (rotary_halves.py: inductor's build ran at
+a third of the Llama form's bandwidth).
 
 It takes the place of the library's `apply_rotary_pos_emb` only where that function is one of
 those two forms (`form`: Phi-3's partial rotary is neither), and only while the engine runs a
@@ -36,6 +38,7 @@ from types import ModuleType
 
 import torch
 
+from megatrain import rotary_halves
 from megatrain.kernel_build import compiled
 
 
@@ -67,9 +70,21 @@ _compiled_halves = compiled(_rotate_halves, emulate_precision_casts=True)
 _compiled_halves_grad = compiled(_rotate_halves_grad, emulate_precision_casts=True)
 
 
+def _halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's form forward: the Triton kernel where it runs (rotary_halves.py), else compiled."""
+    return rotary_halves.rotate(x, cos, sin) if rotary_halves.runs(x, cos, sin) else _compiled_halves(x, cos, sin)
+
+
+def _halves_grad(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's form backward, likewise."""
+    if rotary_halves.runs(grad, cos, sin):
+        return rotary_halves.rotate(grad, cos, sin, backward=True)
+    return _compiled_halves_grad(grad, cos, sin)
+
+
 def _kernels(form: str):
     """The form's kernels, forward and backward."""
-    return (_compiled_rotate, _compiled_rotate_grad) if form == "llama" else (_compiled_halves, _compiled_halves_grad)
+    return (_compiled_rotate, _compiled_rotate_grad) if form == "llama" else (_halves, _halves_grad)
 
 
 def _in_layout(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

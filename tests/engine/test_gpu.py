@@ -745,6 +745,33 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
         assert error.max() <= 2 * 2**-7 * want.float().abs().max(), name
 
 
+def test_gpt_oss_rotary_kernel_is_the_library_rotary_to_the_bit_on_the_gpu(cuda_only, monkeypatch):
+    """GPT-OSS's rotary on the GPU (rotary_halves.py, a Triton program a block of tokens, taking the
+    queries and keys as the projections make them: 64 and 8 heads of 64, 2 x 1031 tokens, which no
+    block of tokens divides, cos and sin per sequence in the library's strides) in bf16: the library's output and gradients
+    to the bit; the kernel, not the compiled fallback, ran for both."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as library
+    from megatrain import rotary, rotary_halves
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, S, D = 2, 1031, 64
+    bf16 = lambda *shape: (3 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    q, k = bf16(B, S, 64, D).transpose(1, 2).requires_grad_(), bf16(B, S, 8, D).transpose(1, 2).requires_grad_()
+    # tokens-fastest, as the library's rotary embedding makes them (a transposed product of frequencies)
+    angles = torch.randn(B, D // 2, S, generator=gen, device="cuda").transpose(1, 2)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    grads = bf16(B, S, 64, D).transpose(1, 2), bf16(B, S, 8, D).transpose(1, 2)
+    ran = []
+    monkeypatch.setattr(rotary_halves, "rotate", lambda *a, rotate=rotary_halves.rotate, **kw: ran.append(a[0].shape)
+                        or rotate(*a, **kw))
+    runs = []
+    for fn in (library, rotary.apply_rotary_halves):
+        out = fn(q, k, cos, sin)
+        runs.append((*out, *torch.autograd.grad(out, (q, k), grads)))
+    assert len(ran) == 4  # queries and keys, each way
+    for got, want in zip(runs[1], runs[0]):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("width", [2880, 2048, 100])
 def test_rows_gathered_into_expert_order_are_torchs_on_the_gpu(cuda_only, width):
     """gather_rows.gather on the GPU (a Triton program per block of rows and of columns; 2880 and
