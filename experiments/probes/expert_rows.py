@@ -1,6 +1,6 @@
 """Probe: the experts' rows moved on the GPU, each way the engine could: the tokens' rows gathered
 into expert order (x[perm // k], lean_experts._ToExperts: torch's index against index_select and a
-Triton row copy at several launch shapes), and each expert's rows summed (the experts' biases'
+Triton row copy, gather_rows.py's, at several launch shapes), and each expert's rows summed (the experts' biases'
 gradients, megatrain.expert_bias.expert_sums: the engine's Triton kernel at its launch shape and
 others against torch's segment sum over the bf16 rows, which adds in bf16, and over float32 rows,
 the engine's route where the kernel does not run).
@@ -20,10 +20,8 @@ import json
 import statistics
 
 import torch
-import triton
-import triton.language as tl
 
-from megatrain import expert_bias
+from megatrain import expert_bias, gather_rows
 from megatrain.config import ModelConfig
 from megatrain.shapes import load_hf_config
 
@@ -33,21 +31,10 @@ GATHERS = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (4, 1024, 8), (
            (32, 64, 4), (32, 128, 4), (16, 256, 4), (64, 64, 4)]
 
 
-@triton.jit
-def _gather_rows(x_ptr, idx_ptr, out_ptr, rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[r] = x[idx[r]] over a block of rows and of columns."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask = r < rows
-    src = tl.load(idx_ptr + r, mask=rmask, other=0).to(tl.int64)
-    mask = rmask[:, None] & (c < width)[None, :]
-    v = tl.load(x_ptr + src[:, None] * width + c[None, :], mask=mask)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * width + c[None, :], v, mask=mask)
-
-
 def gather(x: torch.Tensor, idx: torch.Tensor, block_r: int, block_c: int, warps: int) -> torch.Tensor:
+    """gather_rows' kernel at another launch shape."""
     out = x.new_empty(idx.numel(), x.shape[1])
-    _gather_rows[(-(-idx.numel() // block_r), -(-x.shape[1] // block_c))](
+    gather_rows._gather_kernel[(-(-idx.numel() // block_r), -(-x.shape[1] // block_c))](
         x, idx, out, idx.numel(), x.shape[1], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 

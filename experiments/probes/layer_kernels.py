@@ -87,23 +87,39 @@ SITE_FRAMES = ("megatrain/", "transformers/", "torch/nn/functional", "torch/_hig
 
 def call_sites(trainer: Trainer, batch: int, seq: int) -> list[dict]:
     """The device time of one ceiling repetition by the operator that launched it and that
-    operator's Python call site (its innermost frames in the engine or the library; none for the
-    backward's operators, which autograd's thread runs: their shapes tell them), the matrix
+    operator's Python call site (its innermost frames in the engine or the library); for the
+    backward's operators, which autograd's thread runs without a Python stack, the autograd node
+    whose backward ran them (`autograd: CloneBackward0`: the forward operator's gradient), the matrix
     products and attention left out: where the rest of the layer's time is spent, op by op."""
     cuda = trainer.device.is_cuda
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python stacks: with_stack alone records none
     with torch.profiler.profile(activities=activities, with_stack=True, record_shapes=True, experimental_config=stacks) as prof:
         trainer.engine.layer_ceiling(batch, seq, reps=1)
-    rows = []
-    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8):
+    sites: dict[tuple, dict] = {}
+    for e in prof.events():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or not e.key.startswith("aten::") or any(k in e.key for k in MATMUL_OPS):
+        if us <= 0 or not e.name.startswith("aten::") or any(k in e.name for k in MATMUL_OPS):
             continue
-        frames = [f for f in e.stack if any(k in f for k in SITE_FRAMES)][:3]
-        rows.append({"op": e.key, "shapes": str(e.input_shapes)[:160], "site": frames,
-                     "seconds": us / 2e6, "calls": e.count // 2})  # two repetitions ran: halved to one
-    return sorted(rows, key=lambda r: -r["seconds"])[:TOP]
+        frames = [f for f in e.stack if any(k in f for k in SITE_FRAMES)][:3] or _autograd_node(e)
+        row = sites.setdefault((e.name, str(e.input_shapes)[:160], tuple(frames)), {
+            "op": e.name, "shapes": str(e.input_shapes)[:160], "site": frames, "seconds": 0.0, "calls": 0})
+        row["seconds"] += us / 2e6  # two repetitions ran: halved to one
+        row["calls"] += 1
+    for row in sites.values():
+        row["calls"] //= 2
+    return sorted(sites.values(), key=lambda r: -r["seconds"])[:TOP]
+
+
+def _autograd_node(event) -> list[str]:
+    """The autograd node whose backward ran `event` (its innermost enclosing one), or none."""
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith(AUTOGRAD):
+        parent = parent.cpu_parent
+    return [] if parent is None else ["autograd: " + parent.name[len(AUTOGRAD):].strip()]
+
+
+AUTOGRAD = "autograd::engine::evaluate_function:"
 
 
 VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},

@@ -1,5 +1,6 @@
 """experiments/probes/layer_kernels.py on the CPU, in this process (a check of the probe, not a
-measurement): with --sites each variant's non-matmul time comes by operator and Python call site."""
+measurement): with --sites each variant's non-matmul time comes by operator and Python call site, or
+for the backward's operators the autograd node that ran them."""
 from __future__ import annotations
 
 import json
@@ -19,4 +20,6 @@ def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, 
     assert not [s["op"] for s in sites if any(k in s["op"] for k in layer_kernels.MATMUL_OPS)]
     # the forward's operators carry their callers (the profiler records no Python stack unless told)
     assert any("modeling_qwen2.py" in frame for s in sites for frame in s["site"]), sites
+    # the backward's, run by autograd's thread without a Python stack, carry the node that ran them
+    assert any(frame.startswith("autograd: ") and frame.endswith("Backward0") for s in sites for frame in s["site"]), sites
     assert "aten::" in capsys.readouterr().out
