@@ -64,14 +64,14 @@ def _power_of_two(n: int) -> bool:
 
 def runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes x (batch, tokens, heads, width), contiguous on a GPU, bf16 or fp16,
-    with cos and sin (batch or 1, tokens, 1, width / 2) of the same strides, the heads and half the
-    width powers of two."""
+    with cos and sin (batch or 1, tokens, 1, width / 2) of x's dtype (else the library's products
+    widen) and the same strides, the heads and half the width powers of two."""
     if triton is None or not x.is_cuda or x.dim() != 4 or not x.is_contiguous() or x.dtype not in HALF_DTYPES:
         return False
     B, S, H, D = x.shape
     return (_power_of_two(H) and D % 2 == 0 and _power_of_two(D // 2) and cos.shape == sin.shape
             and cos.dim() == 4 and cos.shape[1:] == (S, 1, D // 2) and cos.shape[0] in (1, B)
-            and cos.stride() == sin.stride() and cos.dtype == sin.dtype)
+            and cos.stride() == sin.stride() and cos.dtype == sin.dtype == x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
