@@ -4,10 +4,10 @@ Each half of a head's width rotated by the other with cos and sin of half the wi
 cat(x1 cos - x2 sin, x2 cos + x1 sin), and back cat(g1 cos + g2 sin, g2 cos + (-g1) sin), each
 product and sum rounded to the dtype where the library's ops round it, with Triton's fusing of a
 product and a sum into one multiply-add off (as inductor's emulate_precision_casts has it): the
-library's numbers to the bit, as the compiled kernel gives them. Inductor's build of that function ran at about 1.2 TB/s on
-the H200 (GPT-OSS-20B's queries, 64 heads of 64, at 8 x 4096 tokens), the Llama form's at 3.3: here
-a program reads a block of tokens' rows whole (every head's two halves) and each token's cos and sin
-once for all its heads.
+library's numbers to the bit, as the compiled kernel gives them. Inductor's build of that function
+ran at about 1.2 TB/s on the H200 (GPT-OSS-20B's queries, 64 heads of 64, at 8 x 4096 tokens), the
+Llama form's at 3.3: here a program reads a block of tokens' rows whole (every head's two halves)
+and each token's cos and sin once for all its heads (docs/moe.md: 1.5 -> 0.95 ms a layer).
 
 It takes rows as the engine's projections make them: (batch, tokens, heads, width) contiguous, cos
 and sin (batch or 1, tokens, 1, width / 2) in any strides (the library's GPT-OSS rotary makes them
@@ -64,14 +64,14 @@ def _power_of_two(n: int) -> bool:
 
 def runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes x (batch, tokens, heads, width), contiguous on a GPU, bf16 or fp16,
-    with cos and sin (batch or 1, tokens, 1, width / 2) of the same strides, the heads and half the
-    width powers of two."""
+    with cos and sin (batch or 1, tokens, 1, width / 2) of x's dtype (else the library's products
+    widen) and the same strides, the heads and half the width powers of two."""
     if triton is None or not x.is_cuda or x.dim() != 4 or not x.is_contiguous() or x.dtype not in HALF_DTYPES:
         return False
     B, S, H, D = x.shape
     return (_power_of_two(H) and D % 2 == 0 and _power_of_two(D // 2) and cos.shape == sin.shape
             and cos.dim() == 4 and cos.shape[1:] == (S, 1, D // 2) and cos.shape[0] in (1, B)
-            and cos.stride() == sin.stride() and cos.dtype == sin.dtype)
+            and cos.stride() == sin.stride() and cos.dtype == sin.dtype == x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
