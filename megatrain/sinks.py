@@ -36,8 +36,12 @@ def _scaled(out: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 def _scaled_grad(out: torch.Tensor, factor: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Autograd's backward of `_scaled` with `factor` broadcast over the last dimension: the
-    output's gradient, and the factor's, the products summed over that dimension."""
-    return grad * factor, (grad * out).float().sum(dim=-1, keepdim=True).to(factor.dtype)
+    output's gradient, and the factor's, the products summed over that dimension. The output's
+    gradient (batch, queries, heads, width) is written in (batch, heads, queries, width) memory:
+    transposed back it is the contiguous gradient the compiled flex attention's backward asks for
+    (it makes a contiguous copy of any other)."""
+    through = (grad * factor).transpose(1, 2).contiguous().transpose(1, 2)
+    return through, (grad * out).float().sum(dim=-1, keepdim=True).to(factor.dtype)
 
 
 _compiled_scaled = compiled(_scaled)
