@@ -3,8 +3,9 @@ query and 8 key-value heads of 64, bf16, the log-sum-exp returned as the library
 kernel options (torch.nn.attention.flex_attention.FlexKernelOptions, passed as the library passes
 `kernel_options`): each option set's forward and forward-with-backward milliseconds on the sliding
 (128-token window) and the causal block masks, and whether its output and gradients equal the
-default's bit for bit (else the largest difference), and its own a second time. ROWS_GUARANTEED_SAFE and BLOCKS_ARE_CONTIGUOUS
-hold for both masks (every query attends to itself; a window's blocks are contiguous).
+default's bit for bit (else the largest difference), and its own a second time. BLOCKS_ARE_CONTIGUOUS
+holds for both masks (a query block's visited blocks are consecutive); ROWS_GUARANTEED_SAFE for the
+causal one alone (a window's first visited block holds none of its last queries' keys).
 
     python experiments/probes/flex_options.py   # writes $OUT/flex_options.json (OUT: the working directory if unset)
 """
@@ -19,12 +20,16 @@ from transformers.integrations.flex_attention import flex_attention_forward
 B, S, H, KV, D = 8, 4096, 64, 8, 64
 REPS = 10
 SAFE = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
+BWD_64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4,
+          "bwd_num_stages": 3}
 OPTIONS = {
     "default": {},
     "safe": SAFE,
+    "contiguous": {"BLOCKS_ARE_CONTIGUOUS": True},
+    "bwd_64_w4": BWD_64,
+    "contiguous_bwd_64_w4": {"BLOCKS_ARE_CONTIGUOUS": True, **BWD_64},
     "safe_fwd_128x64": {**SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64},
-    "safe_bwd_64_w4": {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                       "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "safe_bwd_64_w4": {**SAFE, **BWD_64},
     "safe_bwd_128_w4": {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                         "bwd_num_warps": 4, "bwd_num_stages": 3},
 }

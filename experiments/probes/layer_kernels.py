@@ -12,7 +12,9 @@ engine.norm_kernel; the MLP's product, engine.mlp_kernel; both), or for a mixtur
 library's experts against the lean ones (experts_library, experts_lean: engine.experts_kernel) and
 the lean ones with their gate compiled (experts_lean_gate: engine.mlp_kernel). With --sites, each
 variant's time outside the matrix products and attention also by operator, its input shapes and its
-Python call site (one more profiled repetition, with stacks).
+Python call site (one more profiled repetition, with stacks). --layer picks the layer (its attention's
+kind where the model's layers differ: GPT-OSS's layer 1 attends to every token before, layer 0 to a
+window).
 
     python -m experiments.probes.layer_kernels --preset qwen2.5-7b --batch 8 --seq 4096 --out layer.json
 
@@ -59,12 +61,12 @@ def kind(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(trainer: Trainer, batch: int, seq: int) -> dict:
+def kernel_breakdown(trainer: Trainer, batch: int, seq: int, index: int = 0) -> dict:
     """Device (or, on the CPU, operator self) time per kind over one ceiling repetition."""
     cuda = trainer.device.is_cuda
     activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.engine.layer_ceiling(batch, seq, reps=1)
+        trainer.engine.layer_ceiling(batch, seq, reps=1, index=index)
     totals: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -85,7 +87,7 @@ MATMUL_OPS = ("mm", "linear", "matmul", "attention", "flex")  # operators of the
 SITE_FRAMES = ("megatrain/", "transformers/", "torch/nn/functional", "torch/_higher_order_ops")  # the frames named
 
 
-def call_sites(trainer: Trainer, batch: int, seq: int) -> list[dict]:
+def call_sites(trainer: Trainer, batch: int, seq: int, index: int = 0) -> list[dict]:
     """The device time of one ceiling repetition by the operator that launched it and that
     operator's Python call site (its innermost frames in the engine or the library); for the
     backward's operators, which autograd's thread runs without a Python stack, the autograd node
@@ -95,7 +97,7 @@ def call_sites(trainer: Trainer, batch: int, seq: int) -> list[dict]:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python stacks: with_stack alone records none
     with torch.profiler.profile(activities=activities, with_stack=True, record_shapes=True, experimental_config=stacks) as prof:
-        trainer.engine.layer_ceiling(batch, seq, reps=1)
+        trainer.engine.layer_ceiling(batch, seq, reps=1, index=index)
     sites: dict[tuple, dict] = {}
     for e in prof.events():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
@@ -134,10 +136,10 @@ VARIANTS = {"eager": {"norm_kernel": "eager", "mlp_kernel": "eager"},
 
 
 def config(args, kernels: dict):
-    """One layer of the model, built with `kernels` (engine.norm_kernel, engine.mlp_kernel,
-    engine.experts_kernel)."""
+    """The model's layers up to the one measured (`--layer`), built with `kernels`
+    (engine.norm_kernel, engine.mlp_kernel, engine.experts_kernel)."""
     return load_config(base={
-        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": 1, **args.overrides}},
+        "model": {"preset": args.preset, "overrides": {"num_hidden_layers": args.layer + 1, **args.overrides}},
         # the eager host AdamW: the ceiling runs no optimizer step, and the compiled one's build costs
         # tens of seconds a process on the GPU hosts' torch
         "engine": {"device": args.device, "checkpoint_every": 1, "optimizer_kernel": "eager", **kernels},
@@ -152,18 +154,19 @@ def measure(args, kernels: dict, backends: list[str] | None, sites: bool = False
     trainer = Trainer(config(args, kernels), progress=False)
     rows = {}
     try:
-        rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+        rows["default"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, index=args.layer)
         if backends is not None and trainer.settings.keep_attention_layers:  # the policy's ceiling too
-            rows["keep_attention"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, keep_attention=True)
+            rows["keep_attention"] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, keep_attention=True,
+                                                                 index=args.layer)
         for name in backends or []:
             try:
                 with sdpa_kernel([BACKENDS[name]]):
-                    rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps)
+                    rows[name] = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, index=args.layer)
             except RuntimeError as e:  # no kernel of that backend for this shape, dtype or device
                 rows[name] = {"error": str(e).splitlines()[0][:200]}
-        breakdown = kernel_breakdown(trainer, args.batch, args.seq)
+        breakdown = kernel_breakdown(trainer, args.batch, args.seq, args.layer)
         if sites:
-            breakdown["call_sites"] = call_sites(trainer, args.batch, args.seq)
+            breakdown["call_sites"] = call_sites(trainer, args.batch, args.seq, args.layer)
     finally:
         trainer.close()
     device = str(trainer.device.torch)
@@ -181,6 +184,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--layer", type=int, default=0,
+                   help="the layer measured, the model built with as many before it (its type: GPT-OSS's layer 0 "
+                        "attends to a 128-token window, layer 1 to all tokens before)")
     p.add_argument("--device", default="auto")
     p.add_argument("--variants", default="auto",
                    help=f"comma-separated, of {list(VARIANTS)} (the compiled norms, the compiled MLP product, both; "
@@ -196,6 +202,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = [b for b in args.backends.split(",") if b]
+    if args.layer < 0:
+        p.error(f"--layer {args.layer}: a layer's index is 0 or more")
     try:
         experts = ModelShape(load_hf_config(config(args, {}).model)).experts
     except (KeyError, ValueError) as e:  # an unknown preset, a bad override
@@ -209,7 +217,7 @@ def main() -> None:
     if not experts and set(variants) & set(moe):
         p.error(f"{args.preset} has no experts: the variants {moe} are for a mixture of experts")
     runs = {}
-    result = {"preset": args.preset, "seq": args.seq, "batch": args.batch,
+    result = {"preset": args.preset, "layer": args.layer, "seq": args.seq, "batch": args.batch,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
     for i, v in enumerate(variants):  # written after each: a run cut short keeps what it measured

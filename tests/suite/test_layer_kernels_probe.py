@@ -11,6 +11,9 @@ from experiments.probes import layer_kernels
 
 def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, capsys):
     out = tmp_path / "layer.json"
+    # every site kept: which rank in the top TOP by their time depends on the machine's load (on a
+    # loaded CPU no backward operator ranked there)
+    monkeypatch.setattr(layer_kernels, "TOP", 1 << 20)
     monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-qwen2", "--seq", "32", "--batch", "2",
                                       "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
                                       "--sites", "--out", str(out)])
@@ -23,3 +26,20 @@ def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, 
     # the backward's, run by autograd's thread without a Python stack, carry the node that ran them
     assert any(frame.startswith("autograd: ") and frame.endswith("Backward0") for s in sites for frame in s["site"]), sites
     assert "aten::" in capsys.readouterr().out
+
+
+def test_the_layer_picked_is_measured(tmp_path, monkeypatch):
+    """--layer: Gemma 2's layer 1 attends to all 32 tokens before, layer 0 to a window of 6, so the
+    FLOPs its ceiling counts are more."""
+    flops = {}
+    for layer in (0, 1):
+        out = tmp_path / f"layer{layer}.json"
+        monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-gemma2", "--seq", "32", "--batch", "2",
+                                          "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
+                                          "--layer", str(layer), "--out", str(out)])
+        layer_kernels.main()
+        result = json.loads(out.read_text())
+        assert result["layer"] == layer
+        row = result["variants"]["eager"]["ceilings"]["default"]
+        flops[layer] = row["model_tflops"] * row["seconds"]
+    assert flops[1] > flops[0] * 1.01
