@@ -12,24 +12,27 @@ from megatrain.config import load_config
 from megatrain.trainer import Trainer
 
 
+SAFE, CONTIGUOUS = "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"
+
+
 @pytest.mark.parametrize("implementation,layer_type,plain,given", [
-    ("flex_attention", "full_attention", True, True),
-    ("flex_attention", "full_attention", False, False),  # padding or packing: a row may attend to nothing
-    ("flex_attention", "sliding_attention", True, False),  # a window's first block: none of its keys
-    ("sdpa", "full_attention", True, False),
-    ("eager", "full_attention", True, False),
+    ("flex_attention", "full_attention", True, {SAFE, CONTIGUOUS}),
+    ("flex_attention", "sliding_attention", True, {CONTIGUOUS}),  # a window's first block: none of its keys
+    ("flex_attention", "full_attention", False, None),  # padding or packing: a row may attend to nothing
+    ("flex_attention", "sliding_attention", False, None),
+    ("sdpa", "full_attention", True, None),
+    ("eager", "sliding_attention", True, None),
 ])
-def test_causal_options_only_for_flex_attention_over_every_earlier_token_of_plain_rows(implementation, layer_type,
-                                                                                      plain, given):
+def test_options_only_for_flex_attention_on_plain_rows_safe_only_where_causal(implementation, layer_type, plain,
+                                                                              given):
     got = flex_kernel.attention_kwargs(implementation, layer_type, plain)
-    assert got == ({"kernel_options": flex_kernel.CAUSAL} if given else {})
+    assert got == ({"kernel_options": dict.fromkeys(given, True)} if given else {})
 
 
 def test_the_engine_hands_the_options_to_full_layers_of_plain_micro_batches(monkeypatch):
     """A tiny GPT-OSS (sliding and full layers alternating) on the CPU, its eager attention standing
-    in for flex attention: each attention call of a step (forward and recompute) sees the options on
-    the full layers of a plain micro-batch, and none on its sliding layers or on a padded or packed
-    micro-batch."""
+    in for flex attention: each attention call of a step (forward and recompute) sees its layer type's
+    options on a plain micro-batch, and none on a padded or packed one."""
     monkeypatch.setattr(flex_kernel, "FLEX", "eager")
     seen = []
 
@@ -48,14 +51,14 @@ def test_the_engine_hands_the_options_to_full_layers_of_plain_micro_batches(monk
     positions = torch.cat([torch.arange(S // 2), torch.arange(S // 2)]).expand(2, S)
     batches = {"plain": Batch(ids, ids), "padded": Batch(ids, ids.masked_fill(mask == 0, -100), mask),
                "packed": Batch(ids, ids, position_ids=positions)}
-    full = {i for i in range(trainer.shape.num_layers) if trainer.shape.layer_type(i) == "full_attention"}
-    assert full and len(full) < trainer.shape.num_layers
+    assert len({trainer.shape.layer_type(i) for i in range(trainer.shape.num_layers)}) == 2
     try:
         for name, batch in batches.items():
             seen.clear()
             trainer.train_step([batch])
             assert {i for i, _ in seen} == set(range(trainer.shape.num_layers)), name
             for index, options in seen:
-                assert options == (flex_kernel.CAUSAL if name == "plain" and index in full else None), (name, index)
+                kind = trainer.shape.layer_type(index)
+                assert options == (flex_kernel.OPTIONS[kind] if name == "plain" else None), (name, index)
     finally:
         trainer.close()

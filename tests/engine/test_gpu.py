@@ -820,8 +820,8 @@ def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
 def test_flex_kernel_options_keep_the_numbers_to_the_bit_on_the_gpu(tmp_path, cuda_only, monkeypatch):
     """flex_kernel.py on the GPU: a tiny GPT-OSS (sliding and full layers alternating) trained by the
     engine on unpadded rows of 256 tokens (two of flex attention's blocks), with and without the
-    causal kernel options: the same losses and weights to the bit; the options reached the library's
-    flex attention on the full layers' calls only."""
+    kernel options: the same losses and weights to the bit; each layer type's options reached the
+    library's flex attention."""
     from megatrain import flex_kernel, sinks
     tiny_checkpoint(tmp_path / "init", "tiny-gpt-oss", MOE["tiny-gpt-oss"])
     seen = []
@@ -841,11 +841,11 @@ def test_flex_kernel_options_keep_the_numbers_to_the_bit_on_the_gpu(tmp_path, cu
             losses = [trainer.train_step(mbs)["loss"]
                       for mbs in random_batches(2, 2, BATCH, 256, trainer.shape.vocab, pad=False)]
             runs.append((losses, store_params(trainer)))
-            full = {i for i in range(trainer.shape.num_layers) if trainer.shape.layer_type(i) == "full_attention"}
+            kinds = [trainer.shape.layer_type(i) for i in range(trainer.shape.num_layers)]
         finally:
             trainer.close()
-        assert {i for i, _ in seen} == set(range(trainer.shape.num_layers))
-        assert all(options == (flex_kernel.CAUSAL if given and i in full else None) for i, options in seen)
+        assert {i for i, _ in seen} == set(range(len(kinds))) and len(set(kinds)) == 2
+        assert all(options == (flex_kernel.OPTIONS[kinds[i]] if given else None) for i, options in seen)
     (want_losses, want), (got_losses, got) = runs
     assert got_losses == want_losses
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
