@@ -103,6 +103,7 @@ class _Context:
     masks: dict[str, torch.Tensor | None]
     position_ids: torch.Tensor
     position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) by layer type
+    attention_kwargs: dict[str, dict]  # what a layer's call adds for its attention, by layer type
 
 
 @dataclass
@@ -461,11 +462,11 @@ class Engine:
         kind = self.shape.layer_type(index)
         with captured() as logits, self.arch.running():
             out = module(h, attention_mask=ctx.masks[kind], position_ids=ctx.position_ids,
-                         position_embeddings=ctx.position_embeddings[kind])
+                         position_embeddings=ctx.position_embeddings[kind], **ctx.attention_kwargs[kind])
         return out, (logits[0] if logits else None)
 
     def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
-        """Masks and rotary embeddings of a micro-batch. Packed rows (Batch) come with their
+        """Masks, rotary embeddings and attention kernel options of a micro-batch. Packed rows (Batch) come with their
         position_ids and no mask, from which the library's masks keep their examples apart."""
         B, S, _ = h.shape
         if mb.position_ids is not None:
@@ -478,7 +479,8 @@ class Engine:
         masks = self.arch.masks(h, mask, position_ids)
         with torch.no_grad():
             position_embeddings = self.arch.position_embeddings(self.rotary, h, position_ids)
-        return _Context(masks, position_ids, position_embeddings)
+        plain = mask is None and mb.position_ids is None
+        return _Context(masks, position_ids, position_embeddings, self.arch.attention_kwargs(plain))
 
     def _embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """Gemma's embedding scale as the library's module applies it: sqrt(hidden) made a float32

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatrain import kept_attention, kernel_build, lean_experts, rotary, sinks
+from megatrain import flex_kernel, kept_attention, kernel_build, lean_experts, rotary, sinks
 from megatrain.chunked_mlp import chunk_tokens
 from megatrain.lean_norm import make_lean
 from megatrain.moe import capture_logits, is_router
@@ -132,6 +132,13 @@ class Architecture:
         if hasattr(rotary, "layer_types"):
             return {kind: rotary(embeds, position_ids, kind) for kind in kinds}
         return dict.fromkeys(kinds, rotary(embeds, position_ids))
+
+    def attention_kwargs(self, plain: bool) -> dict[str, dict]:
+        """What each layer type's call adds for its attention (flex_kernel.py); `plain`: the
+        micro-batch has neither padding nor packing."""
+        s = self.shape
+        kinds = {s.layer_type(i) for i in range(s.num_layers)}
+        return {kind: flex_kernel.attention_kwargs(self._config._attn_implementation, kind, plain) for kind in kinds}
 
     def masks(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:

@@ -817,6 +817,40 @@ def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+def test_flex_kernel_options_keep_the_numbers_to_the_bit_on_the_gpu(tmp_path, cuda_only, monkeypatch):
+    """flex_kernel.py on the GPU: a tiny GPT-OSS (sliding and full layers alternating) trained by the
+    engine on unpadded rows of 256 tokens (two of flex attention's blocks), with and without the
+    kernel options: the same losses and weights to the bit; each layer type's options reached the
+    library's flex attention."""
+    from megatrain import flex_kernel, sinks
+    tiny_checkpoint(tmp_path / "init", "tiny-gpt-oss", MOE["tiny-gpt-oss"])
+    seen = []
+    library = sinks.library
+    monkeypatch.setattr(sinks, "library", lambda module, *a, **kw: seen.append(
+        (module.layer_idx, kw.get("kernel_options"))) or library(module, *a, **kw))
+    tree = gpu_tree(tmp_path)
+    tree["data"]["seq_len"] = 256
+    options = flex_kernel.attention_kwargs
+    runs = []
+    for given in (False, True):
+        monkeypatch.setattr(flex_kernel, "attention_kwargs", options if given else lambda *a: {})
+        seen.clear()
+        trainer = Trainer(load_config(base=tree))
+        try:
+            assert trainer.shape.config._attn_implementation == "flex_attention"
+            losses = [trainer.train_step(mbs)["loss"]
+                      for mbs in random_batches(2, 2, BATCH, 256, trainer.shape.vocab, pad=False)]
+            runs.append((losses, store_params(trainer)))
+            kinds = [trainer.shape.layer_type(i) for i in range(trainer.shape.num_layers)]
+        finally:
+            trainer.close()
+        assert {i for i, _ in seen} == set(range(len(kinds))) and len(set(kinds)) == 2
+        assert all(options == (flex_kernel.OPTIONS[kinds[i]] if given else None) for i, options in seen)
+    (want_losses, want), (got_losses, got) = runs
+    assert got_losses == want_losses
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_sinks_kernel_is_the_library_flex_attention_on_the_gpu(tmp_path, cuda_only):
     """engine.sinks_kernel: compiled (sinks.py) in a tiny GPT-OSS of bf16 with the library's flex
     attention, the library's model around it: the logits to the bit (the sinks' product is one
