@@ -7,7 +7,9 @@ the backward), on the same micro-batch and weights:
 - host_ms: the launching thread's time to issue the phase while the GPU is held back by a sleep
   kernel queued first, so that no launch waits for the device: what the host alone costs.
   `overran_sleep` says whether the GPU finished the sleep before the host finished issuing (then a
-  launch may have waited and host_ms is a bound from above).
+  launch may have waited and host_ms is a bound from above);
+- host_ops: the host's operators and compiled regions (torch.compile's cache lookups among them) by
+  their own time over one more stalled repetition of the three phases, the largest first.
 
 A phase whose host_ms is near its gpu_ms is bound by its launches: the GPU idles between kernels
 while the host issues them (the ceiling's time beyond the sum of its kernels, layer_kernels.py).
@@ -30,6 +32,7 @@ from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.trainer import Trainer
 
 PHASES = ("forward", "recompute", "backward")
+TOP = 30  # host operators listed
 SLEEP_CYCLES = 1_000_000_000  # about half a second at an H200's clock: longer than any phase's issuing
 
 
@@ -82,9 +85,18 @@ def measure(engine, index: int, batch: int, seq: int, reps: int) -> dict:
                 for name, g, h in zip(PHASES, gpu, host):
                     rows[name]["gpu_ms"].append(g)
                     rows[name]["host_ms"].append(h)
+        # the host's operators and compiled regions by their own time, one more stalled repetition
+        dev.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for phase in (forward, recompute, backward):
+                phase()
+        dev.synchronize()
     engine.streamer.release()
     out = {name: {k: statistics.median(v) for k, v in row.items()} | {"samples": row} for name, row in rows.items()}
     out["overran_sleep"] = any(overran[1:])
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
+    out["host_ops"] = [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops]
     return out
 
 
@@ -119,6 +131,8 @@ def main() -> None:
         row = phases[name]
         print(f"{args.preset} L{args.layer} {name:9s} gpu {row['gpu_ms']:7.2f} ms  host {row['host_ms']:7.2f} ms")
     print(f"overran the sleep: {phases['overran_sleep']}")
+    for op in phases["host_ops"][:12]:
+        print(f"  {op['self_ms']:7.2f} ms {op['calls']:5d}x {op['name']}")
 
 
 if __name__ == "__main__":
