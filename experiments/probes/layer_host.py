@@ -27,7 +27,6 @@ import time
 import torch
 
 from experiments.probes.layer_kernels import VARIANTS, config
-from megatrain.batch import Batch
 from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.trainer import Trainer
 
@@ -37,67 +36,58 @@ SLEEP_CYCLES = 1_000_000_000  # about half a second at an H200's clock: longer t
 
 
 def measure(engine, index: int, batch: int, seq: int, reps: int) -> dict:
-    dev, unit = engine.dev, engine.layer_units[index]
-    engine.optimizer.flush()
-    engine.timeline.begin_step()
-    engine.streamer.start([unit])
-    w = engine.streamer.acquire()
-    gen = torch.Generator(device=dev.torch).manual_seed(0)
-    shape = (batch, seq, engine.shape.hidden)
-    x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=engine.dtype)
-    dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=engine.dtype)
-    ctx = engine._context(x0, Batch(torch.empty(batch, seq, dtype=torch.long), None))
-    root_only = engine.s.checkpoint_every == 1
-    state = {}
+    with engine.ceiling_inputs(batch, seq, index) as (w, x0, dy, ctx):
+        dev = engine.dev
+        root_only = engine.s.checkpoint_every == 1
+        state = {}
 
-    def forward():
-        with torch.no_grad():
-            engine._layer(index, w, x0, ctx)
+        def forward():
+            with torch.no_grad():
+                engine._layer(index, w, x0, ctx)
 
-    def recompute():
-        state["graph"] = engine._graph(index, w, x0, ctx, root_only=root_only)
+        def recompute():
+            state["graph"] = engine._graph(index, w, x0, ctx, root_only=root_only)
 
-    def backward():
-        x, leaves, out, _ = state.pop("graph")
-        torch.autograd.grad(out, [x, *leaves], dy)
+        def backward():
+            x, leaves, out, _ = state.pop("graph")
+            torch.autograd.grad(out, [x, *leaves], dy)
 
-    rows = {name: {"gpu_ms": [], "host_ms": []} for name in PHASES}
-    overran = []
-    with dev.on(dev.compute):
-        for rep in range(reps + 1):
-            dev.synchronize()  # the ceiling's way: the phases back to back from an idle GPU
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
-            events[0].record()
-            for event, phase in zip(events[1:], (forward, recompute, backward)):
-                phase()
-                event.record()
+        rows = {name: {"gpu_ms": [], "host_ms": []} for name in PHASES}
+        overran = []
+        with dev.on(dev.compute):
+            for rep in range(reps + 1):
+                dev.synchronize()  # the ceiling's way: the phases back to back from an idle GPU
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+                events[0].record()
+                for event, phase in zip(events[1:], (forward, recompute, backward)):
+                    phase()
+                    event.record()
+                dev.synchronize()
+                gpu = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+                torch.cuda._sleep(SLEEP_CYCLES)  # the GPU held back: each launch returns without waiting
+                host = []
+                for phase in (forward, recompute, backward):
+                    start = time.perf_counter()
+                    phase()
+                    host.append((time.perf_counter() - start) * 1e3)
+                overran.append(torch.cuda.current_stream().query())  # True: the GPU caught up with the host
+                dev.synchronize()
+                if rep:
+                    for name, g, h in zip(PHASES, gpu, host):
+                        rows[name]["gpu_ms"].append(g)
+                        rows[name]["host_ms"].append(h)
+            # the host's operators and compiled regions by their own time, one more stalled repetition
             dev.synchronize()
-            gpu = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-            torch.cuda._sleep(SLEEP_CYCLES)  # the GPU held back: each launch returns without waiting
-            host = []
-            for phase in (forward, recompute, backward):
-                start = time.perf_counter()
-                phase()
-                host.append((time.perf_counter() - start) * 1e3)
-            overran.append(torch.cuda.current_stream().query())  # True: the GPU caught up with the host
+            torch.cuda._sleep(SLEEP_CYCLES)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for phase in (forward, recompute, backward):
+                    phase()
             dev.synchronize()
-            if rep:
-                for name, g, h in zip(PHASES, gpu, host):
-                    rows[name]["gpu_ms"].append(g)
-                    rows[name]["host_ms"].append(h)
-        # the host's operators and compiled regions by their own time, one more stalled repetition
-        dev.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for phase in (forward, recompute, backward):
-                phase()
-        dev.synchronize()
-    engine.streamer.release()
-    out = {name: {k: statistics.median(v) for k, v in row.items()} | {"samples": row} for name, row in rows.items()}
-    out["overran_sleep"] = any(overran[1:])
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
-    out["host_ops"] = [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops]
-    return out
+        out = {name: {k: statistics.median(v) for k, v in row.items()} | {"samples": row} for name, row in rows.items()}
+        out["overran_sleep"] = any(overran[1:])
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
+        out["host_ops"] = [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops]
+        return out
 
 
 def main() -> None:
