@@ -26,7 +26,8 @@ Prints a line per path; --out writes the JSON (config, environment, samples, med
 
 On the GPU host (16 cores, under 3 minutes):
     PYTHONPATH=. python experiments/probes/adamw_rate.py --n 268435456 --out adamw_rate.json
-On the 2-core CPU machine: --n 16777216.
+On the 2-core CPU machine: --n 16777216. The arithmetic alone, on data a core's caches hold:
+--n 262144 --threads 1 --rounds 30. --extra-flags builds the kernel with more compiler flags.
 """
 from __future__ import annotations
 
@@ -81,7 +82,17 @@ def environment() -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"cpu_model": model, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "host_ram_bytes": ram, "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version(), "git_commit": commit}
+            "python": platform.python_version(), "git_commit": commit, "openmp_libraries": openmp_libraries()}
+
+
+def openmp_libraries() -> list[str]:
+    """The OpenMP runtimes this process has mapped: one where the kernel's OpenMP is torch's, two where
+    each keeps a pool of its own threads."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1].lower()})
+    except OSError:
+        return []
 
 
 def main() -> None:
@@ -89,10 +100,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1 << 28, help="elements of the tile (default 2^28)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--extra-flags", default="",
+                        help="more compiler flags for the one-pass kernel, e.g. -mprefer-vector-width=512 (its own build)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    fused_adamw.FLAGS = [*fused_adamw.FLAGS, *args.extra_flags.split()]  # the cache names a build by its flags
     n, cfg, lr = args.n, OptimConfig(lr=1e-4, weight_decay=0.1), 1e-4
     start = time.perf_counter()
     build = fused_adamw.build()
@@ -161,6 +175,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": {"n": n, "rounds": args.rounds, "threads": torch.get_num_threads(), "lr": lr,
+                                  "kernel_flags": fused_adamw.FLAGS,
                                   "weight_decay": cfg.weight_decay, "betas": list(cfg.betas)},
                        "environment": environment(), "setup_s": setup, "report": report}, f, indent=1)
             f.write("\n")
