@@ -11,7 +11,10 @@
 // each is written out here in every form a build may take, with nothing else contracted
 // (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py finds the forms
 // that give torch's own kernel's numbers to the bit on the machine that runs it, and where none
-// does leaves those elements to torch.
+// does leaves those elements to torch. The vector formula's forms are template arguments, a loop
+// compiled for each, so that the loop computes the picked one alone (a select among all of them
+// cost the loop 36 instructions a vector where it needs 21-24); the scalar formula's, which takes
+// fewer than a vector's elements a call, are selects.
 //
 // Called through ctypes, which releases the GIL for the call: the optimizer worker runs this while
 // the main thread launches the GPU's work. OpenMP threads: `threads`, the caller's torch count.
@@ -164,19 +167,24 @@ inline uint16_t to_bf16(uint32_t b) {
 constexpr uint32_t SIGN = 0x80000000u;
 constexpr int16_t TIE = -32768;  // a low half halfway between two bf16 values (store.py)
 
-// Elements [0, n) of one thread's range, the vector formula up to `body`. Plain loops over
-// restrict pointers with the step's constants by value: the compiler vectorises them.
+// The scalar formula's place among the forms: a loop compiled with it takes a call's tail.
+struct ScalarForm {};
+
+template <typename F>
+inline void update(float& p, float g, float& m, float& v, const Step& s) {
+  if constexpr (std::is_same_v<F, ScalarForm>) scalar_update(p, g, m, v, s);
+  else vector_update<F>(p, g, m, v, s);
+}
+
+// Elements [from, to) of a whole master in form F (a vector form, or ScalarForm). Plain loops over
+// restrict pointers with the step's constants by value: the compiler vectorises them. The tail's
+// loop is compiled once, not once per vector form.
 template <typename F, typename G>
-void whole_range(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
-                 int64_t body, const Step s) {
-  for (int64_t i = 0; i < body; ++i) {
+void whole_loop(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v, int64_t from,
+                int64_t to, const Step s) {
+  for (int64_t i = from; i < to; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
-    vector_update<F>(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
-    p[i] = pi, m[i] = mi, v[i] = vi;
-  }
-  for (int64_t i = body; i < n; ++i) {
-    float pi = p[i], mi = m[i], vi = v[i];
-    scalar_update(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
+    update<F>(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
     p[i] = pi, m[i] = mi, v[i] = vi;
   }
 }
@@ -185,35 +193,28 @@ void whole_range(float* __restrict p, const G* __restrict g, float* __restrict m
 // bits, the sign-extended low half added, and 2^16 more where the low half is TIE and exp_avg_sq's
 // sign flags it; the flag is cleared for the update and set again where the new master is a TIE
 // rounded down. Branch-free, so that the loop vectorises.
-template <bool VECTOR, typename F, typename G>
-inline void split_one(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g,
-                      float* __restrict m, float* __restrict v, int64_t i, const Step& s) {
-  int16_t lo = low[i];
-  uint32_t vb = bits(v[i]);
-  bool tie = lo == TIE;
-  uint32_t master = (uint32_t(shadow[i]) << 16) + uint32_t(int32_t(lo)) + (tie ? (vb >> 31) << 16 : 0u);
-  vb = tie ? vb & ~SIGN : vb;
-  float pi = from_bits(master), mi = m[i], vi = from_bits(vb);
-  float gi = grad_at(g, i) * s.grad_scale;
-  if constexpr (VECTOR) vector_update<F>(pi, gi, mi, vi, s);
-  else scalar_update(pi, gi, mi, vi, s);
-  uint32_t b = bits(pi);
-  uint16_t high = to_bf16(b);
-  int16_t new_low = int16_t(b & 0xFFFFu);
-  uint32_t down = (b & 0xFFFF0000u) == (uint32_t(high) << 16);
-  uint32_t nvb = bits(vi);
-  nvb = new_low == TIE ? (nvb & ~SIGN) | (down << 31) : nvb;
-  shadow[i] = high;
-  low[i] = new_low;
-  m[i] = mi;
-  v[i] = from_bits(nvb);
-}
-
 template <typename F, typename G>
-void split_range(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g, float* __restrict m,
-                 float* __restrict v, int64_t n, int64_t body, const Step s) {
-  for (int64_t i = 0; i < body; ++i) split_one<true, F>(shadow, low, g, m, v, i, s);
-  for (int64_t i = body; i < n; ++i) split_one<false, F>(shadow, low, g, m, v, i, s);
+void split_loop(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g, float* __restrict m,
+                float* __restrict v, int64_t from, int64_t to, const Step s) {
+  for (int64_t i = from; i < to; ++i) {
+    int16_t lo = low[i];
+    uint32_t vb = bits(v[i]);
+    bool tie = lo == TIE;
+    uint32_t master = (uint32_t(shadow[i]) << 16) + uint32_t(int32_t(lo)) + (tie ? (vb >> 31) << 16 : 0u);
+    vb = tie ? vb & ~SIGN : vb;
+    float pi = from_bits(master), mi = m[i], vi = from_bits(vb);
+    update<F>(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
+    uint32_t b = bits(pi);
+    uint16_t high = to_bf16(b);
+    int16_t new_low = int16_t(b & 0xFFFFu);
+    uint32_t down = (b & 0xFFFF0000u) == (uint32_t(high) << 16);
+    uint32_t nvb = bits(vi);
+    nvb = new_low == TIE ? (nvb & ~SIGN) | (down << 31) : nvb;
+    shadow[i] = high;
+    low[i] = new_low;
+    m[i] = mi;
+    v[i] = from_bits(nvb);
+  }
 }
 
 // `fn(lo, hi, body_in_range)` on `threads` threads, each a contiguous range of [0, n), its bounds
@@ -247,9 +248,15 @@ void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, int64
   with_vector_form(form, [&](auto f) {
     using F = decltype(f);
     in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
-      if (grad_bf16)
-        whole_range<F>(p + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
-      else whole_range<F>(p + lo, static_cast<const float*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
+      if (grad_bf16) {
+        auto* g = static_cast<const uint16_t*>(grad);
+        whole_loop<F>(p, g, m, v, lo, b, s);
+        whole_loop<ScalarForm>(p, g, m, v, b, hi, s);
+      } else {
+        auto* g = static_cast<const float*>(grad);
+        whole_loop<F>(p, g, m, v, lo, b, s);
+        whole_loop<ScalarForm>(p, g, m, v, b, hi, s);
+      }
     });
   });
 }
@@ -263,11 +270,15 @@ void megatrain_adamw_split(uint16_t* shadow, int16_t* low, const void* grad, flo
   with_vector_form(form, [&](auto f) {
     using F = decltype(f);
     in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
-      if (grad_bf16)
-        split_range<F>(shadow + lo, low + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo, hi - lo,
-                       b - lo, s);
-      else split_range<F>(shadow + lo, low + lo, static_cast<const float*>(grad) + lo, m + lo, v + lo, hi - lo,
-                          b - lo, s);
+      if (grad_bf16) {
+        auto* g = static_cast<const uint16_t*>(grad);
+        split_loop<F>(shadow, low, g, m, v, lo, b, s);
+        split_loop<ScalarForm>(shadow, low, g, m, v, b, hi, s);
+      } else {
+        auto* g = static_cast<const float*>(grad);
+        split_loop<F>(shadow, low, g, m, v, lo, b, s);
+        split_loop<ScalarForm>(shadow, low, g, m, v, b, hi, s);
+      }
     });
   });
 }
