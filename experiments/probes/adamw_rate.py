@@ -18,7 +18,8 @@ has of updating it, beside the memory bandwidth that bounds them:
 Rounds interleave the paths (the first round is a warm-up, reported apart); each AdamW path's rate
 over torch's fused AdamW's is taken round by round (`of_torch`: the median and range of the
 rounds' ratios), which the host's bandwidth, varying between runs, moves less than it moves
-either rate. Each path's implied
+either rate; and over torch's fused kernel alone, eager_whole, without the optimizer's Python
+around it (`of_torch_kernel`: what matters on a small tile, where that Python is a share of the time). Each path's implied
 bandwidth is its rate times the bytes it moves per parameter (`bytes_per_param`, counted from its
 passes: the one pass 28 either layout, torch's 28; eager split about 48, the join and split and
 their searches for ties around torch's 28).
@@ -26,7 +27,8 @@ Prints a line per path; --out writes the JSON (config, environment, samples, med
 
 On the GPU host (16 cores, under 3 minutes):
     PYTHONPATH=. python experiments/probes/adamw_rate.py --n 268435456 --out adamw_rate.json
-On the 2-core CPU machine: --n 16777216.
+On the 2-core CPU machine: --n 16777216. The arithmetic alone, on data a core's caches hold:
+--n 262144 --threads 1 --rounds 30. --extra-flags=-mprefer-vector-width=512 builds the kernel with more compiler flags (after an =).
 """
 from __future__ import annotations
 
@@ -81,7 +83,17 @@ def environment() -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"cpu_model": model, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "host_ram_bytes": ram, "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version(), "git_commit": commit}
+            "python": platform.python_version(), "git_commit": commit, "openmp_libraries": openmp_libraries()}
+
+
+def openmp_libraries() -> list[str]:
+    """The OpenMP runtimes this process has mapped: one where the kernel's OpenMP is torch's, two where
+    each keeps a pool of its own threads."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1].lower()})
+    except OSError:
+        return []
 
 
 def main() -> None:
@@ -89,10 +101,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1 << 28, help="elements of the tile (default 2^28)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--extra-flags", default="",
+                        help="more compiler flags for the one-pass kernel, after an =: --extra-flags=-mprefer-vector-width=512 (its own build)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    fused_adamw.FLAGS = [*fused_adamw.FLAGS, *args.extra_flags.split()]  # the cache names a build by its flags
     n, cfg, lr = args.n, OptimConfig(lr=1e-4, weight_decay=0.1), 1e-4
     start = time.perf_counter()
     build = fused_adamw.build()
@@ -149,18 +164,21 @@ def main() -> None:
                         "bytes_per_param": BYTES[name], "median_gb_per_s": BYTES[name] * n / median / 1e9,
                         "samples_s": timed, "warmup_s": warm}
         stream = name.startswith(("stream", "c_"))
-        if not stream and name != "torch_adamw_fused":  # its rate over torch's, round by round
-            ratios = [t / s for s, t in zip(timed, samples["torch_adamw_fused"][1:])]
-            report[name]["of_torch"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-        paired = report[name].get("of_torch")
+        for key, other in (("of_torch", "torch_adamw_fused"), ("of_torch_kernel", "eager_whole")):
+            if not stream and name not in ("torch_adamw_fused", other):  # its rate over the other's, round by round
+                ratios = [t / s for s, t in zip(timed, samples[other][1:])]
+                report[name][key] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        paired, kernel = report[name].get("of_torch"), report[name].get("of_torch_kernel")
         print(f"{name:18s} {report[name]['median_g_params_per_s']:7.3f} {'G elements/s' if stream else 'G params/s'}"
               f" (best {report[name]['best_g_params_per_s']:.3f})  {report[name]['median_gb_per_s']:7.2f} GB/s at"
               f" {BYTES[name]} B/param" + (f"  {paired['median']:.2f} of torch's a round ({paired['min']:.2f}-"
-                                          f"{paired['max']:.2f})" if paired else ""))
+                                          f"{paired['max']:.2f})" if paired else "")
+              + (f", {kernel['median']:.2f} of its kernel" if kernel else ""))
     print("set-up:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in setup.items()}))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": {"n": n, "rounds": args.rounds, "threads": torch.get_num_threads(), "lr": lr,
+                                  "kernel_flags": fused_adamw.FLAGS,
                                   "weight_decay": cfg.weight_decay, "betas": list(cfg.betas)},
                        "environment": environment(), "setup_s": setup, "report": report}, f, indent=1)
             f.write("\n")
