@@ -475,8 +475,9 @@ class Engine:
         return out, (logits[0] if logits else None)
 
     def _context(self, h: torch.Tensor, mb: Batch) -> _Context:
-        """Masks, rotary embeddings and attention kernel options of a micro-batch. Packed rows (Batch) come with their
-        position_ids and no mask, from which the library's masks keep their examples apart."""
+        """Masks, rotary embeddings and attention kernel options of a micro-batch. Packed rows
+        (Batch) come with their position_ids and no mask, from which the library's masks keep their
+        examples apart."""
         B, S, _ = h.shape
         if mb.position_ids is not None:
             position_ids = mb.position_ids.to(self.dev.torch, non_blocking=True)
