@@ -9,7 +9,10 @@ the backward), on the same micro-batch and weights:
   `overran_sleep` says whether the GPU finished the sleep before the host finished issuing (then a
   launch may have waited and host_ms is a bound from above);
 - host_ops: the host's operators and compiled regions (torch.compile's cache lookups among them) by
-  their own time over one more stalled repetition of the three phases, the largest first.
+  their own time over one more stalled repetition of the three phases, the largest first;
+- idle: one more repetition as the ceiling runs it, traced: the GPU's busy time against its span
+  and its idle gaps, each with the kernels around it, the operator and phase that launched the
+  kernel after, and whether that launch came late (the host's gap) or in time (the device's).
 
 A phase whose host_ms is near its gpu_ms is bound by its launches: the GPU idles between kernels
 while the host issues them (the ceiling's time beyond the sum of its kernels, layer_kernels.py).
@@ -31,7 +34,8 @@ from megatrain.shapes import ModelShape, load_hf_config
 from megatrain.trainer import Trainer
 
 PHASES = ("forward", "recompute", "backward")
-TOP = 30  # host operators listed
+TOP = 30  # host operators and idle gaps listed
+GAP_US = 20.0  # the GPU idle longer than this between two kernels is a gap
 SLEEP_CYCLES = 1_000_000_000  # about half a second at an H200's clock: longer than any phase's issuing
 
 
@@ -83,11 +87,56 @@ def measure(engine, index: int, batch: int, seq: int, reps: int) -> dict:
                 for phase in (forward, recompute, backward):
                     phase()
             dev.synchronize()
+            # one more repetition as the ceiling runs it (from an idle GPU), its kernels and launches traced
+            dev.synchronize()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as traced:
+                for name, phase in zip(PHASES, (forward, recompute, backward)):
+                    with torch.profiler.record_function(f"phase:{name}"):
+                        phase()
+                dev.synchronize()
         out = {name: {k: statistics.median(v) for k, v in row.items()} | {"samples": row} for name, row in rows.items()}
         out["overran_sleep"] = any(overran[1:])
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
         out["host_ops"] = [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops]
+        out["idle"] = idle_gaps(traced.events())
         return out
+
+
+def idle_gaps(events) -> dict:
+    """The GPU's idle time in a traced repetition: the span from its first kernel (or copy) to its
+    last, the time some kernel ran, and each gap of more than GAP_US between them, the largest
+    first: the kernels on either side, the operator that launched the one after, the phase whose
+    host time the launch fell in, and when the launch call began against the end of the kernel
+    before (`launched_after_idle_us` > 0: the host launched it only once the GPU had gone idle, so
+    the gap is the host's; <= 0: launched in time, so the gap is the device's, a wait on another
+    stream or event)."""
+    from torch.autograd import DeviceType
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not device:
+        return {"span_us": 0.0, "busy_us": 0.0, "gaps": []}
+    ops = {e.id: e.name for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+    launches = {e.linked_correlation_id: e for e in events
+                if e.device_type == DeviceType.CPU and e.linked_correlation_id > 0}
+    phases = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("phase:")]
+    busy, gaps = 0.0, []
+    end, before = device[0].time_range.start, None
+    for k in device:
+        start, stop = k.time_range.start, k.time_range.end
+        if before is not None and start - end > GAP_US:
+            launch = launches.get(k.linked_correlation_id)
+            at = launch.time_range.start if launch else None
+            phase = next((p.name[6:] for p in phases if at is not None and p.time_range.start <= at <= p.time_range.end),
+                         None)
+            gaps.append({"gap_us": start - end, "at_us": start - device[0].time_range.start, "before": before[:100],
+                         "after": k.name[:100], "after_op": ops.get(k.linked_correlation_id), "phase": phase,
+                         "launched_after_idle_us": None if at is None else at - end})
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, k.name
+    gaps.sort(key=lambda g: -g["gap_us"])
+    return {"span_us": end - device[0].time_range.start, "busy_us": busy,
+            "in_gaps_us": sum(g["gap_us"] for g in gaps), "gaps": gaps[:TOP]}
 
 
 def main() -> None:
@@ -121,6 +170,12 @@ def main() -> None:
         row = phases[name]
         print(f"{args.preset} L{args.layer} {name:9s} gpu {row['gpu_ms']:7.2f} ms  host {row['host_ms']:7.2f} ms")
     print(f"overran the sleep: {phases['overran_sleep']}")
+    idle = phases["idle"]
+    print(f"traced: span {idle['span_us'] / 1e3:.2f} ms, busy {idle['busy_us'] / 1e3:.2f}, "
+          f"in gaps over {GAP_US:.0f} us {idle.get('in_gaps_us', 0.0) / 1e3:.2f}")
+    for g in idle["gaps"][:12]:
+        late = "" if g["launched_after_idle_us"] is None else f" launched {g['launched_after_idle_us']:+.0f} us"
+        print(f"  gap {g['gap_us']:7.1f} us {g['phase'] or '?':9s} before {g['after'][:40]} ({g['after_op']}){late}")
     for op in phases["host_ops"][:12]:
         print(f"  {op['self_ms']:7.2f} ms {op['calls']:5d}x {op['name']}")
 
