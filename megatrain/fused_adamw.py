@@ -62,7 +62,7 @@ class Build:
     compiled: bool
     seconds: float
     path: Path
-    form: int = 0  # the arithmetic's forms that are torch's here (host_adamw.cpp: `form`)
+    form: int = 0  # the arithmetic's forms that are torch's here (host_adamw.cpp, set_forms)
     scalar_tail: bool = True  # a scalar form is torch's: the kernel takes a call's tail too
 
 

@@ -11,10 +11,7 @@
 // each is written out here in every form a build may take, with nothing else contracted
 // (-ffp-contract=off), and the call's `form` picks one of each: fused_adamw.py finds the forms
 // that give torch's own kernel's numbers to the bit on the machine that runs it, and where none
-// does leaves those elements to torch. The vector formula's forms are template arguments, a loop
-// compiled for each, so that the loop computes the picked one alone (a select among all of them
-// cost the loop 36 instructions a vector where it needs 21-24); the scalar formula's, which takes
-// fewer than a vector's elements a call, are selects.
+// does leaves those elements to torch.
 //
 // Called through ctypes, which releases the GIL for the call: the optimizer worker runs this while
 // the main thread launches the GPU's work. OpenMP threads: `threads`, the caller's torch count.
@@ -36,19 +33,10 @@ struct Step {
   float coeff;      // the vector lerp's factor: weight, or weight - 1
   float beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size;
   float grad_scale; // 1 where the gradient is not scaled (g * 1 is g)
-  // the scalar formula's forms (`form`'s fields, set_forms), each as masks of all ones on the
-  // chosen one, so that the choice is a select: its second moment's three, its lerp's two, its
-  // step's two (the vector formula's are template arguments: VectorForm)
-  uint32_t sv[3], sm[2], sp[2];
-};
-
-// The vector formula's forms, `form`'s bits 0-1 (the second moment), 2 (the lerp) and 6 (the
-// step): fixed where the loop is compiled, so that it computes the chosen form alone.
-template <int FORM>
-struct VectorForm {
-  static constexpr int moment = FORM & 3;
-  static constexpr bool lerp_fused = ((FORM >> 2) & 1) == 0;
-  static constexpr bool step_fused = ((FORM >> 6) & 1) == 1;
+  // the forms (`form`'s fields, set_forms), each as masks of all ones on the chosen one, so that
+  // the choice is a select the loops vectorise: the vector second moment's three, the vector
+  // lerp's two, the vector step's two, and the scalar formula's likewise
+  uint32_t vv[3], vm[2], vp[2], sv[3], sm[2], sp[2];
 };
 
 // `form`: bits 0-1 the vector second moment (0: fma(c g, g, v b2); 1: fma(v, b2, c g g); 2:
@@ -56,30 +44,15 @@ struct VectorForm {
 // (as bits 0-1), bit 5 the scalar lerp (0: fused; 1: not), bit 6 the vector step (0: the decayed
 // master plus the step; 1: fma(p, decay, step)), bit 7 the scalar step (as bit 6)
 void set_forms(Step& s, int form) {
-  for (int k = 0; k < 3; ++k) s.sv[k] = ((form >> 3) & 3) == k ? ~0u : 0u;
-  for (int k = 0; k < 2; ++k) {
-    s.sm[k] = ((form >> 5) & 1) == k ? ~0u : 0u;
-    s.sp[k] = ((form >> 7) & 1) == k ? ~0u : 0u;
+  for (int k = 0; k < 3; ++k) {
+    s.vv[k] = (form & 3) == k ? ~0u : 0u;
+    s.sv[k] = ((form >> 3) & 3) == k ? ~0u : 0u;
   }
-}
-
-// `fn(VectorForm<F>{})` for the vector form `form` names (its bits 0-2 and 6; 3 second moments x
-// 2 lerps x 2 steps)
-template <typename Fn>
-void with_vector_form(int form, Fn fn) {
-  switch (form & 0b1000111) {
-    case 0: return fn(VectorForm<0>{});
-    case 1: return fn(VectorForm<1>{});
-    case 2: return fn(VectorForm<2>{});
-    case 4: return fn(VectorForm<4>{});
-    case 5: return fn(VectorForm<5>{});
-    case 6: return fn(VectorForm<6>{});
-    case 64: return fn(VectorForm<64>{});
-    case 65: return fn(VectorForm<65>{});
-    case 66: return fn(VectorForm<66>{});
-    case 68: return fn(VectorForm<68>{});
-    case 69: return fn(VectorForm<69>{});
-    default: return fn(VectorForm<70>{});
+  for (int k = 0; k < 2; ++k) {
+    s.vm[k] = ((form >> 2) & 1) == k ? ~0u : 0u;
+    s.sm[k] = ((form >> 5) & 1) == k ? ~0u : 0u;
+    s.vp[k] = ((form >> 6) & 1) == k ? ~0u : 0u;
+    s.sp[k] = ((form >> 7) & 1) == k ? ~0u : 0u;
   }
 }
 
@@ -118,33 +91,21 @@ inline float pick(const uint32_t* masks, float a, float b, float c) {
   return from_bits((bits(a) & masks[0]) | (bits(b) & masks[1]) | (bits(c) & masks[2]));
 }
 
-// the second moment, v * beta2 + (1 - beta2) * g * g, in form `moment` (0: fma(c g, g, v b2);
-// 1: fma(v, b2, c g g); 2: neither fused)
-template <int moment>
-inline float second_moment(float v, float g, const Step& s) {
-  float cg = s.one_minus_beta2 * g;
-  if constexpr (moment == 0) return std::fma(cg, g, v * s.beta2);
-  else if constexpr (moment == 1) return std::fma(v, s.beta2, cg * g);
-  else return v * s.beta2 + cg * g;
-}
-
-// the second moment in the form `masks` picks (the scalar formula's)
+// the second moment, v * beta2 + (1 - beta2) * g * g, in the form `masks` picks
 inline float second_moment(float v, float g, const Step& s, const uint32_t* masks) {
-  return pick(masks, second_moment<0>(v, g, s), second_moment<1>(v, g, s), second_moment<2>(v, g, s));
+  float cg = s.one_minus_beta2 * g;
+  return pick(masks, std::fma(cg, g, v * s.beta2), std::fma(v, s.beta2, cg * g), v * s.beta2 + cg * g);
 }
 
-// torch's vector formula in form F: the lerp is fmadd(coeff, grad - exp_avg, base) (the base
-// picked by a mask: a select on a scalar flag does not vectorise)
-template <typename F>
+// torch's vector formula: the lerp is fmadd(coeff, grad - exp_avg, base) (the base picked by a
+// mask: a select on a scalar flag does not vectorise)
 inline void vector_update(float& p, float g, float& m, float& v, const Step& s) {
   float base = from_bits((bits(m) & s.from_m) | (bits(g) & ~s.from_m));
-  if constexpr (F::lerp_fused) m = std::fma(s.coeff, g - m, base);
-  else m = s.coeff * (g - m) + base;
-  v = second_moment<F::moment>(v, g, s);
+  m = pick(s.vm, std::fma(s.coeff, g - m, base), s.coeff * (g - m) + base);
+  v = second_moment(v, g, s, s.vv);
   float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
   float step = (-s.step_size) * m / denom;
-  if constexpr (F::step_fused) p = std::fma(p, s.decay, step);
-  else p = p * s.decay + step;
+  p = pick(s.vp, p * s.decay + step, std::fma(p, s.decay, step));
 }
 
 // torch's scalar formula, for the elements past a call's last full vector
@@ -167,24 +128,19 @@ inline uint16_t to_bf16(uint32_t b) {
 constexpr uint32_t SIGN = 0x80000000u;
 constexpr int16_t TIE = -32768;  // a low half halfway between two bf16 values (store.py)
 
-// The scalar formula's place among the forms: a loop compiled with it takes a call's tail.
-struct ScalarForm {};
-
-template <typename F>
-inline void update(float& p, float g, float& m, float& v, const Step& s) {
-  if constexpr (std::is_same_v<F, ScalarForm>) scalar_update(p, g, m, v, s);
-  else vector_update<F>(p, g, m, v, s);
-}
-
-// Elements [from, to) of a whole master in form F (a vector form, or ScalarForm). Plain loops over
-// restrict pointers with the step's constants by value: the compiler vectorises them. The tail's
-// loop is compiled once, not once per vector form.
-template <typename F, typename G>
-void whole_loop(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v, int64_t from,
-                int64_t to, const Step s) {
-  for (int64_t i = from; i < to; ++i) {
+// Elements [0, n) of one thread's range, the vector formula up to `body`. Plain loops over
+// restrict pointers with the step's constants by value: the compiler vectorises them.
+template <typename G>
+void whole_range(float* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+                 int64_t body, const Step s) {
+  for (int64_t i = 0; i < body; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
-    update<F>(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
+    vector_update(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
+    p[i] = pi, m[i] = mi, v[i] = vi;
+  }
+  for (int64_t i = body; i < n; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    scalar_update(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
     p[i] = pi, m[i] = mi, v[i] = vi;
   }
 }
@@ -193,28 +149,34 @@ void whole_loop(float* __restrict p, const G* __restrict g, float* __restrict m,
 // bits, the sign-extended low half added, and 2^16 more where the low half is TIE and exp_avg_sq's
 // sign flags it; the flag is cleared for the update and set again where the new master is a TIE
 // rounded down. Branch-free, so that the loop vectorises.
-template <typename F, typename G>
-void split_loop(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g, float* __restrict m,
-                float* __restrict v, int64_t from, int64_t to, const Step s) {
-  for (int64_t i = from; i < to; ++i) {
-    int16_t lo = low[i];
-    uint32_t vb = bits(v[i]);
-    bool tie = lo == TIE;
-    uint32_t master = (uint32_t(shadow[i]) << 16) + uint32_t(int32_t(lo)) + (tie ? (vb >> 31) << 16 : 0u);
-    vb = tie ? vb & ~SIGN : vb;
-    float pi = from_bits(master), mi = m[i], vi = from_bits(vb);
-    update<F>(pi, grad_at(g, i) * s.grad_scale, mi, vi, s);
-    uint32_t b = bits(pi);
-    uint16_t high = to_bf16(b);
-    int16_t new_low = int16_t(b & 0xFFFFu);
-    uint32_t down = (b & 0xFFFF0000u) == (uint32_t(high) << 16);
-    uint32_t nvb = bits(vi);
-    nvb = new_low == TIE ? (nvb & ~SIGN) | (down << 31) : nvb;
-    shadow[i] = high;
-    low[i] = new_low;
-    m[i] = mi;
-    v[i] = from_bits(nvb);
-  }
+template <bool VECTOR, typename G>
+inline void split_one(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g,
+                      float* __restrict m, float* __restrict v, int64_t i, const Step& s) {
+  int16_t lo = low[i];
+  uint32_t vb = bits(v[i]);
+  bool tie = lo == TIE;
+  uint32_t master = (uint32_t(shadow[i]) << 16) + uint32_t(int32_t(lo)) + (tie ? (vb >> 31) << 16 : 0u);
+  vb = tie ? vb & ~SIGN : vb;
+  float pi = from_bits(master), mi = m[i], vi = from_bits(vb);
+  float gi = grad_at(g, i) * s.grad_scale;
+  if (VECTOR) vector_update(pi, gi, mi, vi, s); else scalar_update(pi, gi, mi, vi, s);
+  uint32_t b = bits(pi);
+  uint16_t high = to_bf16(b);
+  int16_t new_low = int16_t(b & 0xFFFFu);
+  uint32_t down = (b & 0xFFFF0000u) == (uint32_t(high) << 16);
+  uint32_t nvb = bits(vi);
+  nvb = new_low == TIE ? (nvb & ~SIGN) | (down << 31) : nvb;
+  shadow[i] = high;
+  low[i] = new_low;
+  m[i] = mi;
+  v[i] = from_bits(nvb);
+}
+
+template <typename G>
+void split_range(uint16_t* __restrict shadow, int16_t* __restrict low, const G* __restrict g, float* __restrict m,
+                 float* __restrict v, int64_t n, int64_t body, const Step s) {
+  for (int64_t i = 0; i < body; ++i) split_one<true>(shadow, low, g, m, v, i, s);
+  for (int64_t i = body; i < n; ++i) split_one<false>(shadow, low, g, m, v, i, s);
 }
 
 // `fn(lo, hi, body_in_range)` on `threads` threads, each a contiguous range of [0, n), its bounds
@@ -245,19 +207,9 @@ void megatrain_adamw_whole(float* p, const void* grad, float* m, float* v, int64
                            double lr, double beta1, double beta2, double weight_decay, double eps, double grad_scale,
                            int grad_bf16, int threads, int form) {
   const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale, form);
-  with_vector_form(form, [&](auto f) {
-    using F = decltype(f);
-    in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
-      if (grad_bf16) {
-        auto* g = static_cast<const uint16_t*>(grad);
-        whole_loop<F>(p, g, m, v, lo, b, s);
-        whole_loop<ScalarForm>(p, g, m, v, b, hi, s);
-      } else {
-        auto* g = static_cast<const float*>(grad);
-        whole_loop<F>(p, g, m, v, lo, b, s);
-        whole_loop<ScalarForm>(p, g, m, v, b, hi, s);
-      }
-    });
+  in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
+    if (grad_bf16) whole_range(p + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
+    else whole_range(p + lo, static_cast<const float*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
   });
 }
 
@@ -267,19 +219,10 @@ void megatrain_adamw_split(uint16_t* shadow, int16_t* low, const void* grad, flo
                            int64_t body, double step, double lr, double beta1, double beta2, double weight_decay,
                            double eps, double grad_scale, int grad_bf16, int threads, int form) {
   const Step s = make_step(step, lr, beta1, beta2, weight_decay, eps, grad_scale, form);
-  with_vector_form(form, [&](auto f) {
-    using F = decltype(f);
-    in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
-      if (grad_bf16) {
-        auto* g = static_cast<const uint16_t*>(grad);
-        split_loop<F>(shadow, low, g, m, v, lo, b, s);
-        split_loop<ScalarForm>(shadow, low, g, m, v, b, hi, s);
-      } else {
-        auto* g = static_cast<const float*>(grad);
-        split_loop<F>(shadow, low, g, m, v, lo, b, s);
-        split_loop<ScalarForm>(shadow, low, g, m, v, b, hi, s);
-      }
-    });
+  in_parallel(n, body, threads, [&](int64_t lo, int64_t hi, int64_t b) {
+    if (grad_bf16) split_range(shadow + lo, low + lo, static_cast<const uint16_t*>(grad) + lo, m + lo, v + lo,
+                               hi - lo, b - lo, s);
+    else split_range(shadow + lo, low + lo, static_cast<const float*>(grad) + lo, m + lo, v + lo, hi - lo, b - lo, s);
   });
 }
 
