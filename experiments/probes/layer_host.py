@@ -12,7 +12,15 @@ the backward), on the same micro-batch and weights:
   their own time over one more stalled repetition of the three phases, the largest first;
 - idle: one more repetition as the ceiling runs it, traced: the GPU's busy time against its span
   and its idle gaps, each with the kernels around it, the operator and phase that launched the
-  kernel after, and whether that launch came late (the host's gap) or in time (the device's).
+  kernel after, and whether that launch came late (the host's gap) or in time (the device's);
+- ways: one repetition's time measured four ways, medians: `ceiling_ms` Engine.layer_ceiling's own
+  (the host's clock from a synchronize to the next), `synced_ms` the GPU's span of the three phases
+  from an event recorded on the idle GPU (as gpu_ms), `queued_ms` the GPU's time per repetition with
+  the repetitions issued back to back and no synchronize between them, as a step issues its layers
+  (the host ahead of the GPU from the second on), and `kernels_ms` the traced repetition's busy time.
+  ceiling - synced is the host's time around the GPU's span (its first launch, the synchronize's
+  return), synced - queued the GPU's idle while the host catches up after a synchronize, queued -
+  kernels the GPU's idle between kernels that no lead of the host removes.
 
 A phase whose host_ms is near its gpu_ms is bound by its launches: the GPU idles between kernels
 while the host issues them (the ceiling's time beyond the sum of its kernels, layer_kernels.py).
@@ -95,7 +103,20 @@ def measure(engine, index: int, batch: int, seq: int, reps: int) -> dict:
                     with torch.profiler.record_function(f"phase:{name}"):
                         phase()
                 dev.synchronize()
+            # the repetitions back to back, no synchronize between them: an event before each, the
+            # first repetition (from an idle GPU) left out
+            dev.synchronize()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 2)]
+            for mark in marks[:-1]:
+                mark.record()
+                for phase in (forward, recompute, backward):
+                    phase()
+            marks[-1].record()
+            dev.synchronize()
+            queued = [a.elapsed_time(b) for a, b in zip(marks[1:], marks[2:])]
         out = {name: {k: statistics.median(v) for k, v in row.items()} | {"samples": row} for name, row in rows.items()}
+        synced = [sum(rows[name]["gpu_ms"][rep] for name in PHASES) for rep in range(reps)]
+        out["queued"] = {"samples_ms": queued, "synced_samples_ms": synced}
         out["overran_sleep"] = any(overran[1:])
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
         out["host_ops"] = [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops]
@@ -160,8 +181,13 @@ def main() -> None:
     trainer = Trainer(config(args, VARIANTS[variant]), progress=False)
     try:
         phases = measure(trainer.engine, args.layer, args.batch, args.seq, args.reps)
+        ceiling = trainer.engine.layer_ceiling(args.batch, args.seq, args.reps, index=args.layer)
     finally:
         trainer.close()
+    phases["ways"] = {"ceiling_ms": ceiling["seconds"] * 1e3,
+                      "synced_ms": statistics.median(phases["queued"]["synced_samples_ms"]),
+                      "queued_ms": statistics.median(phases["queued"]["samples_ms"]),
+                      "kernels_ms": phases["idle"]["busy_us"] / 1e3}
     result = {"preset": args.preset, "layer": args.layer, "seq": args.seq, "batch": args.batch, "variant": variant,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "phases": phases}
     with open(args.out, "w") as f:
@@ -176,6 +202,7 @@ def main() -> None:
     for g in idle["gaps"][:12]:
         late = "" if g["launched_after_idle_us"] is None else f" launched {g['launched_after_idle_us']:+.0f} us"
         print(f"  gap {g['gap_us']:7.1f} us {g['phase'] or '?':9s} before {g['after'][:40]} ({g['after_op']}){late}")
+    print("one repetition, ms: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in phases["ways"].items()))
     for op in phases["host_ops"][:12]:
         print(f"  {op['self_ms']:7.2f} ms {op['calls']:5d}x {op['name']}")
 
