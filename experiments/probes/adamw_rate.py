@@ -7,6 +7,9 @@ has of updating it, beside the memory bandwidth that bounds them:
   halves) (`engine.optimizer_kernel: compiled`, the engine's default);
 - eager_whole, eager_split: torch's fused AdamW and the passes around it (`optimizer_kernel: eager`);
 - torch_adamw_fused: torch.optim.AdamW(fused=True) on N float32 parameters;
+- candidate_whole, candidate_split (with --candidate SOURCE): the one pass built from another source
+  of host_adamw.cpp (its own cache entry; its build's seconds in `setup_s`), in the same rounds:
+  a change to the kernel against the tree's, measured in one process;
 - stream_copy, stream_triad: torch's a.copy_(b) and torch.add(b, c, alpha=s, out=a) on N floats,
   all threads; STREAM's byte counts (8 and 12 bytes an element, no write-allocate). torch's ops are
   not a tuned STREAM (no streaming stores), so their bandwidth is a floor of the machine's;
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import platform
@@ -51,7 +55,7 @@ from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
-BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
+BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "candidate_whole": 28, "candidate_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
          "stream_copy": 8, "stream_triad": 12, "c_copy": 8, "c_triad": 12, "c_copy_nt": 8, "c_triad_nt": 12}
 STREAM_SOURCE = Path(__file__).with_name("host_stream.cpp")
 
@@ -71,6 +75,27 @@ def stream_library(directory: str) -> tuple[ctypes.CDLL | None, str | None]:
     library.host_stream_triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int,
                                                                    ctypes.c_int]
     return library, None
+
+
+def build_of(source: Path) -> fused_adamw.Build:
+    """fused_adamw.build() of another source of the kernel, the tree's build left the process's."""
+    tree = fused_adamw.SOURCE, fused_adamw._build
+    fused_adamw.SOURCE, fused_adamw._build = source, None
+    try:
+        return fused_adamw.build()
+    finally:
+        fused_adamw.SOURCE, fused_adamw._build = tree
+
+
+def with_build(build: fused_adamw.Build, run):
+    """`run` with `build` as the process's kernel for the call."""
+    def swapped():
+        tree, fused_adamw._build = fused_adamw._build, build
+        try:
+            run()
+        finally:
+            fused_adamw._build = tree
+    return swapped
 
 
 def environment() -> dict:
@@ -103,6 +128,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--extra-flags", default="",
                         help="more compiler flags for the one-pass kernel, after an =: --extra-flags=-mprefer-vector-width=512 (its own build)")
+    parser.add_argument("--candidate", default=None, type=Path,
+                        help="another source of host_adamw.cpp, built and timed beside the tree's (candidate_*)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -113,6 +140,13 @@ def main() -> None:
     build = fused_adamw.build()
     setup = {"one_pass_kernel_s": time.perf_counter() - start, "one_pass_kernel_compiled": build.compiled,
              "one_pass_kernel_error": build.why}
+    candidate = None
+    if args.candidate:
+        start = time.perf_counter()
+        candidate = build_of(args.candidate)
+        setup |= {"candidate_kernel_s": time.perf_counter() - start, "candidate_kernel_compiled": candidate.compiled,
+                  "candidate_kernel_error": candidate.why, "candidate_source": str(args.candidate),
+                  "candidate_sha256": hashlib.sha256(args.candidate.read_bytes()).hexdigest()}
 
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
@@ -141,6 +175,9 @@ def main() -> None:
              "stream_copy": lambda: a.copy_(b), "stream_triad": lambda: torch.add(b, c, alpha=3.0, out=a)}
     if build.why is not None:
         del paths["one_pass_whole"], paths["one_pass_split"]
+    if candidate is not None and candidate.why is None:
+        for layout in ("whole", "split"):
+            paths[f"candidate_{layout}"] = with_build(candidate, tile_update(layout, True))
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
         library, setup["stream_build_error"] = stream_library(directory)
