@@ -7,6 +7,10 @@ has of updating it, beside the memory bandwidth that bounds them:
   halves) (`engine.optimizer_kernel: compiled`, the engine's default);
 - eager_whole, eager_split: torch's fused AdamW and the passes around it (`optimizer_kernel: eager`);
 - torch_adamw_fused: torch.optim.AdamW(fused=True) on N float32 parameters;
+- one_pass_separate: the C++ kernel's whole-master update on torch_adamw_fused's own tensors (the
+  parameters, the gradient and the optimizer's moments, each an allocation of its own), where the
+  tile's arrays share blocks at page-aligned offsets: beside one_pass_whole and eager_whole (torch's
+  kernel on the tile) it says whether a gap to torch's rate is the kernel's or the memory's;
 - candidate_whole, candidate_split (with --candidate SOURCE): the one pass built from another source
   of host_adamw.cpp (its own cache entry; its build's seconds in `setup_s`), in the same rounds:
   a change to the kernel against the tree's, measured in one process;
@@ -55,7 +59,7 @@ from megatrain.config import OptimConfig
 from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
-BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "candidate_whole": 28, "candidate_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
+BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "one_pass_separate": 28, "candidate_whole": 28, "candidate_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28,
          "stream_copy": 8, "stream_triad": 12, "c_copy": 8, "c_triad": 12, "c_copy_nt": 8, "c_triad_nt": 12}
 STREAM_SOURCE = Path(__file__).with_name("host_stream.cpp")
 
@@ -173,8 +177,16 @@ def main() -> None:
              "eager_whole": tile_update("whole", False), "eager_split": tile_update("split", False),
              "torch_adamw_fused": torch_adamw.step,
              "stream_copy": lambda: a.copy_(b), "stream_triad": lambda: torch.add(b, c, alpha=3.0, out=a)}
+    torch_adamw.step()  # its moments, made by the first step
+    moments = torch_adamw.state[params]
+
+    def separate():
+        step["k"] += 1
+        fused_adamw.update(grad, moments["exp_avg"], moments["exp_avg_sq"], step["k"], lr, cfg.weight_decay, cfg,
+                           master=params.data)
+    paths["one_pass_separate"] = separate
     if build.why is not None:
-        del paths["one_pass_whole"], paths["one_pass_split"]
+        del paths["one_pass_whole"], paths["one_pass_split"], paths["one_pass_separate"]
     if candidate is not None and candidate.why is None:
         for layout in ("whole", "split"):
             paths[f"candidate_{layout}"] = with_build(candidate, tile_update(layout, True))
