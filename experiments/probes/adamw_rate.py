@@ -32,8 +32,15 @@ passes: the one pass 28 either layout, torch's 28; eager split about 48, the joi
 their searches for ties around torch's 28).
 Prints a line per path; --out writes the JSON (config, environment, samples, medians).
 
+The default N is a Qwen2.5-7B layer's tile (233,057,792 parameters). A power of two is not a length
+to measure at: on the 2-core CPU machine, at 2^26, 2^27 and 2^28 every update of the tile's arrays
+(the moments one block, each array page-aligned), torch's own kernel among them, ran at 0.61-0.81 of
+torch's fused AdamW on allocations of its own (the kernel on those 0.88-1.04), and at 0.73-1.04 one
+to seventeen pages longer (`results/cpu-bench/probes/adamw_alias/`); no preset's layer has such a
+length.
+
 On the GPU host (16 cores, under 3 minutes):
-    PYTHONPATH=. python experiments/probes/adamw_rate.py --n 268435456 --out adamw_rate.json
+    PYTHONPATH=. python experiments/probes/adamw_rate.py --out adamw_rate.json
 On the 2-core CPU machine: --n 16777216. The arithmetic alone, on data a core's caches hold:
 --n 262144 --threads 1 --rounds 30. --extra-flags=-mprefer-vector-width=512 builds the kernel with more compiler flags (after an =).
 """
@@ -127,7 +134,8 @@ def openmp_libraries() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=1 << 28, help="elements of the tile (default 2^28)")
+    parser.add_argument("--n", type=int, default=233_057_792,
+                        help="elements of the tile (default a Qwen2.5-7B layer's, 233,057,792)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--extra-flags", default="",
