@@ -67,7 +67,8 @@ from megatrain.shapes import ParamSpec
 from megatrain.store import Layout, Tile
 
 BYTES = {"one_pass_whole": 28, "one_pass_split": 28, "one_pass_separate": 28, "candidate_whole": 28,
-         "candidate_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28, "stream_copy": 8, "stream_triad": 12, "c_copy": 8, "c_triad": 12, "c_copy_nt": 8, "c_triad_nt": 12}
+         "candidate_split": 28, "eager_whole": 28, "eager_split": 48, "torch_adamw_fused": 28, "stream_copy": 8,
+         "stream_triad": 12, "c_copy": 8, "c_triad": 12, "c_copy_nt": 8, "c_triad_nt": 12}
 STREAM_SOURCE = Path(__file__).with_name("host_stream.cpp")
 
 
