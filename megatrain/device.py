@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import warnings
 
 import torch
@@ -22,32 +21,6 @@ class _NoEvent:
 
     def query(self) -> bool:
         return True
-
-
-class _HostMark:
-    """A point on the host clock: on the CPU every op has run by the time the host reaches it."""
-
-    def __init__(self):
-        self.at = 0.0
-
-    def record(self, stream=None) -> None:
-        self.at = time.perf_counter()
-
-    def seconds_to(self, later: _HostMark) -> float:
-        return later.at - self.at
-
-
-class _DeviceMark:
-    """A point on a stream: its time is the device's when the stream reaches it."""
-
-    def __init__(self):
-        self.event = torch.cuda.Event(enable_timing=True)
-
-    def record(self, stream=None) -> None:
-        self.event.record(stream)
-
-    def seconds_to(self, later: _DeviceMark) -> float:
-        return self.event.elapsed_time(later.event) / 1e3
 
 
 def grow_expandable_segments() -> None:
@@ -98,11 +71,6 @@ class Device:
 
     def event(self):
         return torch.cuda.Event() if self.is_cuda else _NoEvent()
-
-    def mark(self) -> _HostMark | _DeviceMark:
-        """A timer's mark, recorded on a stream (`record(stream)`), and the seconds from it to a later
-        one (`seconds_to`): the device's clock on a GPU, the host's on the CPU."""
-        return _DeviceMark() if self.is_cuda else _HostMark()
 
     def record(self, stream) -> object:
         """An event marking everything issued so far on `stream`."""

@@ -408,18 +408,14 @@ class Engine:
         it and the host's updates done (their threads would compete with the launching one). The
         rate layer streaming can at best reach. `keep_attention`: the forward keeps the attention's
         output and the recompute reuses it, as a layer that keeps its attention does (where this
-        run's layers can: keep_attention_layers > 0).
-        The repetitions run back to back, as a step's layers do: no synchronize between them, so
-        from the second on the host issues ahead of the device, as in a step. A repetition's time
-        runs from a mark on the compute stream before it to the mark before the next (the device's
-        clock on a GPU); the first, which starts from an idle device, is left out; the median."""
+        run's layers can: keep_attention_layers > 0)."""
         dev = self.dev
         root_only = self.s.checkpoint_every == 1
-        marks = [dev.mark() for _ in range(reps + 2)]
+        times = []
         with self.ceiling_inputs(batch_size, seq_len, index) as (w, x0, dy, ctx), dev.on(dev.compute):
-            dev.synchronize()
-            for mark in marks[:-1]:
-                mark.record(dev.compute)
+            for _ in range(reps + 1):
+                dev.synchronize()
+                start = time.perf_counter()
                 keeping = kept_attention.keeping() if keep_attention else contextlib.nullcontext([])
                 with torch.no_grad(), keeping as kept:
                     self._layer(index, w, x0, ctx)
@@ -427,9 +423,9 @@ class Engine:
                     x, leaves, out, _ = self._graph(index, w, x0, ctx, root_only=root_only)
                 torch.autograd.grad(out, [x, *leaves], dy)
                 del x, leaves, out
-            marks[-1].record(dev.compute)
-            dev.synchronize()
-        seconds = statistics.median([a.seconds_to(b) for a, b in zip(marks[1:], marks[2:])])
+                dev.synchronize()
+                times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:])
         flops = model_flops(self.shape.layer_matmul_params(index), self.shape.attention([index]), [seq_len] * batch_size)
         return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": seq_len * batch_size}
 
