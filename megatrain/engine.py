@@ -409,19 +409,10 @@ class Engine:
         rate layer streaming can at best reach. `keep_attention`: the forward keeps the attention's
         output and the recompute reuses it, as a layer that keeps its attention does (where this
         run's layers can: keep_attention_layers > 0)."""
-        self.optimizer.flush()
-        dev, unit = self.dev, self.layer_units[index]
-        self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
-        self.streamer.start([unit])
-        w = self.streamer.acquire()
-        gen = torch.Generator(device=dev.torch).manual_seed(0)
-        shape = (batch_size, seq_len, self.shape.hidden)
-        x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
-        dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
-        ctx = self._context(x0, Batch(torch.empty(batch_size, seq_len, dtype=torch.long), None))
+        dev = self.dev
         root_only = self.s.checkpoint_every == 1
         times = []
-        with dev.on(dev.compute):
+        with self.ceiling_inputs(batch_size, seq_len, index) as (w, x0, dy, ctx), dev.on(dev.compute):
             for _ in range(reps + 1):
                 dev.synchronize()
                 start = time.perf_counter()
@@ -434,10 +425,28 @@ class Engine:
                 del x, leaves, out
                 dev.synchronize()
                 times.append(time.perf_counter() - start)
-        self.streamer.release()
         seconds = statistics.median(times[1:])
         flops = model_flops(self.shape.layer_matmul_params(index), self.shape.attention([index]), [seq_len] * batch_size)
         return {"seconds": seconds, "model_tflops": flops / seconds / 1e12, "tokens": seq_len * batch_size}
+
+    @contextlib.contextmanager
+    def ceiling_inputs(self, batch_size: int, seq_len: int, index: int = 0):
+        """What a ceiling runs layer `index` on: its weights resident (loaded as a step of its own,
+        the host's updates done first), random hidden states and output gradient of one micro-batch
+        (seeded), and the micro-batch's context."""
+        self.optimizer.flush()
+        dev = self.dev
+        self.timeline.begin_step()  # its one load is timed as a step of its own (before any step too)
+        self.streamer.start([self.layer_units[index]])
+        w = self.streamer.acquire()
+        try:
+            gen = torch.Generator(device=dev.torch).manual_seed(0)
+            shape = (batch_size, seq_len, self.shape.hidden)
+            x0 = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
+            dy = torch.randn(shape, generator=gen, device=dev.torch, dtype=self.dtype)
+            yield w, x0, dy, self._context(x0, Batch(torch.empty(batch_size, seq_len, dtype=torch.long), None))
+        finally:
+            self.streamer.release()
 
     # ------------------------------------------------------------------ pieces
     def _graph(self, index: int, weights: list[torch.Tensor], x: torch.Tensor, ctx: _Context,
