@@ -21,11 +21,13 @@ Where no vector form is, the kernel is not used (`probe` says why); where no sca
 2.11's AVX-512 build on the H200 host), the elements past a call's last full vector, fewer than a
 vector, are updated by torch's fused AdamW itself.
 
-The kernel is plain C++ (OpenMP, -O3 -march=native, vectorised by the compiler) built by the
-machine's C++ compiler into a shared library the first time a process asks for it, and kept in a
-per-user cache (MEGATRAIN_CACHE_DIR, else $XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain),
-named by a hash of its source, its flags, torch's version and the CPU's (a second process loads it
-and runs no compiler; the build takes 1.5-3.5 s on the 2-core CPU machine). It is called through
+The kernel is C++ (OpenMP, -O3 -march=native): a loop per vector form, vectorised by the compiler,
+and where the CPU has AVX-512 BW and DQ a split master's halves joined and split in 16-bit lanes by
+intrinsics. The machine's C++ compiler builds it into a shared library the first time a process asks
+for it, kept in a per-user cache (MEGATRAIN_CACHE_DIR, else $XDG_CACHE_HOME/megatrain, else
+~/.cache/megatrain), named by a hash of its source, its flags, torch's version and the CPU's (a
+second process loads it and runs no compiler; the build takes about 3 s on the 2-core CPU machine,
+7-12 s on the lent H200's host). It is called through
 ctypes, which releases the GIL for the call: it runs on the optimizer worker while the main thread
 launches the GPU's kernels. Without a C++ compiler `probe` says why, and the trainer refuses
 `compiled` by name or, under `auto`, runs the eager update.

@@ -57,13 +57,14 @@ from suite.spec import RunSpec
 OPTIMIZER_BYTES = 4 * 4 + 3 * 4
 SHADOW_BYTES = 2
 # split masters (engine.split_masters): the update's rate over a whole master's, by the host
-# kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 4.086 over
-# 4.113 G params/s on the one-GPU H200 host's 16 threads (results/h200/probes/adamw_rate/master.json);
+# kernel that ran it (experiments/probes/adamw_rate.py): the one C++ pass of both layouts, 4.051 over
+# 4.143 G params/s on the one-GPU H200 host's 16 threads at a 7B layer's tile
+# (results/h200/probes/adamw_split16/tile_7b_merged.json);
 # torch's ops, the only path of split tiles before it, 0.41 of the whole masters' (then with their
 # shadow) on the 2-core CPU machine (0.55 on that H200 host, 0.26 on the four-GPU host's 64 cores):
 # for a machine without a host AdamW probe of its own (`adamw:` in its description), whose rates
 # then time the host kernel (_update_s_per_param)
-SPLIT_RATE = {"compiled": 0.99, "eager": 0.41}
+SPLIT_RATE = {"compiled": 0.98, "eager": 0.41}
 # the layer kernels of the probes that measured each machine's layer rate (layer_tflops), the loss
 # eager and the library's experts, as every point ran before engine.loss_kernel and
 # engine.experts_kernel defaulted to compiled and lean on a GPU
