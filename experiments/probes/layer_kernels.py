@@ -87,12 +87,13 @@ MATMUL_OPS = ("mm", "linear", "matmul", "attention", "flex")  # operators of the
 SITE_FRAMES = ("megatrain/", "transformers/", "torch/nn/functional", "torch/_higher_order_ops")  # the frames named
 
 
-def call_sites(trainer: Trainer, batch: int, seq: int, index: int = 0) -> list[dict]:
-    """The device time of one ceiling repetition by the operator that launched it and that
-    operator's Python call site (its innermost frames in the engine or the library); for the
+def call_sites(trainer: Trainer, batch: int, seq: int, index: int = 0, matmuls: bool = False) -> list[dict]:
+    """The device time of one ceiling repetition by the operator that launched it, its input
+    shapes and its Python call site (its innermost frames in the engine or the library); for the
     backward's operators, which autograd's thread runs without a Python stack, the autograd node
-    whose backward ran them (`autograd: CloneBackward0`: the forward operator's gradient), the matrix
-    products and attention left out: where the rest of the layer's time is spent, op by op."""
+    whose backward ran them (`autograd: CloneBackward0`: the forward operator's gradient). The matrix
+    products and attention left out: where the rest of the layer's time is spent, op by op; or, with
+    `matmuls`, they alone: each product's time by its shapes."""
     cuda = trainer.device.is_cuda
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python stacks: with_stack alone records none
@@ -101,7 +102,7 @@ def call_sites(trainer: Trainer, batch: int, seq: int, index: int = 0) -> list[d
     sites: dict[tuple, dict] = {}
     for e in prof.events():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or not e.name.startswith("aten::") or any(k in e.name for k in MATMUL_OPS):
+        if us <= 0 or not e.name.startswith("aten::") or any(k in e.name for k in MATMUL_OPS) != matmuls:
             continue
         frames = [f for f in e.stack if any(k in f for k in SITE_FRAMES)][:3] or _autograd_node(e)
         row = sites.setdefault((e.name, str(e.input_shapes)[:160], tuple(frames)), {
@@ -147,7 +148,7 @@ def config(args, kernels: dict):
         "data": {"source": "synthetic", "seq_len": args.seq, "batch_size": args.batch}, "steps": 1})
 
 
-def measure(args, kernels: dict, backends: list[str] | None, sites: bool = False) -> dict:
+def measure(args, kernels: dict, backends: list[str] | None, sites: bool = False, matmul_sites: bool = False) -> dict:
     """The ceilings and the kernel breakdown of one layer built with `kernels`; for the first variant
     (`backends` not None) also each SDPA backend's of `backends` and, where the layer can keep its
     attention (on a GPU), the ceiling of the layer that does (keep_attention)."""
@@ -167,6 +168,8 @@ def measure(args, kernels: dict, backends: list[str] | None, sites: bool = False
         breakdown = kernel_breakdown(trainer, args.batch, args.seq, args.layer)
         if sites:
             breakdown["call_sites"] = call_sites(trainer, args.batch, args.seq, args.layer)
+        if matmul_sites:
+            breakdown["matmul_sites"] = call_sites(trainer, args.batch, args.seq, args.layer, matmuls=True)
     finally:
         trainer.close()
     device = str(trainer.device.torch)
@@ -199,6 +202,8 @@ def main() -> None:
                    help='the model config\'s overrides beside one layer, as JSON, e.g. \'{"max_position_embeddings": 524288}\'')
     p.add_argument("--sites", action="store_true",
                    help="also each variant's non-matmul, non-attention time by operator and call site (a profile with stacks)")
+    p.add_argument("--matmul-sites", action="store_true",
+                   help="also each variant's matrix products and attention by operator, input shapes and call site")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = [b for b in args.backends.split(",") if b]
@@ -221,7 +226,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "variants": runs}
     for i, v in enumerate(variants):  # written after each: a run cut short keeps what it measured
-        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else None, args.sites)
+        runs[v] = measure(args, VARIANTS[v], backends if i == 0 else None, args.sites, args.matmul_sites)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for kernel, run in runs.items():
@@ -232,7 +237,7 @@ def main() -> None:
         total = sum(run["seconds_by_kind"].values())
         for k, sec in run["seconds_by_kind"].items():
             print(f"{kernel:6s} {k:15s} {sec * 1e3:8.1f} ms  {sec / total:5.1%}")
-        for site in run.get("call_sites", [])[:15]:
+        for site in run.get("call_sites", [])[:15] + run.get("matmul_sites", [])[:15]:
             print(f"{kernel:6s} {site['seconds'] * 1e3:6.2f} ms {site['calls']:3d}x {site['op']:28s} "
                   f"{site['shapes'][:60]:60s} {' < '.join(f.split('/')[-1] for f in site['site'][:2])}")
 

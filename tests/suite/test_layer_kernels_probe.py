@@ -1,6 +1,6 @@
 """experiments/probes/layer_kernels.py on the CPU, in this process (a check of the probe, not a
 measurement): with --sites each variant's non-matmul time comes by operator and Python call site, or
-for the backward's operators the autograd node that ran them."""
+for the backward's operators the autograd node that ran them; with --matmul-sites the products'."""
 from __future__ import annotations
 
 import json
@@ -26,6 +26,21 @@ def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, 
     # the backward's, run by autograd's thread without a Python stack, carry the node that ran them
     assert any(frame.startswith("autograd: ") and frame.endswith("Backward0") for s in sites for frame in s["site"]), sites
     assert "aten::" in capsys.readouterr().out
+
+
+def test_matmul_sites_list_the_products_by_their_shapes(tmp_path, monkeypatch):
+    """--matmul-sites: the matrix products alone, each with its input shapes (the layer's projections)."""
+    out = tmp_path / "layer.json"
+    monkeypatch.setattr(layer_kernels, "TOP", 1 << 20)
+    monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-qwen2", "--seq", "32", "--batch", "2",
+                                      "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
+                                      "--matmul-sites", "--out", str(out)])
+    layer_kernels.main()
+    run = json.loads(out.read_text())["variants"]["eager"]
+    assert "call_sites" not in run
+    sites = run["matmul_sites"]
+    assert sites and all(any(k in s["op"] for k in layer_kernels.MATMUL_OPS) and s["seconds"] > 0 for s in sites)
+    assert any(s["op"] == "aten::mm" and "[64, " in s["shapes"] for s in sites), sites  # 2 x 32 tokens' rows
 
 
 def test_the_layer_picked_is_measured(tmp_path, monkeypatch):
