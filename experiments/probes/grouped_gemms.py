@@ -17,7 +17,10 @@ out), Qwen3-MoE and Mixtral (experts, out, in)):
     wgrad   rows^T x the output's gradient, each expert's    (the weight's gradient; K is the rows)
 Weight-gradient layouts: `engine` (F.grouped_mm(rows.t(), grad): both operands with the rows
 strided, as autograd's and _DownCombine's), `swapped` (grad^T x rows, transposed back), `loop`
-(torch.mm per expert, the offsets read on the host: a reference, not a path without a sync). The
+(torch.mm per expert, the offsets read on the host: a reference, not a path without a sync).
+With --autotune, each grouped product also built by torch.compile in max-autotune mode
+(`*_autotuned`: inductor times torch's grouped GEMM against its Triton templates and takes the
+fastest; its AUTOTUNE tables go to stderr), its largest difference from torch's own. The
 operands copied so that the rows run contiguous are no layout for these counts: torch's grouped
 GEMM asserts on the device that each group's extent along a contiguous dynamic dimension is a
 multiple of 16 bytes.
@@ -52,8 +55,13 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def autotuned(product):
+    """`product` (tensors in, one tensor out) built by torch.compile's max-autotune."""
+    return torch.compile(product, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
+
+
 def products(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: torch.Tensor,
-             bounds: list[int], gen: torch.Generator, reps: int) -> dict:
+             bounds: list[int], gen: torch.Generator, reps: int, autotune: bool = False) -> dict:
     """The three products of one projection; `weight` stacked (experts, in, out) if `transposed`,
     else (experts, out, in)."""
     w = weight if transposed else weight.transpose(-2, -1)  # (experts, in, out) either way, as a view
@@ -88,13 +96,23 @@ def products(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: t
         "wgrad_loop": loop,
         "wgrad_dense": lambda: torch.mm(x.t(), grad),
     }
+    if autotune:
+        fwd = autotuned(lambda a, b, o: F.grouped_mm(a, b, offs=o))
+        wgrad = autotuned(lambda a, b, o: F.grouped_mm(a.t(), b, offs=o) if transposed
+                          else F.grouped_mm(b.t(), a, offs=o).transpose(-2, -1))
+        forms.update({"fwd_autotuned": lambda: fwd(x, w, offsets),
+                      "dgrad_autotuned": lambda: fwd(grad, w.transpose(-2, -1), offsets),
+                      "wgrad_autotuned": lambda: wgrad(x, grad, offsets)})
+    eager = {"fwd": forms["fwd"], "dgrad": forms["dgrad"], "wgrad": engine_wgrad}
     want = engine_wgrad().float()
     report = {"rows": rows, "in": n_in, "out": n_out, "gflop": flops / 1e9}
     for name, fn in forms.items():
         ms = timed(fn, reps)
         entry = {"ms": ms, "tflops": flops / ms / 1e9}
-        if name.startswith("wgrad") and not name.endswith("dense"):
+        if name.startswith("wgrad") and not name.endswith(("dense", "autotuned")):
             entry["max_diff"] = (fn().float() - want).abs().max().item()
+        if name.endswith("autotuned"):
+            entry["max_diff"] = (fn().float() - eager[name.split("_")[0]]().float()).abs().max().item()
         report[name] = entry
         print(f"  {name:22s} {ms:7.3f} ms {entry['tflops']:7.1f} TFLOP/s", flush=True)
     return report
@@ -105,6 +123,7 @@ def main() -> None:
     p.add_argument("--preset", default="gpt-oss-20b")
     p.add_argument("--tokens", type=int, default=8 * 4096)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--autotune", action="store_true", help="also each grouped product by torch.compile's max-autotune")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     hf = load_hf_config(ModelConfig(preset=a.preset), cuda=True)
@@ -129,7 +148,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, rows, n_in, n_out in (("up", x, hf.hidden_size, 2 * width), ("down", h, width, hf.hidden_size)):
         print(f"{a.preset} {name}: {rows.shape[0]} rows, {n_in} -> {n_out}", flush=True)
-        report[name] = products(rows, stack(n_in, n_out), transposed, offsets, bounds, gen, a.reps)
+        report[name] = products(rows, stack(n_in, n_out), transposed, offsets, bounds, gen, a.reps, a.autotune)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)
