@@ -5,9 +5,11 @@ a dense GEMM of the same FLOPs beside each.
 
 The rows are a layer's picks at `--tokens` tokens routed top-k among the preset's experts at random
 (uniform scores, so the experts' counts vary as a random router's do). Per product: milliseconds a
-call (CUDA events, the median of --reps after a warm-up) and TFLOP/s at its 2 x rows x in x out
-FLOPs; per weight-gradient layout the largest difference from the engine's layout (the same sums,
-perhaps in another order).
+call and TFLOP/s at its 2 x rows x in x out FLOPs, the calls issued back to back as a layer issues
+them (CUDA events around each of ROUNDS rounds of --reps / ROUNDS calls after a warm-up: the median
+round, and the rounds' range over it as `spread`, which on the H200 reached 3-40% with the GPU's
+clock moving under these random operands); per weight-gradient layout the largest difference from
+the engine's layout (the same sums, perhaps in another order).
 
 Products, for each projection (`up`: hidden -> the gate and up halves, or the up alone; `down`:
 expert width -> hidden) with the weights stacked as the library stacks them (GPT-OSS (experts, in,
@@ -40,19 +42,25 @@ from megatrain.config import ModelConfig
 from megatrain.shapes import load_hf_config
 
 
-def timed(fn, reps: int) -> float:
-    """Milliseconds a call: the median of `reps` CUDA-event timings after a warm-up."""
+ROUNDS = 5
+
+
+def timed(fn, reps: int) -> list[float]:
+    """Milliseconds a call in each of ROUNDS rounds of `reps` / ROUNDS calls back to back, after a
+    warm-up."""
     for _ in range(3):
         fn()
+    calls = max(1, reps // ROUNDS)
     times = []
-    for _ in range(reps):
+    for _ in range(ROUNDS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        times.append(start.elapsed_time(end) / calls)
+    return times
 
 
 def autotuned(product):
@@ -107,8 +115,9 @@ def products(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: t
     want = engine_wgrad().float()
     report = {"rows": rows, "in": n_in, "out": n_out, "gflop": flops / 1e9}
     for name, fn in forms.items():
-        ms = timed(fn, reps)
-        entry = {"ms": ms, "tflops": flops / ms / 1e9}
+        rounds = timed(fn, reps)
+        ms = statistics.median(rounds)
+        entry = {"ms": ms, "spread": (max(rounds) - min(rounds)) / ms, "tflops": flops / ms / 1e9}
         if name.startswith("wgrad") and not name.endswith(("dense", "autotuned")):
             entry["max_diff"] = (fn().float() - want).abs().max().item()
         if name.endswith("autotuned"):
