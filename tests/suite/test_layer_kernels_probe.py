@@ -9,16 +9,21 @@ import sys
 from experiments.probes import layer_kernels
 
 
-def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, capsys):
+def eager_tiny_qwen2(tmp_path, monkeypatch, flag: str) -> dict:
+    """The probe's eager variant of a tiny Qwen2 layer on the CPU with `flag`, every site kept (which
+    rank in the top TOP by their time depends on the machine's load: on a loaded CPU no backward
+    operator ranked there)."""
     out = tmp_path / "layer.json"
-    # every site kept: which rank in the top TOP by their time depends on the machine's load (on a
-    # loaded CPU no backward operator ranked there)
     monkeypatch.setattr(layer_kernels, "TOP", 1 << 20)
     monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-qwen2", "--seq", "32", "--batch", "2",
                                       "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
-                                      "--sites", "--out", str(out)])
+                                      flag, "--out", str(out)])
     layer_kernels.main()
-    sites = json.loads(out.read_text())["variants"]["eager"]["call_sites"]
+    return json.loads(out.read_text())["variants"]["eager"]
+
+
+def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, capsys):
+    sites = eager_tiny_qwen2(tmp_path, monkeypatch, "--sites")["call_sites"]
     assert sites and all(s["op"].startswith("aten::") and s["seconds"] > 0 for s in sites)
     assert not [s["op"] for s in sites if any(k in s["op"] for k in layer_kernels.MATMUL_OPS)]
     # the forward's operators carry their callers (the profiler records no Python stack unless told)
@@ -30,13 +35,7 @@ def test_call_sites_name_the_operators_and_their_callers(tmp_path, monkeypatch, 
 
 def test_matmul_sites_list_the_products_by_their_shapes(tmp_path, monkeypatch):
     """--matmul-sites: the matrix products alone, each with its input shapes (the layer's projections)."""
-    out = tmp_path / "layer.json"
-    monkeypatch.setattr(layer_kernels, "TOP", 1 << 20)
-    monkeypatch.setattr(sys, "argv", ["layer_kernels.py", "--preset", "tiny-qwen2", "--seq", "32", "--batch", "2",
-                                      "--device", "cpu", "--reps", "1", "--backends", "", "--variants", "eager",
-                                      "--matmul-sites", "--out", str(out)])
-    layer_kernels.main()
-    run = json.loads(out.read_text())["variants"]["eager"]
+    run = eager_tiny_qwen2(tmp_path, monkeypatch, "--matmul-sites")
     assert "call_sites" not in run
     sites = run["matmul_sites"]
     assert sites and all(any(k in s["op"] for k in layer_kernels.MATMUL_OPS) and s["seconds"] > 0 for s in sites)
