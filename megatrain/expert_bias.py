@@ -13,7 +13,9 @@ row, its bias row from the cache) read the unbiased rows and the biases:
   gradient before the router's weight (`through`, lean_experts._DownCombine), that weight applied
   and rounded as the weighting's backward rounds it, and each row's <through, h> (h the gate's
   output, computed again from the rows as the forward computes it), the router weight's gradient's
-  term: the gate's output gradient is never written;
+  term, and h times the router's weight, which the down projection's weight's gradient takes in
+  place of the weighted gradient: the gate's output gradient is never written, nor h kept from the
+  forward;
 - `combine`: each token's rows, biased, weighted by the router and summed (its backward, which
   reads no row, is the lean experts': lean_experts._DownCombine);
 - `expert_sums`: each expert's rows summed, the biases' gradients.
@@ -67,11 +69,11 @@ if triton is not None:
                  mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _backward_kernel(y_ptr, b_ptr, ids_ptr, t_ptr, w_ptr, dy_ptr, dots_ptr, rows, width, limit, alpha,
+    def _backward_kernel(y_ptr, b_ptr, ids_ptr, t_ptr, w_ptr, dy_ptr, dots_ptr, hw_ptr, rows, width, limit, alpha,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """From `through` (t) and each row's router weight (w): the gate's output gradient t w,
-        rounded to the rows' dtype, taken back through the gate into dy; and the tile's part of
-        each row's <t, h>, float32, into dots (rows, column blocks)."""
+        rounded to the rows' dtype, taken back through the gate into dy; the tile's part of each
+        row's <t, h>, float32, into dots (rows, column blocks); and h w, rounded, into hw."""
         r, c, c2, rmask, cmask, c2mask = _tiles(tl.program_id(0), tl.program_id(1), rows, width, BLOCK_R, BLOCK_C)
         gate, up = _biased(y_ptr, b_ptr, ids_ptr, r, c2, rmask, c2mask, width, BLOCK_R, BLOCK_C)
         t = tl.load(t_ptr + r.to(tl.int64)[:, None] * width + c[None, :], mask=rmask[:, None] & cmask[None, :],
@@ -84,6 +86,8 @@ if triton is not None:
         h = ((u + 1) * (g * sig)).to(t.dtype).to(tl.float32)
         tl.store(dots_ptr + r.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), tl.sum(t.to(tl.float32) * h, axis=1),
                  mask=rmask)
+        tl.store(hw_ptr + r.to(tl.int64)[:, None] * width + c[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
         d_gate = tl.where(gate <= limit, d * (u + 1) * sig * (1 + alpha * g * (1 - sig)), 0.0)  # clamp passes where it did not clip
         d_up = tl.where((up >= -limit) & (up <= limit), d * g * sig, 0.0)
         dy = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_C))
@@ -99,9 +103,11 @@ if triton is not None:
         return (y.to(tl.float32) + b.to(tl.float32)).to(y.dtype).to(tl.float32)
 
     @triton.jit
-    def _expert_sums_kernel(rows_ptr, ends_ptr, out_ptr, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _expert_sums_kernel(rows_ptr, w_ptr, ends_ptr, out_ptr, width, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
         """Expert program_id(0)'s rows (between the previous expert's end and its own) summed over a
-        block of columns, in float32, a block of rows a step: the same order on every run."""
+        block of columns, in float32, a block of rows a step: the same order on every run. WEIGHTED:
+        each row times its weight (w), rounded to the rows' dtype, before the sum."""
         e = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < width
@@ -112,6 +118,8 @@ if triton is not None:
             r = r0 + tl.arange(0, BLOCK_R)
             x = tl.load(rows_ptr + r.to(tl.int64)[:, None] * width + c[None, :],
                         mask=(r < end)[:, None] & cmask[None, :], other=0.0)
+            if WEIGHTED:
+                x = (x.to(tl.float32) * tl.load(w_ptr + r, mask=r < end, other=0.0).to(tl.float32)[:, None]).to(x.dtype)
             total += tl.sum(x.to(tl.float32), axis=0)
         tl.store(out_ptr + e.to(tl.int64) * width + c, total.to(out_ptr.dtype.element_ty), mask=cmask)
 
@@ -133,20 +141,25 @@ if triton is not None:
         tl.store(out_ptr + t64[:, None] * width + c[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def expert_sums(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def expert_sums(rows: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Each expert's rows summed (rows in expert order, `counts` of them each), float32 inside: a
-    bias's gradient. Where the kernels run, a program per expert and block of columns adds its rows
-    block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
+    bias's gradient. With `row_weights`, each row times its weight first, rounded to the rows'
+    dtype (the weighted rows, never written). Where the kernels run, a program per expert and block
+    of columns adds its rows block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
     on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
     are the routing's own counts: checking them reads two device values on the host, a wait for the
     device in every layer's backward), over float32 rows (it adds in the rows' dtype: bf16 sums of
     500 rows parted from the exact by 3%)."""
     if not runs(rows):
+        if row_weights is not None:
+            rows = (rows.float() * row_weights.float().unsqueeze(-1)).to(rows.dtype)
         return torch.segment_reduce(rows.float(), "sum", lengths=counts, axis=0, unsafe=True).to(rows.dtype)
     width = rows.shape[1]
     out = rows.new_empty(counts.numel(), width)
+    weighted = row_weights is not None
     _expert_sums_kernel[(counts.numel(), triton.cdiv(width, SUM_C))](
-        rows, counts.cumsum(0), out, width, BLOCK_R=SUM_R, BLOCK_C=SUM_C)
+        rows, row_weights.contiguous() if weighted else rows, counts.cumsum(0), out, width, WEIGHTED=weighted,
+        BLOCK_R=SUM_R, BLOCK_C=SUM_C)
     return out
 
 
@@ -170,17 +183,20 @@ def gate(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, limit: float, a
 
 
 def gate_backward(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, through: torch.Tensor,
-                  row_weights: torch.Tensor, limit: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  row_weights: torch.Tensor, limit: float, alpha: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gate`'s inputs and, from the down projection, each row's gradient through it before the
-    router's weight (`through`, rows x w) and that weight -> y's gradient, and each row's
-    <through, gate's output> in float32."""
+    router's weight (`through`, rows x w) and that weight -> y's gradient, each row's
+    <through, gate's output> in float32, and the gate's output times the row's weight (rows x w,
+    rounded once: the down projection's weight's gradient takes it, so the forward keeps no output)."""
     rows, width = y.shape[0], y.shape[1] // 2
     d_y = torch.empty_like(y)
+    h_w = through.new_empty(rows, width)
     grid = triton.cdiv(rows, BACK_R), triton.cdiv(width, BLOCK_C)
     dots = torch.empty(rows, grid[1], dtype=torch.float32, device=y.device)
-    _backward_kernel[grid](y, bias.contiguous(), ids, through.contiguous(), row_weights.contiguous(), d_y, dots, rows,
-                           width, limit, alpha, BLOCK_R=BACK_R, BLOCK_C=BLOCK_C)
-    return d_y, dots.sum(dim=1)
+    _backward_kernel[grid](y, bias.contiguous(), ids, through.contiguous(), row_weights.contiguous(), d_y, dots, h_w,
+                           rows, width, limit, alpha, BLOCK_R=BACK_R, BLOCK_C=BLOCK_C)
+    return d_y, dots.sum(dim=1), h_w
 
 
 def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch.Tensor,

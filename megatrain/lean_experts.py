@@ -106,7 +106,15 @@ def _grad_rows_biased(grad: torch.Tensor, tokens: torch.Tensor, row_weights: tor
 
 _compiled_sum_picks, _compiled_combine = compiled(_sum_picks), compiled(_combine)
 _compiled_grad_rows, _compiled_grad_inputs = compiled(_grad_rows), compiled(_grad_inputs)
-_compiled_grad_rows_biased = compiled(_grad_rows_biased)
+def _rows_biased(grad: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's gradient (expert order), its token's, and that dotted with its expert's bias
+    (float32): _grad_rows_biased without the weighted rows."""
+    rows = grad[tokens]
+    return rows, (rows.float() * bias[ids].float()).sum(dim=-1)
+
+
+_compiled_grad_rows_biased, _compiled_rows_biased = compiled(_grad_rows_biased), compiled(_rows_biased)
 
 
 class _ToExperts(torch.autograd.Function):
@@ -137,20 +145,22 @@ class _DownCombine(torch.autograd.Function):
 
     With `gate` (GPT-OSS's clamped gate's constants, where expert_bias's kernels run) the input is
     the up projection's rows before their bias (`up_bias`) and the gate, h made from them here, and
-    the backward takes u back through the gate in one pass (expert_bias.gate_backward): h's gradient
-    is never written. Keeps those rows too (the gate's own input)."""
+    the backward takes u back through the gate in one pass (expert_bias.gate_backward), which makes
+    h again, times each row's weight, for the weight's gradient: h w g where the library takes
+    h (g w), each product rounded once. Keeps those rows (the gate's own input), not h, and where
+    nothing reads the output makes no h at all: the gate's forward pass is left out too."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                 counts: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor,
                 inv: torch.Tensor, transposed: bool, up_bias: torch.Tensor | None = None,
                 gate: tuple[float, float] | None = None) -> torch.Tensor:
-        h = x if gate is None else expert_bias.gate(x, up_bias, ids, *gate)
-        ctx.save_for_backward(h, weight, bias, ids, counts, offsets, weights, perm, inv,
+        ctx.save_for_backward(x if gate is None else None, weight, bias, ids, counts, offsets, weights, perm, inv,
                               *((None, None) if gate is None else (x, up_bias)))
         ctx.transposed, ctx.gate = transposed, gate
         if unread():
-            return h.new_empty(weights.shape[0], weight.shape[2 if transposed else 1])
+            return x.new_empty(weights.shape[0], weight.shape[2 if transposed else 1])
+        h = x if gate is None else expert_bias.gate(x, up_bias, ids, *gate)
         y = _grouped_linear(h, weight, offsets, is_transposed=transposed)
         picks = inv.view(weights.shape)
         if bias is None:
@@ -164,15 +174,18 @@ class _DownCombine(torch.autograd.Function):
         h, weight, bias, ids, counts, offsets, weights, perm, inv, x, up_bias = ctx.saved_tensors
         k = weights.shape[-1]
         row_weights = weights.reshape(-1)[perm]
-        if bias is None:
+        if ctx.gate is not None:  # the rows' gradient unweighted alone: the weight is h's (gate_backward)
+            rows, bias_dots = _compiled_rows_biased(grad.contiguous(), perm // k, bias, ids)
+        elif bias is None:
             rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
         else:
             rows, weighted, bias_dots = _compiled_grad_rows_biased(grad.contiguous(), perm // k, row_weights, bias, ids)
         through = _grouped_mm(rows, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
         if ctx.gate is None:
             d_x, dots = _compiled_grad_inputs(through, h, row_weights)
-        else:
-            d_x, dots = expert_bias.gate_backward(x, up_bias, ids, through, row_weights, *ctx.gate)
+        else:  # h w from the gate's backward: the weight's gradient below as (h w)^T g
+            d_x, dots, h = expert_bias.gate_backward(x, up_bias, ids, through, row_weights, *ctx.gate)
+            weighted = rows
         d_weight = None
         if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w), as autograd's
             d_weight = F.grouped_mm(h.t(), weighted, offs=offsets) if ctx.transposed \
@@ -180,7 +193,9 @@ class _DownCombine(torch.autograd.Function):
         d_bias = None
         if bias is not None:
             dots = dots + bias_dots
-            d_bias = expert_bias.expert_sums(weighted, counts) if ctx.needs_input_grad[2] else None
+            if ctx.needs_input_grad[2]:
+                d_bias = expert_bias.expert_sums(rows, counts, row_weights) if ctx.gate is not None \
+                    else expert_bias.expert_sums(weighted, counts)
         d_weights = dots[inv].view(weights.shape).to(weights.dtype)
         d_up_bias = expert_bias.expert_sums(d_x, counts) if ctx.gate is not None and ctx.needs_input_grad[10] else None
         return d_x, d_weight, d_bias, None, None, None, d_weights, None, None, None, d_up_bias, None

@@ -259,9 +259,10 @@ class ModelShape:
         # one, the compiled product not the activation; a mixture of experts' grouped experts keep,
         # per pick, the gathered input and the output (2 h), about 7 of the expert's width and the
         # routing's indices (18 bf16 elements), the lean ones with their compiled gate (a GPU's
-        # default) the gathered input, the gate's input and output (3 of the width) and three int64
-        # indices (12 bf16 elements, 13 with the experts' counts and offsets): saved-tensor hooks on
-        # GPT-OSS and Qwen3-MoE experts (tests/engine/test_lean_experts.py); DeepSeek's shared experts
+        # default) the gathered input, the gate's input and output (3 of the width; GPT-OSS's on a GPU
+        # not the output, which their backward makes again: one width less than counted) and three
+        # int64 indices (12 bf16 elements, 13 with the experts' counts and offsets): saved-tensor hooks
+        # on GPT-OSS and Qwen3-MoE experts (tests/engine/test_lean_experts.py); DeepSeek's shared experts
         # (a dense MLP, the library's) beside them
         expert_ffn = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
         shared = (getattr(c, "n_shared_experts", None) or 0) * expert_ffn if self.experts else 0

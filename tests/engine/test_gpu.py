@@ -3,6 +3,7 @@ the streaming switches (buffers, slabs, K, checkpoint offload, layers kept from 
 kept for the recompute) change the schedule but not one bit of the numerics."""
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -701,6 +702,50 @@ def test_embedding_rows_add_in_one_order_on_the_gpu(cuda_only):
     assert ((runs[0].double() - exact).abs() <= bound).all()
 
 
+def _gpt_oss_expert_rows():
+    """GPT-OSS's experts' rows at its expert width (2880, which no column block divides), 1031 tokens
+    (which no row block divides) routed to 4 of 8 experts, bf16: the routing (sorted expert ids,
+    counts, offsets, permutation and its inverse), the up projection's unbiased rows, its bias, the
+    down projection (experts, in, out: GPT-OSS's transposed layout), its bias, the router's weights,
+    the output's gradient, and the gate's constants."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, width, tokens, k = 8, 2880, 1031, 4
+    top = torch.rand(tokens, experts, generator=gen, device="cuda").topk(k)
+    ids, perm = torch.sort(top.indices.reshape(-1))
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device="cuda")
+    counts = torch.bincount(ids, minlength=experts)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    bf16 = lambda *shape: (4 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    tensors = (bf16(ids.numel(), 2 * width), bf16(experts, 2 * width), bf16(experts, width, width) / 64,
+               bf16(experts, width), top.values.softmax(-1).to(torch.bfloat16))
+    return (ids, counts, offsets, perm, inv), tensors, bf16(tokens, width), (7.0, 1.702)
+
+
+def test_gpt_oss_experts_with_an_unread_output_leave_the_gate_out_on_the_gpu(cuda_only, monkeypatch):
+    """Where nothing reads the experts' output (a recomputed block's last layer: unread_mlp.py), GPT-OSS's
+    experts on the GPU run neither the down projection's GEMM nor the gate's forward kernel (the
+    backward makes the gate's output again), and their gradients are those of the run that reads
+    the output, to the bit."""
+    from megatrain import expert_bias, lean_experts
+    from megatrain.unread_mlp import output_unused
+    routing, tensors, g_out, gate = _gpt_oss_expert_rows()
+    ids, counts, offsets, perm, inv = routing
+    ran = []
+    monkeypatch.setattr(expert_bias, "gate", lambda *a, gate=expert_bias.gate: ran.append(1) or gate(*a))
+    grads = []
+    for unused in (False, True):
+        y1, b1, w_down, b2, w = (t.clone().requires_grad_() for t in tensors)
+        ran.clear()
+        with output_unused() if unused else contextlib.nullcontext():
+            out = lean_experts._DownCombine.apply(y1, w_down, b2, ids, counts, offsets, w, perm, inv, True, b1, gate)
+        assert len(ran) == (0 if unused else 1)
+        torch.autograd.backward(out, g_out)
+        grads.append((y1.grad, b1.grad, w_down.grad, b2.grad, w.grad))
+    for read, unread in zip(*grads):
+        assert torch.equal(read, unread)
+
+
 def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatch):
     """GPT-OSS's biases and gate inside the kernels around them (expert_bias.py: the up projection's
     bias in the clamped gate's kernels, the gate's backward in one pass from the down projection's
@@ -711,30 +756,16 @@ def test_expert_bias_is_the_lean_experts_passes_on_the_gpu(cuda_only, monkeypatc
     rounding of the compiled passes' (each takes float32 inside; their sigmoids and sums may part in
     the last place), the biases', weights' and down projection's gradients (sums) as close."""
     from megatrain import expert_bias, lean_experts
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    experts, width, tokens, k, limit, alpha = 8, 2880, 1031, 4, 7.0, 1.702
-    top = torch.rand(tokens, experts, generator=gen, device="cuda").topk(k)
-    ids, perm = torch.sort(top.indices.reshape(-1))
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device="cuda")
-    counts = torch.bincount(ids, minlength=experts)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    rows = ids.numel()
-    weights = top.values.softmax(-1).to(torch.bfloat16)
-    bf16 = lambda *shape: (4 * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
-    y_up, b_up, b_down = bf16(rows, 2 * width), bf16(experts, 2 * width), bf16(experts, width)
-    down = bf16(experts, width, width) / 64  # (experts, in, out): GPT-OSS's transposed layout
-    g_out = bf16(tokens, width)
+    routing, (y_up, b_up, down, b_down, weights), g_out, gate = _gpt_oss_expert_rows()
     results = []
     for fused in (False, True):
         monkeypatch.setattr(expert_bias, "runs", lambda rows, fused=fused: fused)
         y1, b1, w_down, b2, w = (t.clone().requires_grad_() for t in (y_up, b_up, down, b_down, weights))
+        ids, counts, offsets, perm, inv = routing
         if fused:
-            out = lean_experts._DownCombine.apply(y1, w_down, b2, ids, counts, offsets, w, perm, inv, True, b1,
-                                                  (limit, alpha))
+            out = lean_experts._DownCombine.apply(y1, w_down, b2, ids, counts, offsets, w, perm, inv, True, b1, gate)
         else:
-            h = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped",
-                                         limit, alpha)
+            h = lean_experts._Gate.apply(lean_experts._ExpertBias.apply(y1, b1, ids, counts, True), "clamped", *gate)
             out = lean_experts._DownCombine.apply(h, w_down, b2, ids, counts, offsets, w, perm, inv, True)
         out.backward(g_out)
         results.append((out, y1.grad, b1.grad, w_down.grad, b2.grad, w.grad))
@@ -789,12 +820,14 @@ def test_rows_gathered_into_expert_order_are_torchs_on_the_gpu(cuda_only, width)
 def test_the_memory_plan_counts_what_the_experts_keep_on_the_gpu(cuda_only, preset, width):
     """As on the CPU (test_lean_experts.py), with the GPU's kernels (GPT-OSS's biases inside Triton
     kernels, expert_bias.py): the lean experts keep within mlp_kept_compiled's count a pick and less
-    than one element below it, the library's within mlp_kept's."""
+    than one element below it, the library's within mlp_kept's; GPT-OSS's keep one expert's width
+    less than the count (the gate's output, which their backward makes again)."""
     from tests.engine.test_lean_experts import kept_per_pick
     shape, kept = kept_per_pick(preset, width, "cuda")
     k = shape.top_k
     assert kept[False] <= shape.mlp_kept / k
-    assert shape.mlp_kept_compiled / k - 1 < kept[True] <= shape.mlp_kept_compiled / k
+    count = shape.mlp_kept_compiled / k - (width if preset == "tiny-gpt-oss" else 0)
+    assert count - 1 < kept[True] <= count
 
 
 @pytest.mark.parametrize("width", [5760, 2880])
