@@ -17,7 +17,9 @@ row, its bias row from the cache) read the unbiased rows and the biases:
   place of the weighted gradient: the gate's output gradient is never written, nor h kept from the
   forward;
 - `combine`: each token's rows, biased, weighted by the router and summed (its backward, which
-  reads no row, is the lean experts': lean_experts._DownCombine);
+  reads no row, is the lean experts': lean_experts._DownCombine); `rows_and_bias_dots`: that
+  backward's rows, each its token's gradient, gathered with each one's <g, b> (the router weight's
+  gradient's bias term);
 - `expert_sums`: each expert's rows summed, the biases' gradients.
 The biased rows are never written. The arithmetic: each bias added and rounded to the rows' dtype
 as the library's add rounds it, the rest in float32, rounded once, as the compiled passes do (equal
@@ -28,6 +30,8 @@ On the CPU (and where Triton is not installed) `runs` is False: the lean experts
 from __future__ import annotations
 
 import torch
+
+from megatrain import gather_rows
 
 try:
     import triton
@@ -93,6 +97,23 @@ if triton is not None:
         dy = tl.reshape(tl.join(d_gate, d_up), (BLOCK_R, 2 * BLOCK_C))
         tl.store(dy_ptr + r.to(tl.int64)[:, None] * (2 * width) + c2[None, :], dy.to(dy_ptr.dtype.element_ty),
                  mask=rmask[:, None] & c2mask[None, :])
+
+    @triton.jit
+    def _rows_dots_kernel(g_ptr, tokens_ptr, b_ptr, ids_ptr, out_ptr, dots_ptr, rows, width,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Each row its token's gradient (g[tokens]), copied, and the tile's part of the row's
+        <g, its expert's bias>, float32, into dots (rows, column blocks)."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = r < rows
+        mask = rmask[:, None] & (c < width)[None, :]
+        t = tl.load(tokens_ptr + r, mask=rmask, other=0).to(tl.int64)
+        e = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+        g = tl.load(g_ptr + t[:, None] * width + c[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * width + c[None, :], g, mask=mask)
+        b = tl.load(b_ptr + e[:, None] * width + c[None, :], mask=mask, other=0.0)
+        tl.store(dots_ptr + r.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
+                 tl.sum(g.to(tl.float32) * b.to(tl.float32), axis=1), mask=rmask)
 
     @triton.jit
     def _row_bias(y_ptr, b_ptr, ids_ptr, p, c, mask, tmask, width):
@@ -197,6 +218,20 @@ def gate_backward(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, throug
     _backward_kernel[grid](y, bias.contiguous(), ids, through.contiguous(), row_weights.contiguous(), d_y, dots, h_w,
                            rows, width, limit, alpha, BLOCK_R=BACK_R, BLOCK_C=BLOCK_C)
     return d_y, dots.sum(dim=1), h_w
+
+
+def rows_and_bias_dots(grad: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's gradient, its token's (grad[tokens], rows in expert order: a copy, torch's bits),
+    and that dotted with its expert's bias (`ids` each row's expert), float32: the router weight's
+    gradient's bias term, in the pass that gathers the rows."""
+    rows, width = tokens.numel(), grad.shape[1]
+    out = grad.new_empty(rows, width)
+    grid = triton.cdiv(rows, gather_rows.ROWS), triton.cdiv(width, gather_rows.COLUMNS)
+    dots = torch.empty(rows, grid[1], dtype=torch.float32, device=grad.device)
+    _rows_dots_kernel[grid](grad, tokens, bias.contiguous(), ids, out, dots, rows, width,
+                            BLOCK_R=gather_rows.ROWS, BLOCK_C=gather_rows.COLUMNS, num_warps=gather_rows.WARPS)
+    return out, dots.sum(dim=1)
 
 
 def combine(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, picks: torch.Tensor,

@@ -106,15 +106,7 @@ def _grad_rows_biased(grad: torch.Tensor, tokens: torch.Tensor, row_weights: tor
 
 _compiled_sum_picks, _compiled_combine = compiled(_sum_picks), compiled(_combine)
 _compiled_grad_rows, _compiled_grad_inputs = compiled(_grad_rows), compiled(_grad_inputs)
-def _rows_biased(grad: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's gradient (expert order), its token's, and that dotted with its expert's bias
-    (float32): _grad_rows_biased without the weighted rows."""
-    rows = grad[tokens]
-    return rows, (rows.float() * bias[ids].float()).sum(dim=-1)
-
-
-_compiled_grad_rows_biased, _compiled_rows_biased = compiled(_grad_rows_biased), compiled(_rows_biased)
+_compiled_grad_rows_biased = compiled(_grad_rows_biased)
 
 
 class _ToExperts(torch.autograd.Function):
@@ -175,7 +167,7 @@ class _DownCombine(torch.autograd.Function):
         k = weights.shape[-1]
         row_weights = weights.reshape(-1)[perm]
         if ctx.gate is not None:  # the rows' gradient unweighted alone: the weight is h's (gate_backward)
-            rows, bias_dots = _compiled_rows_biased(grad.contiguous(), perm // k, bias, ids)
+            rows, bias_dots = expert_bias.rows_and_bias_dots(grad.contiguous(), perm // k, bias, ids)
         elif bias is None:
             rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
         else:

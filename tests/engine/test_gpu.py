@@ -850,6 +850,21 @@ def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+def test_rows_and_bias_dots_gather_the_rows_and_dot_them_on_the_gpu(cuda_only):
+    """expert_bias.rows_and_bias_dots on the GPU (GPT-OSS's width, 2880, which no column block divides;
+    1031 x 4 rows, which no row block divides): the rows are torch's index to the bit, each row's dot
+    with its expert's bias within float32 summation of the exact."""
+    from megatrain import expert_bias
+    routing, (_, _, _, b_down, _), g_out, _ = _gpt_oss_expert_rows()
+    ids, _, _, perm, _ = routing
+    tokens = perm // 4
+    rows, dots = expert_bias.rows_and_bias_dots(g_out, tokens, b_down, ids)
+    assert torch.equal(rows, g_out[tokens])
+    products = g_out[tokens].double() * b_down[ids].double()
+    bound = g_out.shape[1] * 2**-24 * products.abs().sum(-1)
+    assert ((dots.double() - products.sum(-1)).abs() <= bound).all()
+
+
 def test_flex_kernel_options_keep_the_numbers_to_the_bit_on_the_gpu(cuda_only):
     """flex_kernel.OPTIONS on the GPU, as the library's flex attention takes them: at a shape of
     GPT-OSS's heads (8 query and 2 key-value heads of 64, bf16, 2 x 512 tokens: four of flex
