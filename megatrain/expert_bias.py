@@ -166,8 +166,8 @@ def expert_sums(rows: torch.Tensor, counts: torch.Tensor, row_weights: torch.Ten
     """Each expert's rows summed (rows in expert order, `counts` of them each), float32 inside: a
     bias's gradient. With `row_weights`, each row times its weight first, rounded to the rows'
     dtype (the weighted rows, never written). Where the kernels run, a program per expert and block
-    of columns adds its rows block by block (torch's segment sum took 0.6 ms for either of GPT-OSS-20B's at 8 x 4096 tokens
-    on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
+    of columns adds its rows block by block (torch's segment sum took 0.6 ms for either of
+    GPT-OSS-20B's at 8 x 4096 tokens on the H200, 2.4 and 1.3 TB/s); elsewhere torch's segment sum, told its lengths are valid (they
     are the routing's own counts: checking them reads two device values on the host, a wait for the
     device in every layer's backward), over float32 rows (it adds in the rows' dtype: bf16 sums of
     500 rows parted from the exact by 3%)."""

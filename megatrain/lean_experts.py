@@ -179,7 +179,7 @@ class _DownCombine(torch.autograd.Function):
             d_x, dots, h = expert_bias.gate_backward(x, up_bias, ids, through, row_weights, *ctx.gate)
             weighted = rows
         d_weight = None
-        if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w), as autograd's
+        if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w) as autograd's, or (h w)^T g
             d_weight = F.grouped_mm(h.t(), weighted, offs=offsets) if ctx.transposed \
                 else F.grouped_mm(weighted.t(), h, offs=offsets)
         d_bias = None
