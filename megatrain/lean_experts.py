@@ -166,8 +166,10 @@ class _DownCombine(torch.autograd.Function):
         h, weight, bias, ids, counts, offsets, weights, perm, inv, x, up_bias = ctx.saved_tensors
         k = weights.shape[-1]
         row_weights = weights.reshape(-1)[perm]
+        d_bias = None
         if ctx.gate is not None:  # the rows' gradient unweighted alone: the weight is h's (gate_backward)
-            rows, bias_dots = expert_bias.rows_and_bias_dots(grad.contiguous(), perm // k, bias, ids)
+            rows, bias_dots, d_bias = expert_bias.rows_and_bias_dots(grad.contiguous(), perm // k, bias, counts,
+                                                                      row_weights, sums=ctx.needs_input_grad[2])
         elif bias is None:
             rows, weighted = _compiled_grad_rows(grad.contiguous(), perm // k, row_weights)
         else:
@@ -175,21 +177,20 @@ class _DownCombine(torch.autograd.Function):
         through = _grouped_mm(rows, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
         if ctx.gate is None:
             d_x, dots = _compiled_grad_inputs(through, h, row_weights)
+            d_up_bias = None
         else:  # h w from the gate's backward: the weight's gradient below as (h w)^T g
-            d_x, dots, h = expert_bias.gate_backward(x, up_bias, ids, through, row_weights, *ctx.gate)
+            d_x, dots, h, d_up_bias = expert_bias.gate_backward(x, up_bias, counts, through, row_weights, *ctx.gate,
+                                                                sums=ctx.needs_input_grad[10])
             weighted = rows
         d_weight = None
         if ctx.needs_input_grad[1]:  # the weight's gradient, each expert's rows: h^T (g w) as autograd's, or (h w)^T g
             d_weight = F.grouped_mm(h.t(), weighted, offs=offsets) if ctx.transposed \
                 else F.grouped_mm(weighted.t(), h, offs=offsets)
-        d_bias = None
         if bias is not None:
             dots = dots + bias_dots
-            if ctx.needs_input_grad[2]:
-                d_bias = expert_bias.expert_sums(rows, counts, row_weights) if ctx.gate is not None \
-                    else expert_bias.expert_sums(weighted, counts)
+            if ctx.needs_input_grad[2] and ctx.gate is None:
+                d_bias = expert_bias.expert_sums(weighted, counts)
         d_weights = dots[inv].view(weights.shape).to(weights.dtype)
-        d_up_bias = expert_bias.expert_sums(d_x, counts) if ctx.gate is not None and ctx.needs_input_grad[10] else None
         return d_x, d_weight, d_bias, None, None, None, d_weights, None, None, None, d_up_bias, None
 
 

@@ -18,6 +18,7 @@ largest error against float64 sums (the gather and the gate: whether it is the e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -34,6 +35,11 @@ GATHERS = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (4, 1024, 8), (
 
 GATES = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 64, 8), (32, 128, 8),
          (64, 64, 8), (4, 256, 4), (16, 256, 8)]
+# the backward's kernels, a chunk of one expert's rows by a block of columns: rows a chunk, rows a step, columns, warps
+BACKWARDS = [(128, 8, 64, 4), (256, 8, 64, 4), (512, 8, 64, 4), (1024, 8, 64, 4), (2048, 8, 64, 4), (512, 8, 64, 2),
+             (512, 8, 64, 8), (128, 16, 64, 8), (512, 4, 128, 4), (1024, 4, 128, 4), (512, 4, 64, 2), (512, 16, 64, 8)]
+ROWS_DOTS = [(128, 16, 128, 4), (256, 16, 128, 4), (512, 16, 128, 4), (1024, 16, 128, 4), (2048, 16, 128, 4),
+             (512, 32, 128, 4), (512, 8, 256, 4), (1024, 8, 256, 4), (512, 16, 64, 4), (512, 16, 128, 8)]
 
 
 def gather(x: torch.Tensor, idx: torch.Tensor, block_r: int, block_c: int, warps: int) -> torch.Tensor:
@@ -44,84 +50,26 @@ def gather(x: torch.Tensor, idx: torch.Tensor, block_r: int, block_c: int, warps
     return out
 
 
-def gate(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, through: torch.Tensor | None, limit: float,
-         alpha: float, block_r: int, block_c: int, warps: int, weights: torch.Tensor | None = None):
-    """expert_bias's gate forward (through None: the gate's output) or backward (from the down
-    projection's input gradient before the router's `weights`: y's gradient and each row's
-    <through, h>)."""
+def gate(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, limit: float, alpha: float, block_r: int,
+         block_c: int, warps: int) -> torch.Tensor:
+    """expert_bias's gate forward at another launch shape."""
     rows, width = y.shape[0], y.shape[1] // 2
-    grid = (-(-rows // block_r), -(-width // block_c))
-    if through is None:
-        out = y.new_empty(rows, width)
-        expert_bias._forward_kernel[grid](y, bias, ids, out, rows, width, limit, alpha, BLOCK_R=block_r,
-                                          BLOCK_C=block_c, num_warps=warps)
-        return out
-    out = torch.empty_like(y)
-    dots = torch.empty(rows, grid[1], dtype=torch.float32, device=y.device)
-    expert_bias._backward_kernel[grid](y, bias, ids, through, weights, out, dots, rows, width, limit, alpha,
-                                       BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return out, dots.sum(dim=1)
+    out = y.new_empty(rows, width)
+    expert_bias._forward_kernel[(-(-rows // block_r), -(-width // block_c))](
+        y, bias, ids, out, rows, width, limit, alpha, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
 
 
-# the gate's backward a block of whole rows a program, its columns in a loop: each row's <through, h> summed in
-# registers (no partial sums written, no sum after); rows, columns a step, warps
-ROW_GATES = [(1, 1024, 4), (2, 512, 4), (4, 256, 4), (2, 1024, 8), (4, 512, 8), (8, 256, 8)]
-
-if expert_bias.triton is not None:
-    tl = expert_bias.tl
-
-    @expert_bias.triton.jit
-    def _gate_backward_rows(y_ptr, b_ptr, ids_ptr, t_ptr, w_ptr, dy_ptr, dots_ptr, rows, limit, alpha,
-                            width: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-        """expert_bias._backward_kernel's arithmetic over whole rows: dy, and each row's <t, h> in dots (rows);
-        the width a constant (the kernels are built for fixed widths, kernel_build.py)."""
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        rmask = r < rows
-        r64 = r.to(tl.int64)
-        e = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
-        w = tl.load(w_ptr + r, mask=rmask, other=0.0).to(tl.float32)
-        acc = tl.zeros((ROWS,), dtype=tl.float32)
-        for start in range(0, width, BLOCK_C):
-            c = start + tl.arange(0, BLOCK_C)
-            c2 = 2 * start + tl.arange(0, 2 * BLOCK_C)
-            mask = rmask[:, None] & (c < width)[None, :]
-            mask2 = rmask[:, None] & (c2 < 2 * width)[None, :]
-            y = tl.load(y_ptr + r64[:, None] * (2 * width) + c2[None, :], mask=mask2, other=0.0)
-            b = tl.load(b_ptr + e[:, None] * (2 * width) + c2[None, :], mask=mask2, other=0.0)
-            x = (y.to(tl.float32) + b.to(tl.float32)).to(y.dtype).to(tl.float32)
-            gate, up = tl.split(tl.reshape(x, (ROWS, BLOCK_C, 2)))
-            t = tl.load(t_ptr + r64[:, None] * width + c[None, :], mask=mask, other=0.0)
-            d = (t.to(tl.float32) * w[:, None]).to(t.dtype).to(tl.float32)
-            g = tl.minimum(gate, limit)
-            u = tl.minimum(tl.maximum(up, -limit), limit)
-            sig = tl.sigmoid(g * alpha)
-            h = ((u + 1) * (g * sig)).to(t.dtype).to(tl.float32)
-            acc += tl.sum(t.to(tl.float32) * h, axis=1)
-            d_gate = tl.where(gate <= limit, d * (u + 1) * sig * (1 + alpha * g * (1 - sig)), 0.0)
-            d_up = tl.where((up >= -limit) & (up <= limit), d * g * sig, 0.0)
-            dy = tl.reshape(tl.join(d_gate, d_up), (ROWS, 2 * BLOCK_C))
-            tl.store(dy_ptr + r64[:, None] * (2 * width) + c2[None, :], dy.to(dy_ptr.dtype.element_ty), mask=mask2)
-        tl.store(dots_ptr + r, acc, mask=rmask)
-
-
-def gate_rows(y: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, through: torch.Tensor, limit: float,
-              alpha: float, rows_a: int, block_c: int, warps: int, weights: torch.Tensor):
-    """The gate's backward by `_gate_backward_rows`: y's gradient and each row's <through, h>."""
-    rows, width = y.shape[0], y.shape[1] // 2
-    out = torch.empty_like(y)
-    dots = torch.empty(rows, dtype=torch.float32, device=y.device)
-    _gate_backward_rows[(-(-rows // rows_a),)](y, bias, ids, through, weights, out, dots, rows, limit, alpha,
-                                               width=width, ROWS=rows_a, BLOCK_C=block_c, num_warps=warps)
-    return out, dots
-
-
-def same(got, want) -> dict:
-    """The gate's output, or its backward's y gradient, against the engine's launch shape's: to the
-    bit; the backward's row sums (their order depends on the column blocks): the largest relative error."""
+def same(got, want, exact: tuple = (), close: tuple = ()) -> dict:
+    """A result against the engine's launch shape's: a tensor, or the tuple's `exact` places, to the
+    bit; its `close` (name, place) float32 sums (each row's dots, whose order depends on the column
+    blocks; the biases' gradients, on the chunks) by the largest error against the largest."""
     if isinstance(want, torch.Tensor):
         return {"same": torch.equal(got, want)}
-    return {"same": torch.equal(got[0], want[0]),
-            "dots_rel_error": ((got[1] - want[1]).abs().max() / want[1].abs().max()).item()}
+    row = {"same": all(torch.equal(got[i], want[i]) for i in exact)}
+    for name, i in close:
+        row[f"{name}_rel_error"] = ((got[i].float() - want[i].float()).abs().max() / want[i].float().abs().max()).item()
+    return row
 
 
 def run(forms: dict, reps: int, check) -> dict:
@@ -204,25 +152,39 @@ def main() -> None:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
         with torch.device("meta"):
             library = GptOssExperts(hf)
+        limit, alpha = library.limit, library.alpha
         width = hf.intermediate_size
         y = torch.randn(ids.numel(), 2 * width, generator=gen, device="cuda").to(torch.bfloat16) * 4
         bias = torch.randn(experts, 2 * width, generator=gen, device="cuda").to(torch.bfloat16)
         d = torch.randn(ids.numel(), width, generator=gen, device="cuda").to(torch.bfloat16)
-        report["gate_default"] = [expert_bias.BLOCK_R, expert_bias.BLOCK_C]
-        moved = {"forward": ids.numel() * 3 * width * 2, "backward": ids.numel() * (5 * width * 2 + 4)}
         weights = torch.rand(ids.numel(), generator=gen, device="cuda").to(torch.bfloat16)  # the router weights, by row
-        for way, grad in (("forward", None), ("backward", d)):
-            want = gate(y, bias, ids, grad, library.limit, library.alpha, expert_bias.BLOCK_R, expert_bias.BLOCK_C, 4,
-                        weights)
-            forms = {f"gate_{way}_{r}x{c}_w{w}": lambda r=r, c=c, w=w, grad=grad: gate(
-                y, bias, ids, grad, library.limit, library.alpha, r, c, w, weights) for r, c, w in GATES}
-            if grad is not None:
-                forms.update({f"gate_backward_rows_{r}x{c}_w{w}": lambda r=r, c=c, w=w: gate_rows(
-                    y, bias, ids, d, library.limit, library.alpha, r, c, w, weights) for r, c, w in ROW_GATES})
-            report[f"gate_{way}"] = run(forms, a.reps, lambda got, want=want: same(got, want))
-            for v in report[f"gate_{way}"].values():
+        report["gate_default"] = [expert_bias.BLOCK_R, expert_bias.BLOCK_C]
+        want = gate(y, bias, ids, limit, alpha, expert_bias.BLOCK_R, expert_bias.BLOCK_C, 4)
+        report["gate_forward"] = run({f"gate_forward_{r}x{c}_w{w}": lambda r=r, c=c, w=w: gate(
+            y, bias, ids, limit, alpha, r, c, w) for r, c, w in GATES}, a.reps, lambda got: same(got, want))
+        # the backward: y's gradient and h w written, y and the gradient through the down projection read;
+        # with the bias's gradient summed in the pass, or by expert_sums after it (the rows read again)
+        report["gate_backward_default"] = list(expert_bias.BACKWARD)
+        backward = functools.partial(expert_bias.gate_backward, y, bias, counts, d, weights, limit, alpha)
+        forms = {f"gate_backward_{'x'.join(map(str, s))}": lambda s=s: backward(sums=True, shape=s) for s in BACKWARDS}
+        forms["gate_backward_then_sums"] = lambda: (lambda out: (*out[:3], expert_bias.expert_sums(out[0], counts)))(
+            backward(sums=False))
+        want = backward(sums=True)
+        report["gate_backward"] = run(forms, a.reps, lambda got: same(got, want, (0, 2), (("dots", 1), ("sums", 3))))
+        moved = ids.numel() * (6 * width * 2 + 4)
+        # the backward's rows: each its token's gradient gathered (written), with its bias dot and the down bias's sum
+        g = torch.randn(a.tokens, hf.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        b_down = torch.randn(experts, hf.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        report["rows_dots_default"] = list(expert_bias.ROWS_DOTS)
+        rows_dots = functools.partial(expert_bias.rows_and_bias_dots, g, perm // k, b_down, counts, weights)
+        forms = {f"rows_dots_{'x'.join(map(str, s))}": lambda s=s: rows_dots(sums=True, shape=s) for s in ROWS_DOTS}
+        want = rows_dots(sums=True)
+        report["rows_dots"] = run(forms, a.reps, lambda got: same(got, want, (0,), (("dots", 1), ("sums", 2))))
+        for key, size in (("gate_forward", ids.numel() * 3 * width * 2), ("gate_backward", moved),
+                          ("rows_dots", ids.numel() * hf.hidden_size * 2)):
+            for v in report[key].values():
                 if "ms" in v:
-                    v["gb_per_s_moved"] = moved[way] / v["ms"] / 1e6
+                    v["gb_per_s_moved" if key != "rows_dots" else "gb_per_s_written"] = size / v["ms"] / 1e6
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

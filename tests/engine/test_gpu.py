@@ -850,19 +850,71 @@ def test_expert_sums_kernel_sums_each_experts_rows_on_the_gpu(cuda_only, width):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_rows_and_bias_dots_gather_the_rows_and_dot_them_on_the_gpu(cuda_only):
+def _sums_within_rounding(got: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, experts: int) -> bool:
+    """Each expert's sum of its rows (bf16) within float32 summation and one bf16 rounding of the exact."""
+    exact = torch.zeros(experts, rows.shape[1], dtype=torch.float64, device="cuda").index_add_(0, ids, rows.double())
+    size = torch.zeros_like(exact).index_add_(0, ids, rows.double().abs())
+    counts = torch.bincount(ids, minlength=experts).unsqueeze(1)
+    return bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 + counts * 2**-24 * size).all())
+
+
+# experts with no rows, one, a few and thousands: chunks that end inside an expert's rows, and experts with none
+SKEWED = [0, 1, 37, 0, 4096, 3, 1000, 0]
+
+
+@pytest.mark.parametrize("shape", [None, (64, 8, 64, 4), (16, 4, 128, 4)])
+def test_rows_and_bias_dots_gather_the_rows_and_dot_them_on_the_gpu(cuda_only, shape):
     """expert_bias.rows_and_bias_dots on the GPU (GPT-OSS's width, 2880, which no column block divides;
-    1031 x 4 rows, which no row block divides): the rows are torch's index to the bit, each row's dot
-    with its expert's bias within float32 summation of the exact."""
+    experts of no rows to thousands, at its launch shape and others): the rows are torch's index to
+    the bit, each row's dot with its expert's bias within float32 summation of the exact, each
+    expert's weighted rows' sum (the down bias's gradient) within float32 summation and one bf16
+    rounding of the exact, an expert without rows exactly zero."""
     from megatrain import expert_bias
-    routing, (_, _, _, b_down, _), g_out, _ = _gpt_oss_expert_rows()
-    ids, _, _, perm, _ = routing
-    tokens = perm // 4
-    rows, dots = expert_bias.rows_and_bias_dots(g_out, tokens, b_down, ids)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor(SKEWED, device="cuda")
+    ids = torch.repeat_interleave(torch.arange(len(SKEWED), device="cuda"), counts)
+    g_out = (4 * torch.randn(ids.numel() // 4 + 1, 2880, generator=gen, device="cuda")).to(torch.bfloat16)
+    b_down = torch.randn(len(SKEWED), 2880, generator=gen, device="cuda").to(torch.bfloat16)
+    row_weights = torch.rand(ids.numel(), generator=gen, device="cuda").to(torch.bfloat16)
+    tokens = torch.randint(0, g_out.shape[0], (ids.numel(),), generator=gen, device="cuda")
+    rows, dots, sums = expert_bias.rows_and_bias_dots(g_out, tokens, b_down, counts, row_weights, sums=True,
+                                                      shape=shape)
     assert torch.equal(rows, g_out[tokens])
     products = g_out[tokens].double() * b_down[ids].double()
     bound = g_out.shape[1] * 2**-24 * products.abs().sum(-1)
     assert ((dots.double() - products.sum(-1)).abs() <= bound).all()
+    weighted = (rows.float() * row_weights.float().unsqueeze(-1)).to(torch.bfloat16)
+    assert _sums_within_rounding(sums, weighted, ids, len(SKEWED)) and not sums[counts == 0].any()
+
+
+@pytest.mark.parametrize("shape", [None, (64, 8, 64, 4), (16, 4, 128, 4)])
+def test_gate_backward_takes_every_row_and_sums_each_experts_on_the_gpu(cuda_only, shape):
+    """expert_bias.gate_backward on the GPU over experts of no rows to thousands (its chunks of one
+    expert's rows, at its launch shape and others; GPT-OSS's width): every row's gradient within one
+    bf16 rounding of the compiled passes' arithmetic in torch (a row the schedule missed would be
+    left unwritten), the same bits with and without the sums and at every launch shape, h w within
+    one rounding, each expert's sum of the gradient's rows (the up bias's gradient) within float32
+    summation and one bf16 rounding of the exact, an expert without rows exactly zero."""
+    from megatrain import expert_bias, lean_experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor(SKEWED, device="cuda")
+    ids = torch.repeat_interleave(torch.arange(len(SKEWED), device="cuda"), counts)
+    bf16 = lambda *size: (4 * torch.randn(*size, generator=gen, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    y, bias, through = bf16(ids.numel(), 2 * 2880), bf16(len(SKEWED), 2 * 2880), bf16(ids.numel(), 2880)
+    w = torch.rand(ids.numel(), generator=gen, device="cuda").to(torch.bfloat16)
+    d_y, dots, h_w, sums = expert_bias.gate_backward(y, bias, counts, through, w, 7.0, 1.702, sums=True, shape=shape)
+    alone = expert_bias.gate_backward(y, bias, counts, through, w, 7.0, 1.702, sums=False)
+    assert alone[3] is None and torch.equal(alone[0], d_y) and torch.equal(alone[2], h_w)
+    x = (y.float() + bias[ids].float()).to(torch.bfloat16)
+    want = lean_experts._clamped_gate_grad(x, (through.float() * w.float().unsqueeze(-1)).to(torch.bfloat16), 7.0, 1.702)
+    h = lean_experts._clamped_gate(x.float(), 7.0, 1.702)
+    for got, ref in ((d_y, want), (h_w, (h.to(torch.bfloat16).float() * w.float().unsqueeze(-1)).to(torch.bfloat16))):
+        error = (got.float() - ref.float()).abs()
+        assert (error <= ref.float().abs() * 2**-7).float().mean() > 0.999
+        assert error.max() <= 2 * 2**-7 * ref.float().abs().max()
+    products = through.double() * h.to(torch.bfloat16).double()
+    assert ((dots.double() - products.sum(-1)).abs() <= 2 * 2**-7 * products.abs().sum(-1)).all()
+    assert _sums_within_rounding(sums, d_y, ids, len(SKEWED)) and not sums[counts == 0].any()
 
 
 def test_flex_kernel_options_keep_the_numbers_to_the_bit_on_the_gpu(cuda_only):
