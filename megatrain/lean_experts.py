@@ -139,8 +139,9 @@ class _DownCombine(torch.autograd.Function):
     the up projection's rows before their bias (`up_bias`) and the gate, h made from them here, and
     the backward takes u back through the gate in one pass (expert_bias.gate_backward), which makes
     h again, times each row's weight, for the weight's gradient: h w g where the library takes
-    h (g w), each product rounded once. Keeps those rows (the gate's own input), not h, and where
-    nothing reads the output makes no h at all: the gate's forward pass is left out too."""
+    h (g w), each product rounded once; that pass and the rows' gather (expert_bias.rows_and_bias_dots)
+    sum the two biases' gradients as they go. Keeps those rows (the gate's own input), not h, and
+    where nothing reads the output makes no h at all: the gate's forward pass is left out too."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,

@@ -4,8 +4,11 @@ Triton row copy, gather_rows.py's, at several launch shapes), and each expert's 
 gradients, megatrain.expert_bias.expert_sums: the engine's Triton kernel at its launch shape and
 others against torch's segment sum over the bf16 rows, which adds in bf16, and over float32 rows,
 the engine's route where the kernel does not run); and GPT-OSS's clamped gate with the up
-projection's bias inside (expert_bias's forward and backward kernels, elementwise over the rows:
-each launch shape's result against the engine's, to the bit).
+projection's bias inside (expert_bias's forward kernel, and its backward kernel with the bias's
+gradient summed in the pass, beside the same kernel followed by expert_sums) and the backward's rows
+gathered with their bias dots and the down bias's gradient (`rows_and_bias_dots`), at several launch
+shapes: each one's rows against the engine's launch shape's, to the bit, its float32 sums by the
+largest error against the largest.
 
 The rows are a layer's picks at `--tokens` tokens routed top-k among the preset's experts at random,
 in expert order; the sums at each of the two widths the biases have (the up projection's 2 x expert
