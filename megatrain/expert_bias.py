@@ -44,8 +44,8 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 BLOCK_R, BLOCK_C = 16, 64  # rows (tokens) and output columns a program (the gate's input: 2 x BLOCK_C columns)
-# the gate's backward and the backward's rows: rows a chunk, rows a step, columns a program, warps (expert_rows.py:
-# GPT-OSS-20B's, 1.69-1.77 and 0.61-0.76 ms with their biases' sums, against 2.13-2.15 and 0.76 with a pass of their own)
+# the gate's backward and the backward's rows: rows a chunk, rows a step, columns a program, warps (expert_rows.py,
+# GPT-OSS-20B's: the gate's 1.69-1.77 ms with its bias's sums, 2.09-2.15 with a pass of their own; the rows' 0.61-0.76)
 BACKWARD = 512, 8, 64, 4
 ROWS_DOTS = 512, 16, 128, 4
 SUM_R, SUM_C = 128, 64  # the experts' sums: rows a step, columns a program (experiments/probes/expert_rows.py)
