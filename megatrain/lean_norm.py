@@ -18,10 +18,13 @@ arithmetic stays in float32 and sums run in another order, so it agrees with the
 to rounding, not bit for bit. `auto`, the default, compiles them on a GPU, where they are faster,
 and keeps the library's ops on the CPU, where the engine is held exact against the library.
 
-Over CHUNK tokens both run a chunk of tokens at a time: the float32 temporaries of a norm (and of
+Over CHUNK rows both run a chunk of rows at a time: the float32 temporaries of a norm (and of
 its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
-a layer's backward) are then a chunk's. Rows are independent, so the output and the input
-gradient are unchanged; the weight's gradient sums the chunks in float32.
+a layer's backward) are then a chunk's. Rows narrower than NARROW (Qwen3's head norms: 128 wide,
+32 and 4 to a token) go in chunks of as many elements as CHUNK rows of NARROW: in chunks of CHUNK
+rows, a Qwen3 layer's head norms at 8 x 4096 tokens were 18 chunks each way, each a small kernel
+and a copy into the output. Rows are independent, so the output and the input gradient are
+unchanged; the weight's gradient sums the chunks in float32.
 """
 from __future__ import annotations
 
@@ -30,7 +33,11 @@ from torch import nn
 
 from megatrain import kernel_build
 
-CHUNK = 65536  # tokens
+CHUNK, NARROW = 65536, 2048  # rows a chunk, of NARROW elements or more; narrower rows: CHUNK x NARROW elements
+
+
+def _chunk_rows(width: int) -> int:
+    return CHUNK * max(1, NARROW // width)
 
 
 def _width_of_the_kernel(x: torch.Tensor) -> None:
@@ -97,11 +104,12 @@ class _LeanRMSNorm(torch.autograd.Function):
         ctx.eps, ctx.scale, ctx.compiled = eps, scale, compiled
         norm = _compiled_forward if compiled else _rms_norm
         rows = x.reshape(-1, x.shape[-1])  # one rank whatever the caller's (a kernel is built per rank)
-        if rows.shape[0] <= CHUNK:
+        chunk = _chunk_rows(rows.shape[1])
+        if rows.shape[0] <= chunk:
             return norm(rows, weight, eps, scale).view(x.shape)
         out = torch.empty_like(rows)
-        for lo in range(0, rows.shape[0], CHUNK):
-            out[lo: lo + CHUNK] = norm(rows[lo: lo + CHUNK], weight, eps, scale)
+        for lo in range(0, rows.shape[0], chunk):
+            out[lo: lo + chunk] = norm(rows[lo: lo + chunk], weight, eps, scale)
         return out.view(x.shape)
 
     @staticmethod
@@ -109,14 +117,15 @@ class _LeanRMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grads = _compiled_backward if ctx.compiled else _grads
         rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        if rows.shape[0] <= CHUNK:
+        chunk = _chunk_rows(rows.shape[1])
+        if rows.shape[0] <= chunk:
             dx, dw = grads(rows, weight, ctx.eps, ctx.scale, drows)
             return dx.view(x.shape), dw.to(weight.dtype), None, None, None
         dx = torch.empty_like(rows)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for lo in range(0, rows.shape[0], CHUNK):
-            dx[lo: lo + CHUNK], dw_chunk = grads(rows[lo: lo + CHUNK], weight, ctx.eps, ctx.scale,
-                                                 drows[lo: lo + CHUNK])
+        for lo in range(0, rows.shape[0], chunk):
+            dx[lo: lo + chunk], dw_chunk = grads(rows[lo: lo + chunk], weight, ctx.eps, ctx.scale,
+                                                 drows[lo: lo + chunk])
             dw += dw_chunk
         return dx.view(x.shape), dw.to(weight.dtype), None, None, None
 

@@ -52,6 +52,7 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     from megatrain.shapes import FAMILIES, modeling
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+        monkeypatch.setattr(lean_norm, "NARROW", 1)  # chunks of rows, whatever their width
     cls = getattr(modeling(family), f"{FAMILIES[family]}RMSNorm")
     scale = "one_plus" if family.startswith("gemma") else "input"  # Gemma's (1 + weight) in float32
     (y, dx, dw), (lean_y, lean_dx, lean_dw) = library_and_lean(cls, dtype, scale=scale)
@@ -60,16 +61,33 @@ def test_lean_norm_is_the_library_norm(monkeypatch, family, dtype, chunk):
     torch.testing.assert_close(lean_dw, dw, rtol=tol, atol=tol)
 
 
-def library_and_lean(cls, dtype, **lean):
-    """A library RMSNorm and its copy made lean (`lean`: make_lean's options), each run forward and
-    backward on the same input and output gradient: their (output, input gradient, weight gradient)."""
+@pytest.mark.parametrize("width,calls", [(16, 2), (64, 8)])
+def test_lean_norm_takes_narrow_rows_in_larger_chunks(monkeypatch, width, calls):
+    """Rows narrower than NARROW (Qwen3's head norms) go in chunks of as many elements as CHUNK rows
+    of NARROW: 30 rows of 16 in one chunk of up to 32 (8 rows of 64) each way (the forward, and the
+    backward's forward run again), 30 of 64 in four of 8; the output and the input gradient the
+    library's to the bit either way."""
     import megatrain.lean_norm as lean_norm
-    norms = cls(64, eps=1e-6).to(dtype), cls(64, eps=1e-6).to(dtype)
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    monkeypatch.setattr(lean_norm, "CHUNK", 8)
+    monkeypatch.setattr(lean_norm, "NARROW", 64)
+    ran = []
+    monkeypatch.setattr(lean_norm, "_rms_norm", lambda *a, norm=lean_norm._rms_norm: ran.append(1) or norm(*a))
+    (y, dx, _), (lean_y, lean_dx, _) = library_and_lean(Qwen3RMSNorm, torch.float32, width=width)
+    assert len(ran) == calls and torch.equal(y, lean_y) and torch.equal(dx, lean_dx)
+
+
+def library_and_lean(cls, dtype, width=64, **lean):
+    """A library RMSNorm of `width` and its copy made lean (`lean`: make_lean's options), each run
+    forward and backward on the same input and output gradient: their (output, input gradient,
+    weight gradient)."""
+    import megatrain.lean_norm as lean_norm
+    norms = cls(width, eps=1e-6).to(dtype), cls(width, eps=1e-6).to(dtype)
     with torch.no_grad():
         norms[0].weight.normal_(1.0, 0.3)
         norms[1].weight.copy_(norms[0].weight)
     lean_norm.make_lean(norms[1], **lean)
-    x = torch.randn(3, 10, 64, dtype=dtype)
+    x = torch.randn(3, 10, width, dtype=dtype)
     dy = torch.randn_like(x)
     out = []
     for norm in norms:
@@ -93,6 +111,7 @@ def test_compiled_norm_is_the_library_norm_to_rounding(monkeypatch, scale, dtype
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     if chunk:
         monkeypatch.setattr(lean_norm, "CHUNK", chunk)
+        monkeypatch.setattr(lean_norm, "NARROW", 1)  # chunks of rows, whatever their width
     cls = {"input": Qwen2RMSNorm, "float32": GptOssRMSNorm, "one_plus": Gemma2RMSNorm}[scale]
     library, fused = library_and_lean(cls, dtype, scale=scale, compiled=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
