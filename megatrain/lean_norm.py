@@ -22,7 +22,7 @@ Over CHUNK rows both run a chunk of rows at a time: the float32 temporaries of a
 its backward, about eight hidden-size tensors: 28 GiB at 512K tokens of the 7B shape, the peak of
 a layer's backward) are then a chunk's. Rows narrower than NARROW (Qwen3's head norms: 128 wide,
 32 and 4 to a token) go in chunks of as many elements as CHUNK rows of NARROW: in chunks of CHUNK
-rows, a Qwen3 layer's head norms at 8 x 4096 tokens were 18 chunks each way, each a small kernel
+rows, a Qwen3 layer's head norms at 8 x 4096 tokens were 16 and 2 chunks each way, each a small kernel
 and a copy into the output. Rows are independent, so the output and the input gradient are
 unchanged; the weight's gradient sums the chunks in float32.
 """
